@@ -1,0 +1,25 @@
+"""Pretrain a GPT-2 / OPT / LLaMA-style model.
+
+    python train.py --config configs/quickstart.yaml
+    torchrun --nproc-per-node 2 train.py --config configs/shakespeare.yaml --train.steps 500
+    python train.py --config configs/quickstart.yaml --resume latest
+
+Every config key can be overridden as --section.key value; --help lists them all.
+"""
+
+import sys
+
+from trainer.config import ConfigError, parse_args
+from trainer.loop import train
+
+
+def main(argv: list[str]) -> None:
+    try:
+        cfg = parse_args(argv)
+    except ConfigError as e:
+        sys.exit(f"train.py: config error: {e}")
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

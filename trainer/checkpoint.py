@@ -1,0 +1,186 @@
+"""Training checkpoints: safetensors for tensors, JSON for everything else, written atomically.
+
+Layout of ``<out_dir>/checkpoints``::
+
+    step_00000100/
+        model.safetensors       parameters and persistent buffers, by our module names
+        optimizer.safetensors   per-parameter optimizer state, "<param>.<state>"
+        state.json              step, data position, config, optimizer hyper-parameters
+        rng_rank00000.json      each rank's RNG state
+    latest                      the name of the newest complete checkpoint
+
+A checkpoint is assembled in a hidden temporary directory and renamed into place only
+when every rank has written its part, and ``latest`` is replaced atomically afterwards, so
+an interrupted save never leaves a half-written checkpoint under a real name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from trainer.distributed import barrier
+
+LATEST = "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read or does not fit the run; the message says why."""
+
+
+def _write_json(path: Path, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _replace_file(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters (each shared one once, under its first name) and persistent buffers."""
+    tensors = {name: p.detach() for name, p in model.named_parameters()}
+    persistent = {name for name, _ in model.state_dict(keep_vars=True).items()}
+    tensors.update({name: b.detach() for name, b in model.named_buffers() if name in persistent})
+    return {name: t.contiguous().cpu() for name, t in tensors.items()}
+
+
+def optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    names = {p: name for name, p in model.named_parameters()}
+    out = {}
+    for p, state in optimizer.state.items():
+        for key, value in state.items():
+            out[f"{names[p]}.{key}"] = value.detach().contiguous().cpu()
+    return out
+
+
+def save_checkpoint(
+    ckpt_root: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: dict,
+    rank: int = 0,
+) -> Path:
+    """Write checkpoint `step` collectively (every rank calls this); returns its directory."""
+    root = Path(ckpt_root)
+    name = f"step_{step:08d}"
+    final = root / name
+    tmp = root / f".tmp-{name}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left over from an interrupted save
+        tmp.mkdir()
+    barrier()
+    _write_json(tmp / f"rng_rank{rank:05d}.json", _rng_state())
+    if rank == 0:
+        save_file(model_tensors(model), str(tmp / "model.safetensors"))
+        save_file(optimizer_tensors(model, optimizer), str(tmp / "optimizer.safetensors"))
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        _write_json(tmp / "state.json", {**state, "step": step, "optimizer_param_groups": hyper})
+    barrier()
+    if rank == 0:
+        old = root / f".old-{name}"
+        if final.exists():  # saving the same step again (e.g. after a resume): swap, then drop
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+        _replace_file(root / LATEST, name + "\n")
+    barrier()
+    return final
+
+
+def resolve_checkpoint(resume: str, out_dir: str | Path) -> Path:
+    """`resume` is a checkpoint directory, or "latest" for the newest one under out_dir."""
+    if resume == LATEST:
+        pointer = Path(out_dir) / "checkpoints" / LATEST
+        if not pointer.is_file():
+            raise CheckpointError(f"resume=latest: no checkpoint pointer at {pointer}")
+        path = pointer.parent / pointer.read_text().strip()
+    else:
+        path = Path(resume)
+        if (path / LATEST).is_file():  # the checkpoints root itself
+            path = path / (path / LATEST).read_text().strip()
+    if not (path / "state.json").is_file():
+        raise CheckpointError(f"resume: {path} is not a checkpoint directory (no state.json)")
+    return path
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file missing: {path}")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint file {path} cannot be read (truncated or corrupt?): {e}") from None
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int = 0) -> dict:
+    """Restore model, optimizer and this rank's RNG from `path`; returns the state.json dict."""
+    state = json.loads((path / "state.json").read_text())
+
+    weights = _load_safetensors(path / "model.safetensors")
+    expected = model_tensors(model)
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path / 'model.safetensors'} does not match the model: "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+        )
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            target = params.get(name, buffers.get(name))
+            if target.shape != tensor.shape:
+                raise CheckpointError(
+                    f"{path / 'model.safetensors'}: tensor {name} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+
+    by_param: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in _load_safetensors(path / "optimizer.safetensors").items():
+        name, state_key = key.rsplit(".", 1)
+        if name not in params:
+            raise CheckpointError(f"{path / 'optimizer.safetensors'}: state {key} names no parameter of the model")
+        by_param.setdefault(name, {})[state_key] = tensor
+    for name, entries in by_param.items():
+        optimizer.state[params[name]] = {k: v.to(params[name].device) for k, v in entries.items()}
+    for group, saved in zip(optimizer.param_groups, state["optimizer_param_groups"]):
+        group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
+
+    rng_file = path / f"rng_rank{rank:05d}.json"
+    if not rng_file.is_file():  # resumed on more ranks than were saved
+        rng_file = path / "rng_rank00000.json"
+    _set_rng_state(json.loads(rng_file.read_text()))
+    return state

@@ -1,0 +1,237 @@
+"""The pretraining loop: model, data, optimizer, schedule, eval, logging and checkpoints.
+
+Data parallelism here is plain PyTorch DDP: the reference baseline that the sharded
+runtime in zeropp/ is measured against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import resource
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from data.datasets import ResumableBatchSampler
+from models.config import ModelConfig, flops_per_token
+from models.transformer import Transformer, lm_loss
+from trainer.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from trainer.config import Config, ConfigError, to_dict
+from trainer.distributed import DistEnv, all_reduce_mean, init_distributed
+from trainer.metrics import MetricsLogger
+from trainer.optim import build_optimizer, lr_at
+from trainer.pretrain_data import PretrainData, prepare_pretraining
+
+
+@dataclass
+class TrainResult:
+    losses: dict[int, float] = field(default_factory=dict)  # step -> training loss
+    val_loss: float = float("nan")
+    checkpoint: Path | None = None
+
+
+def build_model_config(cfg: Config, vocab_size: int) -> ModelConfig:
+    m = cfg.model
+    overrides = {
+        k: getattr(m, k)
+        for k in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "max_seq_len")
+        if getattr(m, k) is not None
+    }
+    multiple = m.make_vocab_size_divisible_by
+    overrides["vocab_size"] = -(-vocab_size // multiple) * multiple
+    model_cfg = ModelConfig.from_preset(m.preset, **overrides)
+    if cfg.data.seq_len > model_cfg.max_seq_len:
+        raise ConfigError(
+            f"data.seq_len {cfg.data.seq_len} exceeds the model's max_seq_len {model_cfg.max_seq_len} "
+            f"(preset {m.preset!r}); lower data.seq_len or set model.max_seq_len"
+        )
+    return model_cfg
+
+
+def _check(cfg: Config) -> None:
+    t = cfg.train
+    for key, value in (("train.steps", t.steps), ("train.micro_batch_size", t.micro_batch_size),
+                       ("train.grad_accum", t.grad_accum), ("train.log_interval", t.log_interval),
+                       ("train.eval_interval", t.eval_interval), ("data.seq_len", cfg.data.seq_len)):
+        if value < 1:
+            raise ConfigError(f"{key} must be at least 1, got {value}")
+    if not 0.0 < cfg.data.valid_fraction < 1.0:
+        raise ConfigError(f"data.valid_fraction must be in (0, 1), got {cfg.data.valid_fraction}")
+
+
+def autocast_for(precision: str, device: torch.device):
+    """bf16 autocast on CUDA ("auto" or "bf16"); fp32 on CPU unless bf16 is asked for."""
+    use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    if use_bf16:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def _memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+class Trainer:
+    def __init__(self, cfg: Config, env: DistEnv | None = None):
+        _check(cfg)
+        self.cfg = cfg
+        self.env = env or init_distributed()
+        torch.manual_seed(cfg.train.seed)
+        self.data: PretrainData = prepare_pretraining(cfg.data, cfg.data.seq_len, cfg.train.seed, self.env.rank)
+        self.model_cfg = build_model_config(cfg, self.data.tokenizer.vocab_size)
+        torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank and world size
+        self.model = Transformer(self.model_cfg).to(self.env.device)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.ddp = (
+            DistributedDataParallel(self.model, device_ids=[self.env.device] if self.env.device.type == "cuda" else None)
+            if self.env.world_size > 1 else None
+        )
+        self.step = 0
+        self.consumed_samples = 0
+        self.ckpt_root = Path(cfg.train.out_dir) / "checkpoints"
+        if cfg.resume:
+            path = resolve_checkpoint(cfg.resume, cfg.train.out_dir)
+            state = load_checkpoint(path, self.model, self.optimizer, self.env.rank)
+            if state["model_config"] != dataclasses.asdict(self.model_cfg):
+                raise ConfigError(f"resume: checkpoint {path} was made for another model: {state['model_config']}")
+            self.step = state["step"]
+            self.consumed_samples = state["consumed_samples"]
+
+    @property
+    def global_batch(self) -> int:
+        t = self.cfg.train
+        return t.micro_batch_size * t.grad_accum * self.env.world_size
+
+    def _batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        samples = torch.stack([self.data.dataset[i] for i in indices]).to(self.env.device)
+        return samples[:, :-1], samples[:, 1:]
+
+    def train_step(self, batches) -> tuple[float, float]:
+        """One optimizer step over `grad_accum` micro-batches; returns (loss, grad norm)."""
+        cfg = self.cfg
+        module = self.ddp or self.model
+        lr = lr_at(self.step, cfg.train.steps, cfg.optim)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        total = torch.zeros((), device=self.env.device)
+        for micro in range(cfg.train.grad_accum):
+            tokens, labels = self._batch(next(batches))
+            last = micro == cfg.train.grad_accum - 1
+            sync = nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
+            with sync:
+                with autocast_for(cfg.train.precision, self.env.device):
+                    logits = module(tokens)
+                loss = lm_loss(logits, labels)
+                (loss / cfg.train.grad_accum).backward()
+            total += loss.detach()
+        max_norm = cfg.optim.clip_grad if cfg.optim.clip_grad > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.consumed_samples += self.global_batch
+        loss = all_reduce_mean(total / cfg.train.grad_accum)
+        return loss.item(), grad_norm.item()
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the first `eval_batches` micro-batches of the fixed validation split."""
+        cfg = self.cfg
+        self.model.eval()
+        per_rank = min(cfg.train.micro_batch_size, max(1, len(self.data.valid_indices) // self.env.world_size))
+        sampler = ResumableBatchSampler(
+            self.data.valid_indices, per_rank, self.env.rank, self.env.world_size, cfg.train.seed, shuffle=False
+        )
+        batches = iter(sampler)
+        n = min(cfg.train.eval_batches, max(1, len(self.data.valid_indices) // (per_rank * self.env.world_size)))
+        total = torch.zeros((), device=self.env.device)
+        for _ in range(n):
+            tokens, labels = self._batch(next(batches))
+            with autocast_for(cfg.train.precision, self.env.device):
+                logits = self.model(tokens)
+            total += lm_loss(logits, labels)
+        self.model.train()
+        return all_reduce_mean(total / n).item()
+
+    def save(self) -> Path:
+        state = {
+            "consumed_samples": self.consumed_samples,
+            "config": to_dict(self.cfg),
+            "model_config": dataclasses.asdict(self.model_cfg),
+            "world_size": self.env.world_size,
+        }
+        return save_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer, state, self.env.rank)
+
+    def run(self) -> TrainResult:
+        cfg, t = self.cfg, self.cfg.train
+        result = TrainResult()
+        log = MetricsLogger(t, self.env.is_main, start_step=self.step)
+        if self.env.is_main:
+            n_params = sum(p.numel() for p in self.model.parameters())
+            log.info(
+                f"model {cfg.model.preset}: {n_params / 1e6:.2f}M parameters | data {self.data.source}: "
+                f"{len(self.data.train_indices)} train / {len(self.data.valid_indices)} valid samples of "
+                f"{cfg.data.seq_len} tokens | world size {self.env.world_size} | global batch {self.global_batch}"
+            )
+        sampler = ResumableBatchSampler(
+            self.data.train_indices, t.micro_batch_size, self.env.rank, self.env.world_size, t.seed,
+            consumed_samples=self.consumed_samples,
+        )
+        batches = iter(sampler)
+        tokens_per_step = self.global_batch * cfg.data.seq_len
+        flops_per_step = flops_per_token(self.model_cfg, cfg.data.seq_len) * tokens_per_step
+        self.model.train()
+        window_start, window_steps = time.perf_counter(), 0
+        while self.step < t.steps:
+            loss, grad_norm = self.train_step(batches)
+            result.losses[self.step] = loss
+            window_steps += 1
+            log.advance()
+            if self.step % t.log_interval == 0 or self.step == t.steps:
+                elapsed = (time.perf_counter() - window_start) / window_steps
+                tflops = flops_per_step / elapsed / 1e12 / self.env.world_size
+                log.scalars(self.step, {
+                    "lm loss": loss,
+                    "learning rate": lr_at(self.step - 1, t.steps, cfg.optim),
+                    "grad norm": grad_norm,
+                    "consumed samples": self.consumed_samples,
+                    "elapsed time per iteration (ms)": elapsed * 1e3,
+                    "tokens/s": tokens_per_step / elapsed,
+                    "TFLOP/s per rank": tflops,
+                    "MFU %": 100 * tflops / t.peak_tflops,
+                    "memory (MB)": _memory_mb(self.env.device),
+                }, total_steps=t.steps)
+                window_start, window_steps = time.perf_counter(), 0
+            if self.step % t.eval_interval == 0 or self.step == t.steps:
+                result.val_loss = self.evaluate()
+                log.scalars(self.step, {"validation loss": result.val_loss,
+                                        "validation perplexity": math.exp(min(result.val_loss, 50))},
+                            total_steps=t.steps)
+                window_start, window_steps = time.perf_counter(), 0
+            if t.checkpoint_interval and self.step % t.checkpoint_interval == 0 and self.step != t.steps:
+                path = self.save()
+                log.info(f"saved checkpoint {path}")
+        result.checkpoint = self.save()
+        log.close()
+        if math.isnan(result.val_loss):  # resumed at the end: nothing was trained or evaluated
+            result.val_loss = self.evaluate()
+        return result
+
+
+def train(cfg: Config) -> TrainResult:
+    trainer = Trainer(cfg)
+    result = trainer.run()
+    if trainer.env.is_main:
+        print(f"validation loss {result.val_loss:.4f} | perplexity {math.exp(min(result.val_loss, 50)):.2f}")
+        print(f"checkpoint: {result.checkpoint}")
+    if dist.is_initialized():
+        dist.barrier()
+    return result

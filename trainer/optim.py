@@ -1,0 +1,48 @@
+"""AdamW with the usual decay/no-decay split, and the warmup + decay learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from trainer.config import OptimSection
+
+
+def param_groups(named_params, weight_decay: float) -> list[dict]:
+    """Matrices (embeddings, linear weights) are decayed; biases and norm gains are not."""
+    decay, no_decay = [], []
+    for _, p in named_params:
+        if not p.requires_grad:
+            continue
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimSection) -> torch.optim.AdamW:
+    # Parameters shared by two modules (tied embeddings) appear once in named_parameters().
+    return torch.optim.AdamW(
+        param_groups(model.named_parameters(), cfg.weight_decay),
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        foreach=False,  # the same arithmetic on every backend keeps resumes bit-exact
+    )
+
+
+def lr_at(step: int, total_steps: int, cfg: OptimSection) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warmup, then decay to min_lr."""
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.decay == "constant":
+        return cfg.lr
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.decay == "linear":
+        factor = 1.0 - progress
+    else:
+        factor = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr + (cfg.lr - cfg.min_lr) * factor
