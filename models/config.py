@@ -1,0 +1,164 @@
+"""Model configuration: one dataclass describes GPT-2, OPT and LLaMA.
+
+The three families differ only in a handful of switches (norm type, activation,
+position scheme, biases, tying), so a single decoder implementation driven by
+`ModelConfig` covers all of them.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+ARCHS = ("gpt2", "opt", "llama")
+NORMS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu_tanh", "relu", "swiglu")
+POSITIONS = ("learned", "rope")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    arch: str  # "gpt2" | "opt" | "llama": selects the Hugging Face name mapping
+    vocab_size: int
+    n_layer: int
+    n_head: int
+    n_kv_head: int | None = None  # None -> n_head; fewer means grouped-query attention
+    d_model: int
+    d_ff: int
+    max_seq_len: int
+    norm: str  # "layernorm" | "rmsnorm"
+    norm_eps: float
+    activation: str  # "gelu_tanh" | "relu" | "swiglu"
+    positions: str  # "learned" | "rope"
+    position_offset: int = 0  # OPT reserves 2 rows at the start of its position table
+    rope_theta: float = 10000.0
+    tie_embeddings: bool
+    bias: bool  # biases on all linear layers (GPT-2/OPT yes, LLaMA no)
+    word_embed_proj_dim: int | None = None  # OPT: token embedding width when != d_model
+    pre_norm: bool = True  # False: post-LN blocks (OPT-350m)
+
+    def __post_init__(self):
+        # Normalise the "same as" defaults so that equal models compare equal.
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.word_embed_proj_dim == self.d_model:
+            self.word_embed_proj_dim = None
+        for name, allowed in (("arch", ARCHS), ("norm", NORMS), ("activation", ACTIVATIONS),
+                              ("positions", POSITIONS)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"ModelConfig.{name}={value!r} is not supported; expected one of {allowed}")
+        for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name}={value!r} must be a positive int")
+        if self.d_model % self.n_head:
+            raise ValueError(f"ModelConfig.d_model={self.d_model} must be divisible by n_head={self.n_head}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"ModelConfig.n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head}")
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got d_model/n_head={self.head_dim}")
+        if self.position_offset < 0:
+            raise ValueError(f"ModelConfig.position_offset={self.position_offset} must be >= 0")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def embed_dim(self) -> int:
+        """Width of the token embedding (and of the LM head input)."""
+        return self.word_embed_proj_dim or self.d_model
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "ModelConfig":
+        """A copy of PRESETS[name] with some fields replaced, e.g. max_seq_len=512."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = [key for key in overrides if key not in fields]
+        if unknown:
+            raise ValueError(f"unknown ModelConfig field(s) {unknown} for preset {name!r}; "
+                             f"valid fields: {', '.join(fields)}")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+
+def num_params(config: ModelConfig, include_embeddings: bool = True) -> int:
+    """Parameter count computed from the config alone (no need to build a 7B model).
+
+    include_embeddings=False drops the tables that are only looked up, never
+    multiplied: learned positions, and the token embedding when it is not tied
+    to the LM head. The LM head itself always counts, because it is a matmul;
+    this is the N of the 6N FLOPs estimate.
+    """
+    d, e, ff = config.d_model, config.embed_dim, config.d_ff
+    q_dim, kv_dim = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
+    norm = 2 * d if config.norm == "layernorm" else d
+
+    attn = d * q_dim + 2 * d * kv_dim + q_dim * d
+    mlp = (3 if config.activation == "swiglu" else 2) * d * ff
+    if config.bias:
+        attn += q_dim + 2 * kv_dim + d
+        mlp += (2 if config.activation == "swiglu" else 1) * ff + d
+    total = config.n_layer * (attn + mlp + 2 * norm)
+
+    total += norm if config.pre_norm else 0  # final norm
+    total += 2 * e * d if config.word_embed_proj_dim else 0  # OPT project_in / project_out
+    total += config.vocab_size * e  # LM head (== token embedding when tied)
+    if include_embeddings:
+        if not config.tie_embeddings:
+            total += config.vocab_size * e
+        if config.positions == "learned":
+            total += (config.max_seq_len + config.position_offset) * d
+    return total
+
+
+def flops_per_token(config: ModelConfig, seq_len: int) -> int:
+    """Training FLOPs (forward + backward) per token: 6N + 12 * n_layer * d_model * seq_len.
+
+    The standard Megatron / PaLM (appendix B) estimate: 6N for the weight
+    matmuls (2 forward + 4 backward per parameter) plus the attention score and
+    value matmuls, which grow with the context length. N is
+    num_params(include_embeddings=False). Causal masking is not discounted, so
+    this matches how MFU is usually reported.
+    """
+    return 6 * num_params(config, include_embeddings=False) + 12 * config.n_layer * config.d_model * seq_len
+
+
+def _gpt2(n_layer, n_head, d_model, **kw) -> ModelConfig:
+    base = dict(arch="gpt2", vocab_size=50257, n_layer=n_layer, n_head=n_head, d_model=d_model,
+                d_ff=4 * d_model, max_seq_len=1024, norm="layernorm", norm_eps=1e-5,
+                activation="gelu_tanh", positions="learned", tie_embeddings=True, bias=True)
+    return ModelConfig(**{**base, **kw})
+
+
+def _opt(n_layer, n_head, d_model, **kw) -> ModelConfig:
+    base = dict(arch="opt", vocab_size=50272, n_layer=n_layer, n_head=n_head, d_model=d_model,
+                d_ff=4 * d_model, max_seq_len=2048, norm="layernorm", norm_eps=1e-5, activation="relu",
+                positions="learned", position_offset=2, tie_embeddings=True, bias=True)
+    return ModelConfig(**{**base, **kw})
+
+
+def _llama(n_layer, n_head, d_model, d_ff, **kw) -> ModelConfig:
+    base = dict(arch="llama", vocab_size=32000, n_layer=n_layer, n_head=n_head, d_model=d_model,
+                d_ff=d_ff, max_seq_len=2048, norm="rmsnorm", norm_eps=1e-6, activation="swiglu",
+                positions="rope", tie_embeddings=False, bias=False)
+    return ModelConfig(**{**base, **kw})
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "gpt2": _gpt2(12, 12, 768),
+    "gpt2-medium": _gpt2(24, 16, 1024),
+    "gpt2-large": _gpt2(36, 20, 1280),
+    "gpt2-xl": _gpt2(48, 25, 1600),
+    "opt-125m": _opt(12, 12, 768),
+    "opt-350m": _opt(24, 16, 1024, word_embed_proj_dim=512, pre_norm=False),
+    "opt-1.3b": _opt(24, 32, 2048),
+    "opt-6.7b": _opt(32, 32, 4096),
+    "llama-7b": _llama(32, 32, 4096, 11008),
+    "llama-13b": _llama(40, 40, 5120, 13824),
+    "llama2-7b": _llama(32, 32, 4096, 11008, max_seq_len=4096, norm_eps=1e-5),
+    # Small models for tests and CPU quick starts; vocabularies match the real tokenizers.
+    "gpt2-tiny": _gpt2(2, 4, 64, max_seq_len=128),
+    "opt-tiny": _opt(2, 4, 64, max_seq_len=128),
+    "llama-tiny": _llama(2, 4, 64, 176, n_kv_head=2, max_seq_len=128),
+    "gpt2-small-cpu": _gpt2(6, 8, 256, max_seq_len=256),
+}

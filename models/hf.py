@@ -1,0 +1,432 @@
+"""Hugging Face checkpoint I/O: config.json <-> ModelConfig, HF tensor names <-> ours.
+
+Only safetensors files are read or written (no pickle). The state-dict mappings
+are plain functions so that a sharded runtime can reuse them shard by shard.
+"""
+
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from models.config import ModelConfig
+from models.transformer import Transformer
+
+SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "llama")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "added_tokens.json")
+
+# ---------------------------------------------------------------------------------------------
+# config.json <-> ModelConfig
+
+
+def _get(hf: dict, source: str, key: str):
+    if key not in hf:
+        raise ValueError(f"{source}: required key {key!r} is missing")
+    return hf[key]
+
+
+def _require(hf: dict, source: str, key: str, default, supported: tuple):
+    """Value of an HF switch we only implement for some settings."""
+    value = hf.get(key, default)
+    if value not in supported:
+        raise ValueError(f"{source}: {key}={value!r} is not supported; supported: {supported}")
+    return value
+
+
+_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+
+
+def _gpt2_from_hf(hf: dict, source: str) -> dict:
+    _require(hf, source, "scale_attn_weights", True, (True,))
+    _require(hf, source, "scale_attn_by_inverse_layer_idx", False, (False,))
+    _require(hf, source, "add_cross_attention", False, (False,))
+    act = _require(hf, source, "activation_function", "gelu_new", tuple(_ACTIVATIONS))
+    d_model = _get(hf, source, "n_embd")
+    return dict(n_layer=_get(hf, source, "n_layer"), n_head=_get(hf, source, "n_head"), d_model=d_model,
+                d_ff=hf.get("n_inner") or 4 * d_model, max_seq_len=_get(hf, source, "n_positions"),
+                norm="layernorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5), activation=_ACTIVATIONS[act],
+                positions="learned", tie_embeddings=hf.get("tie_word_embeddings", True), bias=True)
+
+
+def _opt_from_hf(hf: dict, source: str) -> dict:
+    _require(hf, source, "layer_norm_elementwise_affine", True, (True,))
+    _require(hf, source, "_remove_final_layer_norm", False, (False,))
+    act = _require(hf, source, "activation_function", "relu", tuple(_ACTIVATIONS))
+    return dict(n_layer=_get(hf, source, "num_hidden_layers"), n_head=_get(hf, source, "num_attention_heads"),
+                d_model=_get(hf, source, "hidden_size"), d_ff=_get(hf, source, "ffn_dim"),
+                max_seq_len=_get(hf, source, "max_position_embeddings"), norm="layernorm", norm_eps=1e-5,
+                activation=_ACTIVATIONS[act], positions="learned", position_offset=2,
+                tie_embeddings=hf.get("tie_word_embeddings", True), bias=hf.get("enable_bias", True),
+                word_embed_proj_dim=hf.get("word_embed_proj_dim"), pre_norm=hf.get("do_layer_norm_before", True))
+
+
+def _llama_from_hf(hf: dict, source: str) -> dict:
+    _require(hf, source, "hidden_act", "silu", ("silu",))
+    # transformers 5 writes rope_parameters; older config.json files have rope_theta + rope_scaling.
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"{source}: {rope_key} with rope_type={rope_type!r} is not supported; "
+                         f"only plain RoPE ('default', any rope_theta) is")
+    d_model, n_head = _get(hf, source, "hidden_size"), _get(hf, source, "num_attention_heads")
+    _require(hf, source, "head_dim", d_model // n_head, (None, d_model // n_head))
+    bias = hf.get("attention_bias", False)
+    _require(hf, source, "mlp_bias", bias, (bias,))  # one switch covers all our linear biases
+    return dict(n_layer=_get(hf, source, "num_hidden_layers"), n_head=n_head,
+                n_kv_head=hf.get("num_key_value_heads"), d_model=d_model,
+                d_ff=_get(hf, source, "intermediate_size"), max_seq_len=_get(hf, source, "max_position_embeddings"),
+                norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6), activation="swiglu", positions="rope",
+                rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+                tie_embeddings=hf.get("tie_word_embeddings", False), bias=bias)
+
+
+_FROM_HF = {"gpt2": _gpt2_from_hf, "opt": _opt_from_hf, "llama": _llama_from_hf}
+
+
+def config_from_hf(hf_config: dict, source: str) -> ModelConfig:
+    """ModelConfig from a parsed HF config.json; `source` (the file) is named in every error."""
+    model_type = hf_config.get("model_type")
+    if model_type not in _FROM_HF:
+        raise ValueError(f"{source}: model_type={model_type!r} is not supported; "
+                         f"supported model_type values: {SUPPORTED_MODEL_TYPES}")
+    fields = _FROM_HF[model_type](hf_config, source)
+    try:
+        return ModelConfig(arch=model_type, vocab_size=_get(hf_config, source, "vocab_size"), **fields)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from e
+
+
+def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
+    """config.json contents that transformers.AutoModelForCausalLM loads as the same model.
+
+    Raises ValueError when the config mixes features the HF class cannot express
+    (e.g. arch="gpt2" with RMSNorm): it is checked by converting back.
+    """
+    c = config
+    if c.arch == "gpt2":
+        hf = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": c.vocab_size,
+              "n_positions": c.max_seq_len, "n_embd": c.d_model, "n_layer": c.n_layer, "n_head": c.n_head,
+              "n_inner": c.d_ff, "activation_function": {"gelu_tanh": "gelu_new"}.get(c.activation, c.activation),
+              "layer_norm_epsilon": c.norm_eps, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    elif c.arch == "opt":
+        hf = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "vocab_size": c.vocab_size,
+              "hidden_size": c.d_model, "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head,
+              "ffn_dim": c.d_ff, "max_position_embeddings": c.max_seq_len, "word_embed_proj_dim": c.embed_dim,
+              "do_layer_norm_before": c.pre_norm, "enable_bias": c.bias, "dropout": 0.0,
+              "attention_dropout": 0.0,
+              "activation_function": {"gelu_tanh": "gelu_new"}.get(c.activation, c.activation)}
+    else:
+        hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
+              "hidden_size": c.d_model, "intermediate_size": c.d_ff, "num_hidden_layers": c.n_layer,
+              "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_head, "head_dim": c.head_dim,
+              "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps, "hidden_act": "silu",
+              "rope_theta": c.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+              "attention_bias": c.bias, "mlp_bias": c.bias}
+    hf["tie_word_embeddings"] = c.tie_embeddings
+    hf["dtype"] = str(dtype).removeprefix("torch.")
+    try:
+        back = config_from_hf(hf, "config_to_hf")
+    except ValueError as e:
+        raise ValueError(f"ModelConfig(arch={c.arch!r}) cannot be written as a Hugging Face config: {e}") from e
+    if back != c:
+        diff = {k: v for k, v in vars(c).items() if getattr(back, k) != v}
+        raise ValueError(f"ModelConfig(arch={c.arch!r}) cannot be written as a Hugging Face {c.arch} config: "
+                         f"fields {diff} are fixed differently for {c.arch} "
+                         f"(an HF {c.arch} model would have {({k: getattr(back, k) for k in diff})})")
+    return hf
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor names: ours <-> HF
+
+_PREFIX = {"gpt2": "transformer.", "opt": "model.decoder.", "llama": "model."}
+_LAYERS = {"gpt2": "h", "opt": "layers", "llama": "layers"}
+_TOP = {
+    "gpt2": {"embed.tokens": "wte", "embed.positions": "wpe", "norm": "ln_f"},
+    "opt": {"embed.tokens": "embed_tokens", "embed.positions": "embed_positions",
+            "embed.project_in": "project_in", "norm": "final_layer_norm", "project_out": "project_out"},
+    "llama": {"embed.tokens": "embed_tokens", "norm": "norm"},
+}
+_BLOCK = {
+    "gpt2": {"attn_norm": "ln_1", "attn.o_proj": "attn.c_proj", "mlp_norm": "ln_2",
+             "mlp.up_proj": "mlp.c_fc", "mlp.down_proj": "mlp.c_proj"},  # q/k/v are fused into attn.c_attn
+    "opt": {"attn_norm": "self_attn_layer_norm", "attn.q_proj": "self_attn.q_proj",
+            "attn.k_proj": "self_attn.k_proj", "attn.v_proj": "self_attn.v_proj",
+            "attn.o_proj": "self_attn.out_proj", "mlp_norm": "final_layer_norm",
+            "mlp.up_proj": "fc1", "mlp.down_proj": "fc2"},
+    "llama": {"attn_norm": "input_layernorm", "attn.q_proj": "self_attn.q_proj",
+              "attn.k_proj": "self_attn.k_proj", "attn.v_proj": "self_attn.v_proj",
+              "attn.o_proj": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm",
+              "mlp.gate_proj": "mlp.gate_proj", "mlp.up_proj": "mlp.up_proj", "mlp.down_proj": "mlp.down_proj"},
+}
+_GPT2_QKV = re.compile(r"transformer\.h\.(\d+)\.attn\.c_attn\.(weight|bias)")
+
+
+def _to_hf_name(name: str, arch: str) -> str:
+    module, leaf = name.rsplit(".", 1)
+    if module == "head":
+        return f"lm_head.{leaf}"
+    block = re.fullmatch(r"blocks\.(\d+)\.(.+)", module)
+    if block:
+        return f"{_PREFIX[arch]}{_LAYERS[arch]}.{block[1]}.{_BLOCK[arch][block[2]]}.{leaf}"
+    return f"{_PREFIX[arch]}{_TOP[arch][module]}.{leaf}"
+
+
+def _from_hf_name(hf_name: str, arch: str) -> str | None:
+    """Our name for an HF tensor name, or None when it is not part of the model."""
+    module, leaf = hf_name.rsplit(".", 1)
+    if module == "lm_head":
+        return f"head.{leaf}"
+    if not module.startswith(_PREFIX[arch]):
+        return None
+    module = module[len(_PREFIX[arch]):]
+    block = re.fullmatch(rf"{_LAYERS[arch]}\.(\d+)\.(.+)", module)
+    names = {hf: ours for ours, hf in (_BLOCK if block else _TOP)[arch].items()}
+    ours = names.get(block[2] if block else module)
+    if ours is None:
+        return None
+    return f"blocks.{block[1]}.{ours}.{leaf}" if block else f"{ours}.{leaf}"
+
+
+def _is_conv1d(name: str, tensor: torch.Tensor, arch: str) -> bool:
+    """GPT-2 stores its block matmul weights as Conv1D, i.e. transposed to [in, out]."""
+    return arch == "gpt2" and name.startswith("blocks.") and tensor.dim() == 2
+
+
+def to_hf_state_dict(model_state: dict, config: ModelConfig) -> dict:
+    """Our state dict -> HF names and layouts. Transposes are views; call .contiguous() to save.
+
+    Tied LM heads are left out, as HF stores them once (as the token embedding).
+    """
+    arch, out = config.arch, {}
+    for name, tensor in model_state.items():
+        if name == "head.weight" and config.tie_embeddings:
+            continue
+        if arch == "gpt2" and re.fullmatch(r"blocks\.\d+\.attn\.[qkv]_proj\.(weight|bias)", name):
+            continue  # fused below
+        out[_to_hf_name(name, arch)] = tensor.t() if _is_conv1d(name, tensor, arch) else tensor
+    if arch == "gpt2":
+        for i in range(config.n_layer):
+            for leaf in ("weight", "bias"):
+                parts = [model_state.get(f"blocks.{i}.attn.{p}_proj.{leaf}") for p in "qkv"]
+                if parts[0] is not None:
+                    fused = torch.cat(parts)
+                    out[f"transformer.h.{i}.attn.c_attn.{leaf}"] = fused.t() if leaf == "weight" else fused
+    return out
+
+
+def from_hf_state_dict(hf_state: dict, config: ModelConfig) -> dict:
+    """HF names and layouts -> our state dict (the inverse of to_hf_state_dict).
+
+    Expects canonical HF names (as transformers' *ForCausalLM saves them). A tied
+    head gets the token embedding tensor under both of our names.
+    """
+    arch, out, unknown = config.arch, {}, []
+    for hf_name, tensor in hf_state.items():
+        qkv = _GPT2_QKV.fullmatch(hf_name) if arch == "gpt2" else None
+        if qkv:
+            i, leaf = qkv.groups()
+            rows = tensor.t() if leaf == "weight" else tensor  # [3 * d_model, d_model] or [3 * d_model]
+            for p, part in zip("qkv", rows.split(config.d_model)):
+                out[f"blocks.{i}.attn.{p}_proj.{leaf}"] = part
+            continue
+        name = _from_hf_name(hf_name, arch)
+        if name is None:
+            unknown.append(hf_name)
+            continue
+        out[name] = tensor.t() if _is_conv1d(name, tensor, arch) else tensor
+    if unknown:
+        raise ValueError(f"tensors {_preview(unknown)} have no counterpart in a {arch} model")
+    if config.tie_embeddings and "embed.tokens.weight" in out:
+        out["head.weight"] = out["embed.tokens.weight"]
+    return out
+
+
+def _canonical_hf_name(name: str, config: ModelConfig) -> str | None:
+    """Name as *ForCausalLM saves it, or None for tensors HF itself ignores on load.
+
+    Checkpoints saved from the base model (the original gpt2 / opt repos) lack
+    the `transformer.` / `model.` prefix; old ones carry non-persistent buffers.
+    """
+    base = {"gpt2": "transformer.", "opt": "model.", "llama": "model."}[config.arch]
+    if not name.startswith((base, "lm_head.")):
+        name = base + name
+    if name == "lm_head.weight" and config.tie_embeddings:
+        return None
+    if re.fullmatch(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)|model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",
+                    name):
+        return None
+    return name
+
+
+def _preview(names: list, limit: int = 8) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return f"[{shown}{f', ... ({len(names) - limit} more)' if len(names) > limit else ''}]"
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}: invalid JSON ({e})") from e
+
+
+def _weight_files(path: Path) -> tuple[list[Path], dict | None]:
+    """The safetensors files of a checkpoint dir, and the index weight_map when sharded."""
+    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
+    if single.is_file():
+        return [single], None
+    if index.is_file():
+        weight_map = _get(_read_json(index), str(index), "weight_map")
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"{index} lists shard {file.name}, which does not exist in {path}")
+        return files, weight_map
+    hint = ""
+    if any((path / name).exists() for name in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        hint = " (found pytorch_model.bin: pickle checkpoints are not loaded, convert them to safetensors)"
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}{hint}")
+
+
+def _read_safetensors(file: Path) -> dict:
+    try:
+        with safe_open(file, framework="pt") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except SafetensorError as e:
+        raise ValueError(f"{file}: cannot read safetensors file, it may be truncated or corrupt ({e})") from e
+
+
+def load_hf_checkpoint(path, dtype: torch.dtype = torch.float32) -> Transformer:
+    """Build a Transformer from a Hugging Face model dir (config.json + safetensors, sharded or not)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{config_file} not found; expected a Hugging Face model directory")
+    config = config_from_hf(_read_json(config_file), str(config_file))
+
+    files, weight_map = _weight_files(path)
+    hf_state, origin = {}, {}
+    for file in files:
+        for raw_name, tensor in _read_safetensors(file).items():
+            name = _canonical_hf_name(raw_name, config)
+            if name is None:
+                continue
+            if name in hf_state:
+                raise ValueError(f"tensor {raw_name!r} appears in both {origin[name]} and {file}")
+            if weight_map is not None and weight_map.get(raw_name) != file.name:
+                raise ValueError(f"{file}: holds tensor {raw_name!r}, but {path / 'model.safetensors.index.json'} "
+                                 f"maps it to {weight_map.get(raw_name)!r}")
+            hf_state[name], origin[name] = tensor, file
+
+    # Check names and shapes in HF terms, against what this config.json implies.
+    with torch.device("meta"):
+        model = Transformer(config)
+    expected = to_hf_state_dict(model.state_dict(), config)
+    missing = [n for n in expected if n not in hf_state]
+    if missing:
+        raise ValueError(f"{path}: missing tensors {_preview(missing)} required by {config_file}")
+    unexpected = [f"{n} (in {origin[n].name})" for n in hf_state if n not in expected]
+    if unexpected:
+        raise ValueError(f"{path}: unexpected tensors {_preview(unexpected)} for the model in {config_file}")
+    for name, want in expected.items():
+        if hf_state[name].shape != want.shape:
+            raise ValueError(f"{origin[name]}: tensor {name!r} has shape {tuple(hf_state[name].shape)}, "
+                             f"expected {tuple(want.shape)} from {config_file}")
+
+    state = from_hf_state_dict({n: t.to(dtype) for n, t in hf_state.items()}, config)
+    model.load_state_dict({n: t.contiguous() for n, t in state.items()}, assign=True)
+    if config.tie_embeddings:  # assign=True replaced the shared Parameter by two
+        model.head.weight = model.embed.tokens.weight
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving
+
+
+def _plan_shards(hf_state: dict, max_shard_size: int | None) -> list[list[str]]:
+    """Greedy split of tensor names into shards of at most max_shard_size bytes (a bigger tensor goes alone)."""
+    if max_shard_size is None:
+        return [list(hf_state)]
+    if max_shard_size <= 0:
+        raise ValueError(f"max_shard_size={max_shard_size} must be a positive number of bytes")
+    shards, size = [[]], 0
+    for name, tensor in hf_state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _write_weights(hf_state: dict, directory: Path, max_shard_size: int | None):
+    shards = _plan_shards(hf_state, max_shard_size)
+    weight_map, total = {}, 0
+    for i, names in enumerate(shards, start=1):
+        file = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {n: hf_state[n].detach().cpu().contiguous() for n in names}  # one shard in CPU memory at a time
+        save_file(tensors, directory / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, file))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _copy_tokenizer(tokenizer_dir: Path, directory: Path):
+    found = [tokenizer_dir / name for name in TOKENIZER_FILES if (tokenizer_dir / name).is_file()]
+    if not found:
+        raise FileNotFoundError(f"no tokenizer files in {tokenizer_dir}; looked for {TOKENIZER_FILES}")
+    for file in found:
+        shutil.copy2(file, directory / file.name)
+
+
+def save_hf_checkpoint(model: Transformer, path, max_shard_size: int | None = None, tokenizer_dir=None):
+    """Write `model` as a Hugging Face dir (config.json + safetensors) that transformers loads.
+
+    The dir is written beside `path` and renamed into place, so a reader (or a
+    crash) never sees a half-written checkpoint; an existing `path` is replaced.
+    max_shard_size (bytes) splits the weights into shards with an index file.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"{path} exists and is not a directory")
+    config = model.config
+    hf_config = config_to_hf(config, next(model.parameters()).dtype)  # fails before anything is written
+    hf_state = to_hf_state_dict(model.state_dict(), config)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        _write_weights(hf_state, tmp, max_shard_size)
+        if tokenizer_dir is not None:
+            _copy_tokenizer(Path(tokenizer_dir), tmp)
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(path, old)
+            os.rename(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

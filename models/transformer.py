@@ -1,0 +1,261 @@
+"""A decoder-only Transformer that is GPT-2, OPT or LLaMA depending on its ModelConfig.
+
+Top-level units are `embed`, `blocks[i]`, `norm`, `project_out` and `head`, so
+that a sharding runtime can wrap them from outside by name.
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.config import ModelConfig
+
+INIT_STD = 0.02
+
+
+class KVCache:
+    """Keys and values of every token seen so far, one (k, v) pair per layer.
+
+    Grows by concatenation: simple, and fast enough for sampling during training.
+    """
+
+    def __init__(self, n_layer: int):
+        self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n_layer
+
+    @property
+    def seq_len(self) -> int:
+        return 0 if self.layers[0] is None else self.layers[0][0].shape[2]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.layers[layer] is not None:
+            past_k, past_v = self.layers[layer]
+            k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        self.layers[layer] = (k, v)
+        return k, v
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back before the weight, exactly like HF LLaMA."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def make_norm(config: ModelConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return RMSNorm(config.d_model, config.norm_eps)
+    return nn.LayerNorm(config.d_model, eps=config.norm_eps)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float):
+    """fp32 cos/sin tables [B, T, head_dim] in the HF LLaMA (rotate_half) layout.
+
+    Recomputed each forward instead of cached in a buffer: it is tiny, and the
+    model then has no buffers to worry about when built on the meta device.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim))
+    freqs = position_ids[..., None].float() * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    """x: [B, H, T, head_dim]; cos/sin: [B, T, head_dim], cast to x's dtype like HF."""
+    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx  # which KVCache slot this layer owns
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        d, q_dim, kv_dim = config.d_model, config.n_head * config.head_dim, config.n_kv_head * config.head_dim
+        self.q_proj = nn.Linear(d, q_dim, bias=config.bias)
+        self.k_proj = nn.Linear(d, kv_dim, bias=config.bias)
+        self.v_proj = nn.Linear(d, kv_dim, bias=config.bias)
+        self.o_proj = nn.Linear(q_dim, d, bias=config.bias)
+
+    def forward(self, x, rope=None, mask=None, kv_cache=None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v)
+        # No mask means plain causal attention over this chunk (training, or a cache-less prefill).
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=self.n_kv_head != self.n_head)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.activation = config.activation
+        if config.activation == "swiglu":
+            self.gate_proj = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
+        self.up_proj = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
+        self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
+
+    def forward(self, x):
+        if self.activation == "swiglu":
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.activation == "relu":
+            return self.down_proj(F.relu(self.up_proj(x)))
+        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.pre_norm = config.pre_norm
+        self.attn_norm = make_norm(config)
+        self.attn = Attention(config, layer_idx)
+        self.mlp_norm = make_norm(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x, rope=None, mask=None, kv_cache=None):
+        if self.pre_norm:
+            x = x + self.attn(self.attn_norm(x), rope, mask, kv_cache)
+            return x + self.mlp(self.mlp_norm(x))
+        # Post-LN (OPT-350m): normalise after each residual add.
+        x = self.attn_norm(x + self.attn(x, rope, mask, kv_cache))
+        return self.mlp_norm(x + self.mlp(x))
+
+
+class Embedding(nn.Module):
+    """Token embedding, plus OPT's project_in and learned positions when the config has them."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.position_offset = config.position_offset
+        self.tokens = nn.Embedding(config.vocab_size, config.embed_dim)
+        self.project_in = None
+        if config.word_embed_proj_dim:
+            self.project_in = nn.Linear(config.embed_dim, config.d_model, bias=False)
+        self.positions = None
+        if config.positions == "learned":
+            self.positions = nn.Embedding(config.max_seq_len + config.position_offset, config.d_model)
+
+    def forward(self, tokens, position_ids):
+        x = self.tokens(tokens)
+        if self.project_in is not None:
+            x = self.project_in(x)
+        if self.positions is not None:
+            x = x + self.positions(position_ids + self.position_offset)
+        return x
+
+
+def default_position_ids(attention_mask, batch: int, seq_len: int, past_len: int, device) -> torch.Tensor:
+    """Positions of the current chunk, counting only real (mask == 1) tokens.
+
+    Same convention as HF generate: left padding does not shift the positions
+    of the real tokens, and padding slots get position 0.
+    """
+    if attention_mask is None:
+        return torch.arange(past_len, past_len + seq_len, device=device).expand(batch, seq_len)
+    position_ids = attention_mask.long().cumsum(-1) - 1
+    position_ids = position_ids.masked_fill(attention_mask == 0, 0)
+    return position_ids[:, past_len:]
+
+
+def attention_mask_4d(attention_mask, seq_len: int, past_len: int, device) -> torch.Tensor:
+    """Boolean [B or 1, 1, T, past+T] mask: causal, hiding padded keys.
+
+    A query always sees itself, so rows of padding tokens are never fully
+    masked (that would give NaNs that leak through the cache).
+    """
+    q_pos = torch.arange(past_len, past_len + seq_len, device=device)[:, None]
+    k_pos = torch.arange(past_len + seq_len, device=device)[None, :]
+    mask = (k_pos <= q_pos)[None, None]
+    if attention_mask is not None:
+        mask = mask & (attention_mask.bool()[:, None, None, :] | (k_pos == q_pos))
+    return mask
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed = Embedding(config)
+        self.blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
+        # OPT post-LN models have no final norm: every block already ends with one.
+        self.norm = make_norm(config) if config.pre_norm else nn.Identity()
+        self.project_out = None
+        if config.word_embed_proj_dim:
+            self.project_out = nn.Linear(config.d_model, config.embed_dim, bias=False)
+        self.head = nn.Linear(config.embed_dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.head.weight = self.embed.tokens.weight
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        """GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 n_layer)."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+            if isinstance(module, (nn.LayerNorm, RMSNorm)):
+                nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+        for block in self.blocks:
+            for proj in (block.attn.o_proj, block.mlp.down_proj):
+                nn.init.normal_(proj.weight, mean=0.0, std=INIT_STD / math.sqrt(2 * self.config.n_layer))
+
+    def forward(self, tokens, position_ids=None, attention_mask=None, kv_cache=None) -> torch.Tensor:
+        """tokens [B, T] -> float32 logits [B, T, V].
+
+        attention_mask: optional [B, past+T] 1/0 padding mask (left padding for
+        batched generation). kv_cache: a KVCache that is read and extended.
+        """
+        B, T = tokens.shape
+        past_len = kv_cache.seq_len if kv_cache is not None else 0
+        if attention_mask is not None and tuple(attention_mask.shape) != (B, past_len + T):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected "
+                             f"{(B, past_len + T)} (batch, cached + new tokens)")
+        if self.config.positions == "learned" and past_len + T > self.config.max_seq_len:
+            raise ValueError(f"sequence length {past_len + T} exceeds max_seq_len={self.config.max_seq_len}")
+        if position_ids is None:
+            position_ids = default_position_ids(attention_mask, B, T, past_len, tokens.device)
+
+        x = self.embed(tokens, position_ids)
+        rope = None
+        if self.config.positions == "rope":
+            rope = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
+        mask = None
+        if attention_mask is not None or past_len > 0:
+            mask = attention_mask_4d(attention_mask, T, past_len, tokens.device)
+        for block in self.blocks:
+            x = block(x, rope, mask, kv_cache)
+        x = self.norm(x)
+        if self.project_out is not None:
+            x = self.project_out(x)
+        return self.head(x).float()
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32 over labels != -100.
+
+    The caller shifts: tokens = sample[:, :-1], labels = sample[:, 1:].
+    """
+    return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=-100)
