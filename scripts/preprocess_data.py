@@ -1,0 +1,71 @@
+#!/usr/bin/env python
+"""Tokenize a text / JSON / JSONL(.gz) file into Megatron `.bin`/`.idx` files.
+
+    python scripts/preprocess_data.py --input corpus.jsonl --json-key text \\
+        --tokenizer path/to/tokenizer --output-prefix data/corpus --workers 8
+
+With `--train-sentencepiece VOCAB_SIZE` instead of `--tokenizer`, a SentencePiece model is
+first trained on the input and saved as `tokenizer.model` beside the output files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, like Megatron's tools/
+
+from data.indexed import tokenize_to_indexed  # noqa: E402
+from data.sources import iter_documents, require_file  # noqa: E402
+from data.tokenizer import load_tokenizer, train_sentencepiece  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", required=True,
+                        help="text file (documents separated by blank lines) or .json/.jsonl, optionally .gz")
+    parser.add_argument("--json-key", default="text", help="field holding the document text in JSON records")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--tokenizer", help="SentencePiece .model file, or a directory with tokenizer.json / tokenizer.model")
+    source.add_argument("--train-sentencepiece", type=int, metavar="VOCAB_SIZE",
+                        help="train a SentencePiece model on the input into OUTPUT_PREFIX's directory first")
+    parser.add_argument("--sp-model-type", choices=("bpe", "unigram"), default="bpe")
+    parser.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX.bin and OUTPUT_PREFIX.idx")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--no-append-eod", dest="append_eod", action="store_false",
+                        help="do not end each document with the EOS token")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    require_file(args.input, "input file")
+    output_dir = Path(args.output_prefix).parent
+    if args.train_sentencepiece:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        # SentencePiece reads plain text a line at a time: give it the documents, whatever the input format.
+        with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=output_dir, suffix=".txt") as text:
+            for document in iter_documents(args.input, args.json_key):
+                text.write(document + "\n")
+            text.flush()
+            tokenizer = train_sentencepiece([text.name], output_dir / "tokenizer", args.train_sentencepiece,
+                                            args.sp_model_type)
+        print(f"trained SentencePiece ({args.sp_model_type}, vocab {tokenizer.vocab_size}) -> {tokenizer.path} "
+              f"in {time.perf_counter() - start:.1f} s")
+    else:
+        tokenizer = load_tokenizer(args.tokenizer)
+    dataset = tokenize_to_indexed(args.input, tokenizer, args.output_prefix, json_key=args.json_key,
+                                  workers=args.workers, append_eod=args.append_eod)
+    print(f"{len(dataset)} documents, {dataset.num_tokens} tokens ({dataset.dtype}) -> "
+          f"{args.output_prefix}.bin/.idx in {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (OSError, ValueError, KeyError) as e:
+        sys.exit(f"error: {e}")
