@@ -142,9 +142,17 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"checkpoint file {path} cannot be read (truncated or corrupt?): {e}") from None
 
 
+def read_state(path: Path) -> dict:
+    """The checkpoint's state.json: check it against the run before loading any tensor."""
+    try:
+        return json.loads((path / "state.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: state.json cannot be read: {e}") from None
+
+
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int = 0) -> dict:
     """Restore model, optimizer and this rank's RNG from `path`; returns the state.json dict."""
-    state = json.loads((path / "state.json").read_text())
+    state = read_state(path)
 
     weights = _load_safetensors(path / "model.safetensors")
     expected = model_tensors(model)

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from data.datasets import ResumableBatchSampler
 from models.config import ModelConfig, flops_per_token
 from models.transformer import Transformer, lm_loss
-from trainer.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from trainer.checkpoint import load_checkpoint, read_state, resolve_checkpoint, save_checkpoint
 from trainer.config import Config, ConfigError, to_dict
 from trainer.distributed import DistEnv, all_reduce_mean, init_distributed
 from trainer.metrics import MetricsLogger
@@ -99,9 +99,12 @@ class Trainer:
         self.ckpt_root = Path(cfg.train.out_dir) / "checkpoints"
         if cfg.resume:
             path = resolve_checkpoint(cfg.resume, cfg.train.out_dir)
+            saved = read_state(path)["model_config"]
+            ours = dataclasses.asdict(self.model_cfg)
+            if saved != ours:
+                diff = {k: (saved.get(k), v) for k, v in ours.items() if saved.get(k) != v}
+                raise ConfigError(f"resume: checkpoint {path} was made for another model; (saved, ours): {diff}")
             state = load_checkpoint(path, self.model, self.optimizer, self.env.rank)
-            if state["model_config"] != dataclasses.asdict(self.model_cfg):
-                raise ConfigError(f"resume: checkpoint {path} was made for another model: {state['model_config']}")
             self.step = state["step"]
             self.consumed_samples = state["consumed_samples"]
 

@@ -82,10 +82,9 @@ def prepare_pretraining(cfg: DataSection, seq_len: int, seed: int, rank: int = 0
             work.mkdir(parents=True, exist_ok=True)
             if cfg.tokenizer is None and not spm_model.is_file():
                 train_sentencepiece([str(source)], str(work / "tokenizer"), cfg.vocab_size)
-            tokenizer = load_tokenizer(cfg.tokenizer or str(spm_model))
             tokenize_to_indexed(
-                str(source), tokenizer, str(prefix), json_key=cfg.json_key, workers=cfg.workers,
-                tokenizer_path=cfg.tokenizer or str(spm_model),
+                str(source), cfg.tokenizer or str(spm_model), str(prefix), json_key=cfg.json_key,
+                workers=cfg.workers,
             )
         barrier()
         tokenizer = load_tokenizer(cfg.tokenizer or str(spm_model))

@@ -1,0 +1,84 @@
+"""The one helper that runs a test function on several gloo ranks in fresh processes.
+
+    results = run_ranks(fn, world_size=4, ranks_per_node=2, args=(...))
+
+`fn(rank, world_size, *args)` must be a module-level function (it is pickled by name into
+spawned processes). Each rank gets one thread, the launcher variables torchrun would set
+(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), and an initialized gloo process group.
+The return values come back in rank order; an exception in any rank fails the test with
+that rank's traceback, and a hung rank fails it after `timeout` seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, ranks_per_node, port, fn, args, results):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank % ranks_per_node),
+        LOCAL_WORLD_SIZE=str(ranks_per_node),
+        OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        out = fn(rank, world_size, *args)
+        results.put((rank, True, out))
+    except BaseException:  # report every failure to the parent, including assertion errors
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size: int, args: tuple = (), ranks_per_node: int | None = None, timeout: float = 300):
+    ranks_per_node = ranks_per_node or world_size
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, ranks_per_node, port, fn, args, results), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outputs: dict[int, object] = {}
+    failures: list[str] = []
+    try:
+        for _ in range(world_size):
+            try:
+                rank, ok, out = results.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(outputs))} did not finish in {timeout}s")
+            if ok:
+                outputs[rank] = out
+            else:
+                failures.append(f"rank {rank} failed:\n{out}")
+                break  # the other ranks are likely blocked in a collective
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not failures else 0.5)
+            if p.is_alive():
+                p.terminate()
+    if failures:
+        raise AssertionError("\n".join(failures))
+    return [outputs[r] for r in range(world_size)]

@@ -1,0 +1,131 @@
+"""End-to-end training: determinism, bit-exact resume, DDP against one process, clear errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.spawn import free_port
+from trainer.checkpoint import CheckpointError
+from trainer.config import ConfigError, parse_args
+from trainer.loop import Trainer, train
+from trainer.pretrain_data import DataError
+
+ROOT = Path(__file__).resolve().parents[2]
+SHAKESPEARE = (ROOT / ".." / "shared" / "data" / "tinyshakespeare.txt").resolve()
+needs_shakespeare = pytest.mark.skipif(not SHAKESPEARE.is_file(), reason=f"{SHAKESPEARE} not present")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """200 KB of Shakespeare, or the embedded corpus's first 200 KB where ../shared is absent."""
+    path = tmp_path_factory.mktemp("corpus") / "text.txt"
+    if SHAKESPEARE.is_file():
+        text = SHAKESPEARE.read_text()[:200_000]
+    else:
+        from data.corpus import default_corpus
+
+        text = default_corpus(tmp_path_factory.mktemp("cache")).read_text()[:200_000]
+    path.write_text(text)
+    return path
+
+
+def tiny_args(corpus, out_dir, cache_dir, *extra):
+    return [
+        "--model.preset", "gpt2-tiny", "--data.path", str(corpus), "--data.vocab_size", "512",
+        "--data.seq_len", "32", "--data.cache_dir", str(cache_dir), "--data.workers", "1",
+        "--train.micro_batch_size", "4", "--train.steps", "8", "--train.log_interval", "2",
+        "--train.eval_interval", "4", "--train.eval_batches", "2", "--train.out_dir", str(out_dir),
+        "--train.tensorboard", "false", "--train.progress_bar", "false", "--optim.warmup_steps", "2",
+        *extra,
+    ]
+
+
+def test_same_seed_same_losses_and_resume_is_bit_identical(corpus, tmp_path):
+    cache = tmp_path / "cache"
+    full = train(parse_args(tiny_args(corpus, tmp_path / "a", cache, "--train.checkpoint_interval", "4")))
+    again = train(parse_args(tiny_args(corpus, tmp_path / "b", cache)))
+    assert full.losses == again.losses  # same seed, same batches, same numbers
+    assert len(full.losses) == 8 and full.losses[8] < full.losses[1]
+
+    # Resume the first run from its step-4 checkpoint into a fresh output dir.
+    ckpt = tmp_path / "a" / "checkpoints" / "step_00000004"
+    resumed = train(parse_args(tiny_args(corpus, tmp_path / "c", cache, "--resume", str(ckpt))))
+    assert sorted(resumed.losses) == [5, 6, 7, 8]
+    for step in range(5, 9):
+        assert resumed.losses[step] == full.losses[step], f"step {step} differs after resume"
+    assert resumed.val_loss == full.val_loss
+
+    final_a = load_file(str(tmp_path / "a" / "checkpoints" / "step_00000008" / "model.safetensors"))
+    final_c = load_file(str(tmp_path / "c" / "checkpoints" / "step_00000008" / "model.safetensors"))
+    assert final_a.keys() == final_c.keys()
+    assert all((final_a[k] == final_c[k]).all() for k in final_a)
+
+    # The `latest` pointer names the newest complete checkpoint; no temporary dirs remain.
+    root = tmp_path / "a" / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_00000008"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000004", "step_00000008"]
+    metrics = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert {"lm loss", "grad norm", "tokens/s", "MFU %", "validation loss"} <= set().union(*metrics)
+
+
+def test_gradient_accumulation_matches_the_big_batch(corpus, tmp_path):
+    cache = tmp_path / "cache"
+    big = train(parse_args(tiny_args(corpus, tmp_path / "big", cache, "--train.steps", "3")))
+    accum = train(parse_args(tiny_args(corpus, tmp_path / "acc", cache, "--train.steps", "3",
+                                       "--train.micro_batch_size", "2", "--train.grad_accum", "2")))
+    for step in big.losses:
+        assert abs(big.losses[step] - accum.losses[step]) < 1e-5
+
+
+def test_bad_inputs_give_clear_errors_and_destroy_nothing(corpus, tmp_path):
+    cache = tmp_path / "cache"
+    with pytest.raises(DataError, match="no-such.txt"):
+        Trainer(parse_args(tiny_args(tmp_path / "no-such.txt", tmp_path / "x", cache)))
+    with pytest.raises(ConfigError, match="train.stepz"):
+        parse_args(tiny_args(corpus, tmp_path / "x", cache, "--train.stepz", "3"))
+    with pytest.raises(ConfigError, match="'many'"):
+        parse_args(tiny_args(corpus, tmp_path / "x", cache, "--train.steps", "many"))
+
+    train(parse_args(tiny_args(corpus, tmp_path / "run", cache, "--train.steps", "2")))
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000002"
+    weights = ckpt / "model.safetensors"
+    original = weights.read_bytes()
+    weights.write_bytes(original[: len(original) // 2])
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        Trainer(parse_args(tiny_args(corpus, tmp_path / "run", cache, "--resume", "latest")))
+    weights.write_bytes(original)
+    with pytest.raises(CheckpointError, match="no checkpoint pointer"):
+        Trainer(parse_args(tiny_args(corpus, tmp_path / "empty", cache, "--resume", "latest")))
+    with pytest.raises(ConfigError, match="another model"):
+        Trainer(parse_args(tiny_args(corpus, tmp_path / "run", cache, "--resume", "latest", "--model.n_layer", "3")))
+
+
+@needs_shakespeare
+def test_torchrun_ddp_first_step_equals_single_process_and_learns(tmp_path):
+    cache = tmp_path / "cache"
+    args = [
+        "--model.preset", "gpt2-tiny", "--data.path", str(SHAKESPEARE), "--data.vocab_size", "512",
+        "--data.seq_len", "64", "--data.cache_dir", str(cache), "--train.steps", "30",
+        "--train.log_interval", "1", "--train.eval_interval", "30", "--train.eval_batches", "4",
+        "--train.tensorboard", "false", "--train.progress_bar", "false", "--optim.lr", "3e-3",
+    ]
+    # One process with micro-batch 8 sees exactly what 2 DDP ranks with micro-batch 4 see.
+    single = train(parse_args(args + ["--train.micro_batch_size", "8", "--train.steps", "1",
+                                      "--train.out_dir", str(tmp_path / "single")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(free_port()), str(ROOT / "train.py"), *args, "--train.micro_batch_size", "4",
+           "--train.out_dir", str(tmp_path / "ddp")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = [json.loads(line) for line in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
+    losses = {m["step"]: m["lm loss"] for m in metrics if "lm loss" in m}
+    val = [m["validation loss"] for m in metrics if "validation loss" in m]
+    assert abs(losses[1] - single.losses[1]) < 1e-5
+    assert val[-1] < losses[1] - 1.0, f"DDP validation loss {val[-1]} did not fall from {losses[1]}"
+    assert "checkpoint:" in proc.stdout

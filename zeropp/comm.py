@@ -1,0 +1,245 @@
+"""Every collective of the runtime goes through here, so each byte is accounted for.
+
+`Comm` wraps the collectives the runtime needs (all-gather, reduce-scatter, all-to-all,
+all-reduce) over the groups of a `Topology`, returns async handles, and records each call
+in a `CommLedger`: operation, group, dtype, the bytes this rank sends and receives, and how
+many of those cross a node boundary.
+
+The ledger counts logical volume, independent of the algorithm the backend picks: for an
+all-gather of an S-byte shard over n ranks a rank receives (n-1)·S and sends (n-1)·S; for a
+reduce-scatter of N bytes it sends and receives (n-1)·N/n; an all-to-all moves each chunk
+once to its destination. Bytes that come from (or go to) a rank on another node are the
+cross-node share. This is the accounting of the ZeRO++ paper's communication analysis.
+
+On gloo, `reduce_scatter_single` moves about as much as an all-reduce; a ring built from
+send/recv is several times faster (measured: `scripts/bench/reduce_scatter.py`), so gloo
+uses the ring, run on a dedicated thread and process group so it overlaps compute like an
+async collective. NCCL uses its native reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from zeropp.topology import Topology
+
+
+@dataclass
+class LedgerEntry:
+    calls: int = 0
+    sent: int = 0
+    received: int = 0
+    cross_node_sent: int = 0
+    cross_node_received: int = 0
+    dtypes: set = field(default_factory=set)
+
+
+class CommLedger:
+    """Bytes moved by this rank, by tag (e.g. "forward gather"), since the last reset()."""
+
+    def __init__(self):
+        self.entries: dict[str, LedgerEntry] = defaultdict(LedgerEntry)
+        self._lock = threading.Lock()
+
+    def record(self, tag: str, dtype: torch.dtype, sent: int, received: int, cross_sent: int, cross_received: int):
+        with self._lock:
+            e = self.entries[tag]
+            e.calls += 1
+            e.sent += sent
+            e.received += received
+            e.cross_node_sent += cross_sent
+            e.cross_node_received += cross_received
+            e.dtypes.add(str(dtype).replace("torch.", ""))
+
+    def reset(self) -> None:
+        with self._lock:
+            self.entries.clear()
+
+    def totals(self) -> dict[str, dict]:
+        with self._lock:
+            return {
+                tag: {"calls": e.calls, "sent": e.sent, "received": e.received,
+                      "cross_node_sent": e.cross_node_sent, "cross_node_received": e.cross_node_received,
+                      "dtypes": sorted(e.dtypes)}
+                for tag, e in sorted(self.entries.items())
+            }
+
+    def cross_node_bytes(self) -> int:
+        """Bytes this rank sent across node boundaries (what a slow inter-node link carries)."""
+        with self._lock:
+            return sum(e.cross_node_sent for e in self.entries.values())
+
+
+class _FutureWork:
+    """An async handle for work run on the communication thread."""
+
+    def __init__(self, future: Future):
+        self._future = future
+
+    def wait(self) -> None:
+        self._future.result()
+
+
+class _DoneWork:
+    def wait(self) -> None:
+        pass
+
+
+class Comm:
+    """Collectives over the groups of a Topology, each recorded in the ledger.
+
+    `group` is one of "dp", "intra_node", "inter_node", "secondary"; `tag` names what the
+    bytes are for in the ledger.
+    """
+
+    GROUPS = ("dp", "intra_node", "inter_node", "secondary")
+
+    def __init__(self, topo: Topology, ledger: CommLedger | None = None):
+        self.topo = topo
+        self.ledger = ledger if ledger is not None else CommLedger()
+        self.backend = dist.get_backend(topo.dp)
+        self._members = {name: self._group_members(name) for name in self.GROUPS}
+        self._ring_groups = {}
+        self._executor = None
+        if self.backend == "gloo":
+            # The ring runs on its own thread; its p2p traffic gets its own process groups so
+            # it never interleaves with collectives issued by the main thread.
+            self._ring_groups = {name: self._new_clone(name) for name in self.GROUPS}
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeropp-comm")
+
+    # ------------------------------------------------------------------ group bookkeeping
+
+    def _group_members(self, name: str) -> list[int]:
+        """DP ranks of this rank's group `name`, in group-rank order."""
+        t = self.topo
+        if name == "dp":
+            return list(range(t.world_size))
+        if name == "intra_node":
+            return [t.node * t.ranks_per_node + i for i in range(t.ranks_per_node)]
+        if name == "inter_node":
+            return [n * t.ranks_per_node + t.local_rank for n in range(t.num_nodes)]
+        block = t.rank // t.secondary_size
+        return [block * t.secondary_size + i for i in range(t.secondary_size)]
+
+    def _new_clone(self, name: str):
+        """A second process group with the same members as `name` (collective over the world)."""
+        t = self.topo
+        mine = None
+        if name == "dp":
+            return dist.new_group(t.dp_ranks)
+        if name == "intra_node":
+            blocks = [[n * t.ranks_per_node + i for i in range(t.ranks_per_node)] for n in range(t.num_nodes)]
+        elif name == "inter_node":
+            blocks = [[n * t.ranks_per_node + l for n in range(t.num_nodes)] for l in range(t.ranks_per_node)]
+        else:
+            blocks = [[b * t.secondary_size + i for i in range(t.secondary_size)]
+                      for b in range(t.world_size // t.secondary_size)]
+        for members in blocks:
+            group = dist.new_group([t.dp_ranks[m] for m in members])
+            if t.rank in members:
+                mine = group
+        return mine
+
+    def group(self, name: str):
+        return getattr(self.topo, name)
+
+    def size(self, name: str) -> int:
+        return len(self._members[name])
+
+    def group_rank(self, name: str) -> int:
+        return self._members[name].index(self.topo.rank)
+
+    def _cross(self, name: str) -> list[bool]:
+        """For each member of group `name`: is it on another node than this rank?"""
+        node = self.topo.node
+        return [self.topo.node_of(m) != node for m in self._members[name]]
+
+    # ------------------------------------------------------------------ collectives
+
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, group: str = "dp", tag: str = "all-gather",
+                   async_op: bool = False):
+        """`out` (1-D, n x shard) receives every member's shard, in group-rank order."""
+        n = self.size(group)
+        nbytes = shard.numel() * shard.element_size()
+        cross = sum(self._cross(group))
+        self.ledger.record(tag, shard.dtype, (n - 1) * nbytes, (n - 1) * nbytes, cross * nbytes, cross * nbytes)
+        if n == 1:
+            out.copy_(shard)
+            return _DoneWork() if async_op else None
+        return dist.all_gather_single(out, shard, group=self.group(group), async_op=async_op)
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, group: str = "dp", tag: str = "reduce-scatter",
+                       async_op: bool = False, accumulate_dtype: torch.dtype = torch.float32):
+        """`out` receives the sum over members of chunk `group_rank` of `full` (1-D)."""
+        n = self.size(group)
+        nbytes = out.numel() * out.element_size()
+        cross = sum(self._cross(group))
+        self.ledger.record(tag, full.dtype, (n - 1) * nbytes, (n - 1) * nbytes, cross * nbytes, cross * nbytes)
+        if n == 1:
+            out.copy_(full)
+            return _DoneWork() if async_op else None
+        if self._executor is None:
+            return dist.reduce_scatter_single(out, full, group=self.group(group), async_op=async_op)
+        future = self._executor.submit(self._ring_reduce_scatter, out, full, group, accumulate_dtype)
+        if async_op:
+            return _FutureWork(future)
+        future.result()
+        return None
+
+    def _ring_reduce_scatter(self, out, full, group, accumulate_dtype):
+        """Ring reduce-scatter from send/recv: n-1 steps, each moving one chunk to the next rank.
+
+        Partial sums are kept in `accumulate_dtype` and only rounded to the wire dtype for
+        sending, so a bf16 wire loses no more than one rounding per hop.
+        """
+        members = self._members[group]
+        n, r = len(members), self.group_rank(group)
+        pg = self._ring_groups[group]
+        to_rank = self.topo.dp_ranks[members[(r + 1) % n]]
+        from_rank = self.topo.dp_ranks[members[(r - 1) % n]]
+        chunks = full.view(n, -1)
+        partial = chunks[(r - 1) % n].to(accumulate_dtype)
+        send = partial.to(full.dtype)
+        recv = torch.empty_like(send)
+        for k in range(n - 1):
+            ops = [dist.P2POp(dist.isend, send, to_rank, pg), dist.P2POp(dist.irecv, recv, from_rank, pg)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            partial = recv.to(accumulate_dtype) + chunks[(r - k - 2) % n]
+            if k < n - 2:
+                send = partial.to(full.dtype)
+        out.copy_(partial)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: str, tag: str = "all-to-all",
+                   async_op: bool = False):
+        """Chunk j of `inp` goes to member j; chunk j of `out` comes from member j (equal chunks)."""
+        n = self.size(group)
+        chunk = inp.numel() // n * inp.element_size()
+        cross = sum(self._cross(group))
+        self.ledger.record(tag, inp.dtype, (n - 1) * chunk, (n - 1) * chunk, cross * chunk, cross * chunk)
+        if n == 1:
+            out.copy_(inp)
+            return _DoneWork() if async_op else None
+        return dist.all_to_all_single(out, inp, group=self.group(group), async_op=async_op)
+
+    def all_reduce(self, tensor: torch.Tensor, group: str = "dp", tag: str = "all-reduce", async_op: bool = False):
+        n = self.size(group)
+        nbytes = tensor.numel() * tensor.element_size()
+        cross = sum(self._cross(group))
+        volume = 2 * (n - 1) * nbytes // n  # ring all-reduce: reduce-scatter + all-gather
+        cross_volume = 2 * cross * nbytes // n
+        self.ledger.record(tag, tensor.dtype, volume, volume, cross_volume, cross_volume)
+        if n == 1:
+            return _DoneWork() if async_op else None
+        return dist.all_reduce(tensor, group=self.group(group), async_op=async_op)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
