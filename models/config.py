@@ -50,6 +50,9 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelConfig.{name}={value!r} must be a positive int")
+        for name in ("tie_embeddings", "bias", "pre_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} must be a bool")
         if self.d_model % self.n_head:
             raise ValueError(f"ModelConfig.d_model={self.d_model} must be divisible by n_head={self.n_head}")
         if self.n_head % self.n_kv_head:
@@ -78,7 +81,10 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown ModelConfig field(s) {unknown} for preset {name!r}; "
                              f"valid fields: {', '.join(fields)}")
-        return dataclasses.replace(PRESETS[name], **overrides)
+        preset = PRESETS[name]
+        if "n_kv_head" not in overrides and preset.n_kv_head == preset.n_head:
+            overrides["n_kv_head"] = None  # a multi-head preset stays multi-head when n_head changes
+        return dataclasses.replace(preset, **overrides)
 
 
 def num_params(config: ModelConfig, include_embeddings: bool = True) -> int:

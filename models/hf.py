@@ -40,6 +40,10 @@ def _require(hf: dict, source: str, key: str, default, supported: tuple):
     return value
 
 
+def _flag(hf: dict, source: str, key: str, default: bool) -> bool:
+    return _require(hf, source, key, default, (True, False))
+
+
 _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 
 
@@ -52,7 +56,7 @@ def _gpt2_from_hf(hf: dict, source: str) -> dict:
     return dict(n_layer=_get(hf, source, "n_layer"), n_head=_get(hf, source, "n_head"), d_model=d_model,
                 d_ff=hf.get("n_inner") or 4 * d_model, max_seq_len=_get(hf, source, "n_positions"),
                 norm="layernorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5), activation=_ACTIVATIONS[act],
-                positions="learned", tie_embeddings=hf.get("tie_word_embeddings", True), bias=True)
+                positions="learned", tie_embeddings=_flag(hf, source, "tie_word_embeddings", True), bias=True)
 
 
 def _opt_from_hf(hf: dict, source: str) -> dict:
@@ -63,8 +67,9 @@ def _opt_from_hf(hf: dict, source: str) -> dict:
                 d_model=_get(hf, source, "hidden_size"), d_ff=_get(hf, source, "ffn_dim"),
                 max_seq_len=_get(hf, source, "max_position_embeddings"), norm="layernorm", norm_eps=1e-5,
                 activation=_ACTIVATIONS[act], positions="learned", position_offset=2,
-                tie_embeddings=hf.get("tie_word_embeddings", True), bias=hf.get("enable_bias", True),
-                word_embed_proj_dim=hf.get("word_embed_proj_dim"), pre_norm=hf.get("do_layer_norm_before", True))
+                tie_embeddings=_flag(hf, source, "tie_word_embeddings", True), bias=_flag(hf, source, "enable_bias", True),
+                word_embed_proj_dim=hf.get("word_embed_proj_dim"),
+                pre_norm=_flag(hf, source, "do_layer_norm_before", True))
 
 
 def _llama_from_hf(hf: dict, source: str) -> dict:
@@ -78,14 +83,14 @@ def _llama_from_hf(hf: dict, source: str) -> dict:
                          f"only plain RoPE ('default', any rope_theta) is")
     d_model, n_head = _get(hf, source, "hidden_size"), _get(hf, source, "num_attention_heads")
     _require(hf, source, "head_dim", d_model // n_head, (None, d_model // n_head))
-    bias = hf.get("attention_bias", False)
+    bias = _flag(hf, source, "attention_bias", False)
     _require(hf, source, "mlp_bias", bias, (bias,))  # one switch covers all our linear biases
     return dict(n_layer=_get(hf, source, "num_hidden_layers"), n_head=n_head,
                 n_kv_head=hf.get("num_key_value_heads"), d_model=d_model,
                 d_ff=_get(hf, source, "intermediate_size"), max_seq_len=_get(hf, source, "max_position_embeddings"),
                 norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6), activation="swiglu", positions="rope",
                 rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-                tie_embeddings=hf.get("tie_word_embeddings", False), bias=bias)
+                tie_embeddings=_flag(hf, source, "tie_word_embeddings", False), bias=bias)
 
 
 _FROM_HF = {"gpt2": _gpt2_from_hf, "opt": _opt_from_hf, "llama": _llama_from_hf}

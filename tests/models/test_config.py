@@ -1,0 +1,64 @@
+import dataclasses
+
+import pytest
+import torch
+
+from models.config import PRESETS, ModelConfig, flops_per_token, num_params
+from models.transformer import Transformer
+
+# Parameter counts of the released checkpoints.
+PUBLISHED = {"gpt2": 124_439_808, "gpt2-xl": 1_557_611_200, "opt-125m": 125_239_296, "opt-350m": 331_196_416,
+             "llama-7b": 6_738_415_616, "llama-13b": 13_015_864_320}
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_num_params_matches_model(name):
+    with torch.device("meta"):  # no memory, so even the 13B preset is instant
+        model = Transformer(PRESETS[name])
+    assert num_params(PRESETS[name]) == sum(p.numel() for p in model.parameters())
+    if name in PUBLISHED:
+        assert num_params(PRESETS[name]) == PUBLISHED[name]
+
+
+def test_num_params_without_embeddings():
+    gpt2, llama = PRESETS["gpt2"], PRESETS["llama-7b"]
+    # Tied: only the position table is dropped (the token table is the LM head matmul).
+    assert num_params(gpt2) - num_params(gpt2, include_embeddings=False) == 1024 * 768
+    # Untied: the input token table is dropped, the LM head stays.
+    assert num_params(llama) - num_params(llama, include_embeddings=False) == 32000 * 4096
+
+
+def test_flops_per_token():
+    c = PRESETS["gpt2"]
+    assert flops_per_token(c, 1024) == 6 * num_params(c, include_embeddings=False) + 12 * 12 * 768 * 1024
+
+
+def test_presets_shape():
+    tiny = PRESETS["llama-tiny"]
+    assert tiny.n_kv_head < tiny.n_head
+    assert PRESETS["opt-350m"].pre_norm is False and PRESETS["opt-350m"].word_embed_proj_dim == 512
+    assert 5e6 < num_params(PRESETS["gpt2-small-cpu"], include_embeddings=False) < 2e7
+    assert PRESETS["gpt2"].head_dim == 64
+
+
+def test_from_preset_overrides():
+    c = ModelConfig.from_preset("gpt2-tiny", vocab_size=4096, n_head=8, max_seq_len=256)
+    assert (c.vocab_size, c.n_head, c.n_kv_head, c.max_seq_len) == (4096, 8, 8, 256)
+    assert PRESETS["gpt2-tiny"].vocab_size == 50257  # the preset itself is untouched
+    assert ModelConfig.from_preset("llama-tiny", n_head=8).n_kv_head == 2  # GQA stays as set
+
+
+def test_from_preset_errors():
+    with pytest.raises(ValueError, match="unknown model preset 'gpt5'.*gpt2-tiny"):
+        ModelConfig.from_preset("gpt5")
+    with pytest.raises(ValueError, match="n_layers.*valid fields: arch"):
+        ModelConfig.from_preset("gpt2-tiny", n_layers=3)
+    with pytest.raises(ValueError, match="ModelConfig.norm='batchnorm'"):
+        ModelConfig.from_preset("gpt2-tiny", norm="batchnorm")
+    with pytest.raises(ValueError, match="divisible by n_kv_head=3"):
+        ModelConfig.from_preset("llama-tiny", n_kv_head=3)
+
+
+def test_config_is_plain_data():
+    c = PRESETS["opt-tiny"]
+    assert ModelConfig(**dataclasses.asdict(c)) == c

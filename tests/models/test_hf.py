@@ -1,0 +1,256 @@
+import json
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from models.config import ModelConfig
+from models.hf import config_from_hf, config_to_hf, load_hf_checkpoint, save_hf_checkpoint
+from models.transformer import Transformer
+from tests.models.conftest import KINDS, VOCAB, hf_config, make_hf_model
+
+TOL = dict(atol=1e-5, rtol=0)
+
+
+def hf_logits(model, tokens, **kw):
+    with torch.no_grad():
+        return model(tokens, **kw).logits
+
+
+def ours_logits(model, tokens, **kw):
+    with torch.no_grad():
+        return model.eval()(tokens, **kw)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_match_transformers(kind, hf_checkpoint):
+    hf, path = hf_checkpoint(kind)
+    model = load_hf_checkpoint(path)
+    tokens = torch.randint(0, VOCAB, (2, 24))
+    torch.testing.assert_close(ours_logits(model, tokens), hf_logits(hf, tokens), **TOL)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_padded_batch_logits_match_transformers(kind, hf_checkpoint):
+    hf, path = hf_checkpoint(kind)
+    model = load_hf_checkpoint(path)
+    tokens = torch.randint(3, VOCAB, (3, 12))
+    mask = torch.ones_like(tokens)
+    mask[1, :5] = 0
+    mask[2, :11] = 0
+    tokens = tokens.masked_fill(mask == 0, 0)
+    # HF's convention in generate(): positions count real tokens only, padding gets 0.
+    position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    ours = ours_logits(model, tokens, attention_mask=mask)
+    ref = hf_logits(hf, tokens, attention_mask=mask, position_ids=position_ids)
+    real = mask.bool()
+    torch.testing.assert_close(ours[real], ref[real], **TOL)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("max_shard_size", [None, 20_000])
+def test_saved_checkpoint_loads_in_transformers(kind, max_shard_size, tmp_path):
+    torch.manual_seed(1)
+    model = load_hf_checkpoint(*[make_and_save(kind, tmp_path / "src")])
+    save_hf_checkpoint(model, tmp_path / "out", max_shard_size=max_shard_size)
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    if max_shard_size:
+        assert "model.safetensors.index.json" in files and len(files) > 3
+    else:
+        assert files == ["config.json", "model.safetensors"]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    tokens = torch.randint(0, VOCAB, (2, 16))
+    torch.testing.assert_close(hf_logits(hf, tokens), ours_logits(model, tokens), **TOL)
+    # ... and back into ours.
+    torch.testing.assert_close(ours_logits(load_hf_checkpoint(tmp_path / "out"), tokens),
+                               ours_logits(model, tokens), **TOL)
+
+
+def make_and_save(kind, path):
+    make_hf_model(kind, seed=1).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "opt-tiny", "llama-tiny"])
+def test_presets_export_to_transformers(preset, tmp_path):
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_preset(preset, vocab_size=VOCAB)).eval()
+    save_hf_checkpoint(model, tmp_path / "out")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    tokens = torch.randint(0, VOCAB, (2, 16))
+    torch.testing.assert_close(hf_logits(hf, tokens), ours_logits(model, tokens), **TOL)
+
+
+def test_rope_theta_is_honoured(tmp_path):
+    hf = make_hf_model("llama-theta")
+    hf.save_pretrained(tmp_path)
+    model = load_hf_checkpoint(tmp_path)
+    assert model.config.rope_theta == 500000.0
+    tokens = torch.randint(0, VOCAB, (1, 48))
+    ref = hf_logits(hf, tokens)
+    torch.testing.assert_close(ours_logits(model, tokens), ref, **TOL)
+    model.config.rope_theta = 10000.0  # the test would notice a wrong theta
+    assert (ours_logits(model, tokens) - ref).abs().max() > 1e-4
+
+
+def test_tied_weights_load_and_save_once(hf_checkpoint, tmp_path):
+    _, path = hf_checkpoint("gpt2")
+    model = load_hf_checkpoint(path)
+    assert model.head.weight is model.embed.tokens.weight
+    save_hf_checkpoint(model, tmp_path / "out")
+    names = load_file(tmp_path / "out" / "model.safetensors").keys()
+    assert "lm_head.weight" not in names and "transformer.wte.weight" in names
+
+
+def test_base_model_layout_with_old_buffers(hf_checkpoint, tmp_path):
+    """The original gpt2 repo saves GPT2Model (no 'transformer.' prefix) plus attn.bias buffers."""
+    hf, path = hf_checkpoint("gpt2")
+    state = {k.removeprefix("transformer."): v for k, v in load_file(path / "model.safetensors").items()}
+    state["h.0.attn.bias"] = torch.ones(1, 1, 64, 64)
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    tokens = torch.randint(0, VOCAB, (1, 8))
+    torch.testing.assert_close(ours_logits(load_hf_checkpoint(tmp_path), tokens), hf_logits(hf, tokens), **TOL)
+
+
+def test_load_dtype(hf_checkpoint):
+    model = load_hf_checkpoint(hf_checkpoint("llama-gqa")[1], dtype=torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert ours_logits(model, torch.randint(0, VOCAB, (1, 4))).dtype == torch.float32
+
+
+def test_config_round_trip():
+    for kind in KINDS:
+        hf = hf_config(kind).to_dict()
+        config = config_from_hf(hf, "config.json")
+        assert config_from_hf(config_to_hf(config), "x") == config
+    assert config_to_hf(config, torch.bfloat16)["dtype"] == "bfloat16"
+
+
+def test_config_to_hf_rejects_inexpressible():
+    config = ModelConfig.from_preset("gpt2-tiny", norm="rmsnorm")
+    with pytest.raises(ValueError, match="cannot be written as a Hugging Face gpt2 config.*norm"):
+        config_to_hf(config)
+
+
+# --- errors -------------------------------------------------------------------------------
+
+
+def write_config(path, config: dict):
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_unsupported_model_type(tmp_path):
+    write_config(tmp_path, {"model_type": "bert", "vocab_size": 10})
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "config.json")) + ".*model_type='bert'"):
+        load_hf_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("kind, key, value", [
+    ("llama-gqa", "rope_scaling", {"rope_type": "llama3", "factor": 8.0}),
+    ("llama-gqa", "hidden_act", "gelu"),
+    ("gpt2", "activation_function", "gelu"),
+    ("opt", "do_layer_norm_before", "yes"),
+])
+def test_unsupported_config_values(kind, key, value):
+    hf = hf_config(kind).to_dict()
+    hf.pop("rope_parameters", None)
+    hf[key] = value
+    with pytest.raises(ValueError, match=f"cfg.json: {key}"):
+        config_from_hf(hf, "cfg.json")
+
+
+def test_missing_key():
+    hf = hf_config("opt").to_dict()
+    del hf["ffn_dim"]
+    with pytest.raises(ValueError, match="cfg.json: required key 'ffn_dim' is missing"):
+        config_from_hf(hf, "cfg.json")
+
+
+def test_missing_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_hf_checkpoint(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="config.json not found"):
+        load_hf_checkpoint(tmp_path)
+    write_config(tmp_path, hf_config("gpt2").to_dict())
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="no model.safetensors.*pickle"):
+        load_hf_checkpoint(tmp_path)
+
+
+def test_truncated_safetensors(hf_checkpoint, tmp_path):
+    _, path = hf_checkpoint("gpt2")
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((path / name).read_bytes())
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    with pytest.raises(ValueError, match=re.escape(str(file)) + ".*truncated or corrupt"):
+        load_hf_checkpoint(tmp_path)
+
+
+def copy_with_state(path, dest, edit):
+    (dest / "config.json").write_text((path / "config.json").read_text())
+    state = load_file(path / "model.safetensors")
+    edit(state)
+    save_file(state, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+def test_missing_unexpected_and_misshaped_tensors(hf_checkpoint, tmp_path):
+    _, path = hf_checkpoint("llama-gqa")
+    name = "model.layers.1.mlp.up_proj.weight"
+    for sub in ("missing", "unexpected", "shape"):
+        (tmp_path / sub).mkdir()
+    copy_with_state(path, tmp_path / "missing", lambda s: s.pop(name))
+    with pytest.raises(ValueError, match=f"missing tensors \\['{name}'\\]"):
+        load_hf_checkpoint(tmp_path / "missing")
+    copy_with_state(path, tmp_path / "unexpected", lambda s: s.update(extra=torch.zeros(2)))
+    with pytest.raises(ValueError, match=r"unexpected tensors \['model.extra \(in model.safetensors\)'\]"):
+        load_hf_checkpoint(tmp_path / "unexpected")
+    copy_with_state(path, tmp_path / "shape", lambda s: s.update({name: torch.zeros(96, 32)}))
+    with pytest.raises(ValueError, match=f"model.safetensors: tensor '{name}' has shape \\(96, 32\\), "
+                                         "expected \\(96, 64\\)"):
+        load_hf_checkpoint(tmp_path / "shape")
+
+
+def test_sharded_index_pointing_at_missing_shard(hf_checkpoint, tmp_path):
+    _, path = hf_checkpoint("opt")
+    save_hf_checkpoint(load_hf_checkpoint(path), tmp_path / "out", max_shard_size=50_000)
+    shard = sorted((tmp_path / "out").glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=f"lists shard {shard.name}, which does not exist"):
+        load_hf_checkpoint(tmp_path / "out")
+
+
+# --- atomic save --------------------------------------------------------------------------
+
+
+def test_save_replaces_existing_dir_atomically(hf_checkpoint, tmp_path):
+    model = load_hf_checkpoint(hf_checkpoint("gpt2")[1])
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    (target / "stale.txt").write_text("old")
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    save_hf_checkpoint(model, target, tokenizer_dir=tok)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "tok"]  # no temp or old dirs left
+    assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+
+
+def test_failed_save_leaves_target_untouched(tmp_path):
+    model = Transformer(ModelConfig.from_preset("gpt2-tiny", vocab_size=VOCAB, activation="swiglu"))
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    (target / "keep.txt").write_text("old")
+    with pytest.raises(ValueError, match="activation_function='swiglu' is not supported"):
+        save_hf_checkpoint(model, target)
+    with pytest.raises(FileNotFoundError, match="no tokenizer files"):
+        save_hf_checkpoint(Transformer(ModelConfig.from_preset("gpt2-tiny", vocab_size=VOCAB)), target,
+                           tokenizer_dir=tmp_path / "empty")
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    assert [p.name for p in target.iterdir()] == ["keep.txt"]
