@@ -252,11 +252,10 @@ class PreferenceDataset(_TokenizedRecords):
     """Preference pairs: a shared prompt with a chosen and a rejected response, prompt masked.
 
     Formats: `pairs`: explicit prompt / chosen / rejected keys; `hh`: HH-RLHF `chosen` /
-    `rejected` dialogues, the prompt being the chosen dialogue through its last
-    `\\n\\nAssistant:`. HH pairs whose rejected dialogue does not start with that prompt
-    (a handful of malformed records) are skipped, as are pairs where truncation to `max_len`
-    leaves a side with no response; `num_skipped` counts them. Items hold chosen_tokens,
-    chosen_labels, rejected_tokens, rejected_labels.
+    `rejected` dialogues, each split by `split_hh_dialogue`. HH pairs whose two dialogues do
+    not share the prompt (5 malformed records in the harmless-base test split) are skipped, as
+    are pairs where truncation to `max_len` leaves a side with no response; `num_skipped`
+    counts them. Items hold chosen_tokens, chosen_labels, rejected_tokens, rejected_labels.
     """
 
     def __init__(self, source: str | os.PathLike | Sequence[dict], tokenizer: Tokenizer, max_len: int,
@@ -269,10 +268,10 @@ class PreferenceDataset(_TokenizedRecords):
                 prompt = _field(record, "prompt", i, name)
             else:
                 prompt, chosen = split_hh_dialogue(chosen)
-                if not rejected.startswith(prompt):
+                rejected_prompt, rejected = split_hh_dialogue(rejected)
+                if rejected_prompt != prompt:
                     self.num_skipped += 1
                     continue
-                rejected = rejected[len(prompt):]
             prompt_ids = self._prompt_ids(prompt)
             sides = [_supervised(prompt_ids, self._response_ids(r), max_len) for r in (chosen, rejected)]
             if None in sides:

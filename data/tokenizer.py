@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import sentencepiece as spm
 import tokenizers
 
@@ -114,11 +116,13 @@ def train_sentencepiece(
 ) -> SentencePieceTokenizer:
     """Train `<model_prefix>.model` on plain-text files (SentencePiece reads one sentence a line).
 
-    Deterministic for fixed arguments: the sentence sample uses `seed`, and `num_threads`
-    is fixed because unigram training results depend on it. Normalization is off and no
-    dummy prefix is added, so `decode(encode(a) + encode(b)) == a + b` exactly (SFT relies
-    on that when it tokenizes prompt and response separately); `byte_fallback` covers any
-    character outside the vocabulary. Ids: unk 0, bos 1, eos 2, pad 3.
+    Deterministic for fixed arguments. When the files hold more than `input_sentence_size`
+    non-blank lines, that many are drawn here with `np.random.default_rng(seed)`:
+    SentencePiece's own sampling ignores `set_random_generator_seed`. `num_threads` is fixed
+    because unigram results depend on it. Normalization is off and no dummy prefix is added,
+    so `decode(encode(a) + encode(b)) == a + b` exactly (SFT tokenizes prompt and response
+    separately); `byte_fallback` covers characters outside the vocabulary. Ids: unk 0, bos 1,
+    eos 2, pad 3.
     """
     if model_type not in ("bpe", "unigram"):
         raise ValueError(f"model_type={model_type!r}; expected 'bpe' or 'unigram'")
@@ -126,29 +130,46 @@ def train_sentencepiece(
         if not Path(f).is_file():
             raise FileNotFoundError(f"tokenizer training file not found: {f}")
     Path(model_prefix).parent.mkdir(parents=True, exist_ok=True)
-    spm.set_random_generator_seed(seed)
-    try:
-        spm.SentencePieceTrainer.train(
-            input=[str(f) for f in input_files],
-            model_prefix=str(model_prefix),
-            vocab_size=vocab_size,
-            model_type=model_type,
-            byte_fallback=True,
-            character_coverage=1.0,
-            normalization_rule_name="identity",
-            remove_extra_whitespaces=False,
-            add_dummy_prefix=False,
-            split_digits=True,
-            allow_whitespace_only_pieces=True,
-            unk_id=SP_UNK_ID, bos_id=SP_BOS_ID, eos_id=SP_EOS_ID, pad_id=SP_PAD_ID,
-            input_sentence_size=input_sentence_size,
-            shuffle_input_sentence=True,
-            num_threads=num_threads,
-            minloglevel=2,
-        )
-    except RuntimeError as e:
-        raise ValueError(f"SentencePiece training on {list(map(str, input_files))} failed: {e}") from e
+    with tempfile.TemporaryDirectory(prefix="spm-sample-") as tmp:
+        sample = _sample_lines(input_files, input_sentence_size, seed, Path(tmp) / "sample.txt")
+        try:
+            spm.SentencePieceTrainer.train(
+                input=[str(f) for f in sample],
+                model_prefix=str(model_prefix),
+                vocab_size=vocab_size,
+                model_type=model_type,
+                byte_fallback=True,
+                character_coverage=1.0,
+                normalization_rule_name="identity",
+                remove_extra_whitespaces=False,
+                add_dummy_prefix=False,
+                split_digits=True,
+                allow_whitespace_only_pieces=True,
+                unk_id=SP_UNK_ID, bos_id=SP_BOS_ID, eos_id=SP_EOS_ID, pad_id=SP_PAD_ID,
+                shuffle_input_sentence=False,
+                num_threads=num_threads,
+                minloglevel=2,
+            )
+        except RuntimeError as e:
+            raise ValueError(f"SentencePiece training on {[str(f) for f in input_files]} failed: {e}") from e
     return SentencePieceTokenizer(f"{model_prefix}.model")
+
+
+def _sample_lines(input_files: Sequence[str | os.PathLike], max_lines: int, seed: int, out: Path) -> list:
+    """`input_files` themselves if they hold at most `max_lines` non-blank lines, else [out] holding a seeded sample."""
+    def lines():
+        for f in input_files:
+            with open(f, encoding="utf-8", errors="replace") as fh:
+                yield from (line for line in fh if line.strip())
+
+    total = sum(1 for _ in lines())
+    if total <= max_lines:
+        return list(input_files)
+    keep = np.zeros(total, dtype=bool)
+    keep[np.random.default_rng(seed).choice(total, max_lines, replace=False)] = True
+    with open(out, "w", encoding="utf-8") as fh:
+        fh.writelines(line for line, k in zip(lines(), keep) if k)
+    return [out]
 
 
 class HFTokenizer(Tokenizer):

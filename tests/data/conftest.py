@@ -1,0 +1,62 @@
+"""Fixtures for data tests: the shared real data sets and tokenizers built from them."""
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer as HFRustTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from data.tokenizer import load_tokenizer, train_sentencepiece
+
+SHARED_DATA = (Path(__file__).resolve().parents[2] / ".." / "shared" / "data").resolve()
+
+
+def shared_file(name: str) -> Path:
+    path = SHARED_DATA / name
+    if not path.is_file():
+        pytest.skip(f"shared data file {path} is absent (see ../shared/data/README.md)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def shakespeare() -> Path:
+    return shared_file("tinyshakespeare.txt")
+
+
+@pytest.fixture(scope="session")
+def alpaca_path() -> Path:
+    return shared_file("alpaca_en_demo.json")
+
+
+@pytest.fixture(scope="session")
+def hh_path() -> Path:
+    return shared_file("hh-rlhf-harmless-base-test.jsonl.gz")
+
+
+@pytest.fixture(scope="session")
+def sp_tokenizer(shakespeare, tmp_path_factory):
+    """A 2000-piece BPE SentencePiece model trained on tinyshakespeare (well under a second)."""
+    return train_sentencepiece([shakespeare], tmp_path_factory.mktemp("sp") / "tokenizer", 2000)
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer_dir(shakespeare, tmp_path_factory) -> Path:
+    """A checkpoint-like directory with a small byte-level BPE tokenizer.json and its special tokens."""
+    tok = HFRustTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>", "<s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train([str(shakespeare)], trainer)
+    directory = tmp_path_factory.mktemp("hf")
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|endoftext|>", "bos_token": {"content": "<s>", "special": True}}))
+    (directory / "special_tokens_map.json").write_text(json.dumps({"pad_token": "<pad>"}))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(hf_tokenizer_dir):
+    return load_tokenizer(hf_tokenizer_dir)
