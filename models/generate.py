@@ -34,9 +34,15 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
 
-def _check_args(prompts, max_new_tokens, temperature, top_k, top_p):
+def _check_args(prompts, vocab_size, pad_token_id, max_new_tokens, temperature, top_k, top_p):
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token id lists")
+    for i, prompt in enumerate(prompts):
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+    if not 0 <= pad_token_id < vocab_size:
+        raise ValueError(f"pad_token_id={pad_token_id} is outside the vocabulary [0, {vocab_size})")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
     if temperature < 0:
@@ -57,8 +63,8 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     different lengths are left-padded with pad_token_id and masked out, so each
     continuation is the same as generating that prompt alone.
     """
-    _check_args(prompts, max_new_tokens, temperature, top_k, top_p)
     config = model.config
+    _check_args(prompts, config.vocab_size, pad_token_id, max_new_tokens, temperature, top_k, top_p)
     longest = max(len(p) for p in prompts)
     if config.positions == "learned" and longest + max_new_tokens > config.max_seq_len:
         raise ValueError(f"prompt length {longest} + max_new_tokens {max_new_tokens} exceeds "

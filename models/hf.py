@@ -67,8 +67,8 @@ def _opt_from_hf(hf: dict, source: str) -> dict:
                 d_model=_get(hf, source, "hidden_size"), d_ff=_get(hf, source, "ffn_dim"),
                 max_seq_len=_get(hf, source, "max_position_embeddings"), norm="layernorm", norm_eps=1e-5,
                 activation=_ACTIVATIONS[act], positions="learned", position_offset=2,
-                tie_embeddings=_flag(hf, source, "tie_word_embeddings", True), bias=_flag(hf, source, "enable_bias", True),
-                word_embed_proj_dim=hf.get("word_embed_proj_dim"),
+                tie_embeddings=_flag(hf, source, "tie_word_embeddings", True),
+                bias=_flag(hf, source, "enable_bias", True), word_embed_proj_dim=hf.get("word_embed_proj_dim"),
                 pre_norm=_flag(hf, source, "do_layer_norm_before", True))
 
 
@@ -137,6 +137,7 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
               "attention_bias": c.bias, "mlp_bias": c.bias}
     hf["tie_word_embeddings"] = c.tie_embeddings
     hf["dtype"] = str(dtype).removeprefix("torch.")
+    hf["torch_dtype"] = hf["dtype"]  # the key's name before transformers 4.56, still read by older tools
     try:
         back = config_from_hf(hf, "config_to_hf")
     except ValueError as e:
@@ -172,6 +173,8 @@ _BLOCK = {
               "attn.o_proj": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm",
               "mlp.gate_proj": "mlp.gate_proj", "mlp.up_proj": "mlp.up_proj", "mlp.down_proj": "mlp.down_proj"},
 }
+_OLD_BUFFERS = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)"
+                          r"|model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 _GPT2_QKV = re.compile(r"transformer\.h\.(\d+)\.attn\.c_attn\.(weight|bias)")
 
 
@@ -266,8 +269,7 @@ def _canonical_hf_name(name: str, config: ModelConfig) -> str | None:
         name = base + name
     if name == "lm_head.weight" and config.tie_embeddings:
         return None
-    if re.fullmatch(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)|model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",
-                    name):
+    if _OLD_BUFFERS.fullmatch(name):
         return None
     return name
 

@@ -208,7 +208,11 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 n_layer)."""
+        """GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 n_layer).
+
+        Norms are reset too, so this also initialises a model built on the meta
+        device and materialised with to_empty().
+        """
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)

@@ -82,6 +82,8 @@ def test_generate_argument_errors():
     model = Transformer(ModelConfig.from_preset("gpt2-tiny", vocab_size=101))
     with pytest.raises(ValueError, match="non-empty"):
         generate(model, [[1], []], 5)
+    with pytest.raises(ValueError, match=r"prompt 1 has token ids \[101, 500\] outside the vocabulary \[0, 101\)"):
+        generate(model, [[1], [2, 101, 500]], 5)
     with pytest.raises(ValueError, match="top_p=1.5"):
         generate(model, [[1]], 5, temperature=1.0, top_p=1.5)
     with pytest.raises(ValueError, match="exceeds max_seq_len=128"):
