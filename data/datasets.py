@@ -34,11 +34,11 @@ class PretrainDataset(torch.utils.data.Dataset):
     def __init__(self, indexed: IndexedDataset, seq_len: int):
         if seq_len < 1:
             raise ValueError(f"seq_len={seq_len}; expected at least 1")
-        self.tokens = indexed.tokens
+        self.indexed = indexed
         self.seq_len = seq_len
-        self.num_samples = (len(self.tokens) - 1) // seq_len
+        self.num_samples = (indexed.num_tokens - 1) // seq_len
         if self.num_samples < 1:
-            raise ValueError(f"{indexed.prefix} has {len(self.tokens)} tokens, too few for one sample "
+            raise ValueError(f"{indexed.prefix} has {indexed.num_tokens} tokens, too few for one sample "
                              f"of seq_len + 1 = {seq_len + 1}")
 
     def __len__(self) -> int:
@@ -48,7 +48,7 @@ class PretrainDataset(torch.utils.data.Dataset):
         if not 0 <= i < self.num_samples:
             raise IndexError(f"sample {i} out of range for {self.num_samples} samples")
         start = i * self.seq_len
-        return torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
+        return torch.from_numpy(self.indexed.tokens[start:start + self.seq_len + 1].astype(np.int64))
 
 
 def split_train_valid(num_samples: int, valid_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -176,7 +176,8 @@ def _load_records(source, formats: dict, format: str | None) -> tuple[list[dict]
         raise ValueError(f"format={format!r}; expected one of {list(formats)}")
     missing = [k for k in formats[format] if k not in keys]
     if missing:
-        raise MissingKeyError(f"{name}: format {format!r} needs key {missing[0]!r}; the records have keys {sorted(keys)}")
+        raise MissingKeyError(f"{name}: format {format!r} needs key {missing[0]!r}; "
+                              f"the records have keys {sorted(keys)}")
     return records, format, name
 
 
@@ -282,7 +283,8 @@ class PreferenceDataset(_TokenizedRecords):
                                   "rejected_tokens": rejected_tokens, "rejected_labels": rejected_labels})
 
 
-def _pad(tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], pad_id: int, length: int) -> dict[str, torch.Tensor]:
+def _pad(tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], pad_id: int,
+         length: int) -> dict[str, torch.Tensor]:
     out = {"tokens": torch.full((len(tokens), length), pad_id, dtype=torch.long),
            "labels": torch.full((len(tokens), length), IGNORE_INDEX, dtype=torch.long),
            "attention_mask": torch.zeros((len(tokens), length), dtype=torch.long)}
@@ -294,7 +296,8 @@ def _pad(tokens: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], pad_id:
     return out
 
 
-def collate_sft(batch: Sequence[Mapping[str, torch.Tensor]], pad_id: int, max_len: int | None = None) -> dict[str, torch.Tensor]:
+def collate_sft(batch: Sequence[Mapping[str, torch.Tensor]], pad_id: int,
+                max_len: int | None = None) -> dict[str, torch.Tensor]:
     """Right-pad SFT items into {"tokens", "labels", "attention_mask"} of shape [batch, length].
 
     length is the longest item, or exactly `max_len` when given (longer items are truncated;

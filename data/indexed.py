@@ -55,7 +55,8 @@ class IndexedDatasetBuilder:
         self.prefix = Path(prefix)
         self.dtype = np.dtype(dtype)
         if self.dtype not in DTYPE_CODES:
-            raise ValueError(f"dtype {self.dtype} has no Megatron code; expected one of {sorted(map(str, DTYPE_CODES))}")
+            raise ValueError(f"dtype {self.dtype} has no Megatron code; "
+                             f"expected one of {sorted(map(str, DTYPE_CODES))}")
         self.prefix.parent.mkdir(parents=True, exist_ok=True)
         suffix = f".tmp-{os.getpid()}"
         self._bin_tmp = Path(f"{self.prefix}.bin{suffix}")
@@ -87,7 +88,8 @@ class IndexedDatasetBuilder:
         np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
         document_indices = np.arange(lengths.size + 1, dtype=np.int64)
         with open(self._idx_tmp, "wb") as f:
-            f.write(_HEADER.pack(INDEX_MAGIC, INDEX_VERSION, DTYPE_CODES[self.dtype], lengths.size, document_indices.size))
+            f.write(_HEADER.pack(INDEX_MAGIC, INDEX_VERSION, DTYPE_CODES[self.dtype],
+                                 lengths.size, document_indices.size))
             f.write(lengths.astype(np.int32).tobytes())
             f.write(pointers.tobytes())
             f.write(document_indices.tobytes())
@@ -146,16 +148,22 @@ class IndexedDataset:
         bin_size = bin_path.stat().st_size
         if bin_size != self.num_tokens * self.dtype.itemsize:
             raise ValueError(f"{bin_path}: {bin_size} bytes, but {idx_path} lists {self.num_tokens} tokens of "
-                             f"{self.dtype} = {self.num_tokens * self.dtype.itemsize} bytes (mismatched or truncated pair)")
-        expected_pointers = np.concatenate(([0], np.cumsum(self.sequence_lengths[:-1], dtype=np.int64))) * self.dtype.itemsize
+                             f"{self.dtype} = {self.num_tokens * self.dtype.itemsize} bytes "
+                             "(mismatched or truncated pair)")
+        starts = np.concatenate(([0], np.cumsum(self.sequence_lengths[:-1], dtype=np.int64)))
+        expected_pointers = starts * self.dtype.itemsize
         if count and not np.array_equal(self.sequence_pointers, expected_pointers):
             raise ValueError(f"{idx_path}: sequence pointers do not follow the sequence lengths (corrupted index)")
         if doc_count == 0 or self.document_indices[0] != 0 or self.document_indices[-1] != count \
                 or np.any(np.diff(self.document_indices) < 0):
-            raise ValueError(f"{idx_path}: document indices must rise from 0 to the sequence count {count} (corrupted index)")
+            raise ValueError(f"{idx_path}: document indices must rise from 0 to the sequence count {count} "
+                             "(corrupted index)")
         # np.memmap cannot map an empty file.
         self.tokens = (np.memmap(bin_path, dtype=self.dtype, mode="r") if self.num_tokens
                        else np.empty(0, dtype=self.dtype))
+
+    def __reduce__(self):
+        return IndexedDataset, (self.prefix,)  # pickle (e.g. to DataLoader workers) by path, not by contents
 
     def __len__(self) -> int:
         return self.sequence_lengths.size

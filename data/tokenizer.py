@@ -117,12 +117,12 @@ def train_sentencepiece(
     """Train `<model_prefix>.model` on plain-text files (SentencePiece reads one sentence a line).
 
     Deterministic for fixed arguments. When the files hold more than `input_sentence_size`
-    non-blank lines, that many are drawn here with `np.random.default_rng(seed)`:
-    SentencePiece's own sampling ignores `set_random_generator_seed`. `num_threads` is fixed
-    because unigram results depend on it. Normalization is off and no dummy prefix is added,
-    so `decode(encode(a) + encode(b)) == a + b` exactly (SFT tokenizes prompt and response
-    separately); `byte_fallback` covers characters outside the vocabulary. Ids: unk 0, bos 1,
-    eos 2, pad 3.
+    non-blank lines, that many are drawn here with `np.random.default_rng(seed)`, because
+    SentencePiece's own sampling is not reproducible (0.2, even with set_random_generator_seed).
+    `num_threads` is fixed because unigram results depend on it. Normalization is off and no
+    dummy prefix is added, so `decode(encode(a) + encode(b)) == a + b` exactly (SFT tokenizes
+    prompt and response separately); `byte_fallback` covers characters outside the vocabulary.
+    Ids: unk 0, bos 1, eos 2, pad 3.
     """
     if model_type not in ("bpe", "unigram"):
         raise ValueError(f"model_type={model_type!r}; expected 'bpe' or 'unigram'")

@@ -29,7 +29,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="text file (documents separated by blank lines) or .json/.jsonl, optionally .gz")
     parser.add_argument("--json-key", default="text", help="field holding the document text in JSON records")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--tokenizer", help="SentencePiece .model file, or a directory with tokenizer.json / tokenizer.model")
+    source.add_argument("--tokenizer",
+                        help="SentencePiece .model file, or a directory with tokenizer.json / tokenizer.model")
     source.add_argument("--train-sentencepiece", type=int, metavar="VOCAB_SIZE",
                         help="train a SentencePiece model on the input into OUTPUT_PREFIX's directory first")
     parser.add_argument("--sp-model-type", choices=("bpe", "unigram"), default="bpe")

@@ -1,4 +1,5 @@
 import itertools
+import pickle
 
 import numpy as np
 import pytest
@@ -99,10 +100,14 @@ def test_resume_on_another_world_size():
 
 def test_sampler_with_dataloader(indexed):
     ds = PretrainDataset(indexed, 16)
+    assert len(pickle.dumps(ds)) < 1000  # goes to DataLoader workers by path, not as a copy of the tokens
     train, _ = split_train_valid(len(ds), 0.1, seed=0)
-    loader = torch.utils.data.DataLoader(ds, batch_sampler=ResumableBatchSampler(train, 4, 0, 1, seed=0))
-    batch = next(iter(loader))
-    assert batch.shape == (4, 17) and batch.dtype == torch.int64
+    sampler = ResumableBatchSampler(train, 4, 0, 1, seed=0)
+    expected = take(ResumableBatchSampler(train, 4, 0, 1, seed=0), 3)
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, num_workers=1,
+                                         multiprocessing_context="spawn")
+    for batch, ids in zip(loader, expected):
+        assert torch.equal(batch, torch.stack([ds[i] for i in ids]))
 
 
 def test_sampler_errors():
