@@ -188,7 +188,8 @@ def _field(record: dict, key: str, i: int, name: str) -> str:
     return value
 
 
-def _supervised(prompt_ids: list[int], response_ids: list[int], max_len: int) -> tuple[np.ndarray, np.ndarray] | None:
+def _supervised(prompt_ids: list[int], response_ids: list[int],
+                max_len: int) -> tuple[np.ndarray, np.ndarray] | None:
     """(tokens, labels) truncated to max_len with the prompt masked; None if no target survives."""
     tokens = np.asarray(prompt_ids + response_ids, dtype=np.int64)[:max_len]
     labels = np.asarray([IGNORE_INDEX] * len(prompt_ids) + response_ids, dtype=np.int64)[:max_len]
@@ -197,23 +198,27 @@ def _supervised(prompt_ids: list[int], response_ids: list[int], max_len: int) ->
     return tokens, labels
 
 
-class _TokenizedRecords(torch.utils.data.Dataset):
-    """Tokenized examples held in memory; `num_skipped` counts records that gave no example."""
+def _prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
+    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    return bos + tokenizer.encode(prompt)
 
-    def __init__(self, tokenizer: Tokenizer, max_len: int):
+
+def _response_ids(tokenizer: Tokenizer, response: str) -> list[int]:
+    return tokenizer.encode(response) + [tokenizer.eos_id]
+
+
+class _TokenizedRecords(torch.utils.data.Dataset):
+    """Tokenized examples held in memory (no tokenizer kept: cheap to send to DataLoader workers).
+
+    `num_skipped` counts records that gave no example.
+    """
+
+    def __init__(self, max_len: int):
         if max_len < 2:
             raise ValueError(f"max_len={max_len}; expected at least 2")
-        self.tokenizer = tokenizer
         self.max_len = max_len
         self.examples: list[dict[str, np.ndarray]] = []
         self.num_skipped = 0
-
-    def _prompt_ids(self, prompt: str) -> list[int]:
-        bos = [self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else []
-        return bos + self.tokenizer.encode(prompt)
-
-    def _response_ids(self, response: str) -> list[int]:
-        return self.tokenizer.encode(response) + [self.tokenizer.eos_id]
 
     def __len__(self) -> int:
         return len(self.examples)
@@ -234,7 +239,7 @@ class SFTDataset(_TokenizedRecords):
 
     def __init__(self, source: str | os.PathLike | Sequence[dict], tokenizer: Tokenizer, max_len: int,
                  format: str | None = None):
-        super().__init__(tokenizer, max_len)
+        super().__init__(max_len)
         records, self.format, name = _load_records(source, SFT_FORMATS, format)
         for i, record in enumerate(records):
             if self.format == "alpaca":
@@ -242,7 +247,7 @@ class SFTDataset(_TokenizedRecords):
                 response = _field(record, "output", i, name)
             else:
                 prompt, response = split_hh_dialogue(_field(record, "chosen", i, name))
-            example = _supervised(self._prompt_ids(prompt), self._response_ids(response), max_len)
+            example = _supervised(_prompt_ids(tokenizer, prompt), _response_ids(tokenizer, response), max_len)
             if example is None:
                 self.num_skipped += 1
             else:
@@ -261,7 +266,7 @@ class PreferenceDataset(_TokenizedRecords):
 
     def __init__(self, source: str | os.PathLike | Sequence[dict], tokenizer: Tokenizer, max_len: int,
                  format: str | None = None):
-        super().__init__(tokenizer, max_len)
+        super().__init__(max_len)
         records, self.format, name = _load_records(source, PREFERENCE_FORMATS, format)
         for i, record in enumerate(records):
             chosen, rejected = _field(record, "chosen", i, name), _field(record, "rejected", i, name)
@@ -273,9 +278,9 @@ class PreferenceDataset(_TokenizedRecords):
                 if rejected_prompt != prompt:
                     self.num_skipped += 1
                     continue
-            prompt_ids = self._prompt_ids(prompt)
-            sides = [_supervised(prompt_ids, self._response_ids(r), max_len) for r in (chosen, rejected)]
-            if None in sides:
+            prompt_ids = _prompt_ids(tokenizer, prompt)
+            sides = [_supervised(prompt_ids, _response_ids(tokenizer, r), max_len) for r in (chosen, rejected)]
+            if any(side is None for side in sides):
                 self.num_skipped += 1
                 continue
             (chosen_tokens, chosen_labels), (rejected_tokens, rejected_labels) = sides
