@@ -86,6 +86,18 @@ class _FutureWork:
         self._future.result()
 
 
+class _CallbackWork:
+    """An async handle whose wait() finishes the work (waits, then post-processes)."""
+
+    def __init__(self, finish):
+        self._finish = finish
+
+    def wait(self) -> None:
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+
+
 class _DoneWork:
     def wait(self) -> None:
         pass
@@ -175,24 +187,43 @@ class Comm:
         return dist.all_gather_single(out, shard, group=self.group(group), async_op=async_op)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, group: str = "dp", tag: str = "reduce-scatter",
-                       async_op: bool = False, accumulate_dtype: torch.dtype = torch.float32):
-        """`out` receives the sum over members of chunk `group_rank` of `full` (1-D)."""
+                       async_op: bool = False, accumulate: bool = False,
+                       accumulate_dtype: torch.dtype = torch.float32):
+        """`out` receives (or with `accumulate`, adds) the sum over members of chunk `group_rank` of `full`.
+
+        `full` is 1-D in the wire dtype; `out` may be of another dtype (an fp32 accumulator).
+        """
         n = self.size(group)
         nbytes = out.numel() * out.element_size()
         cross = sum(self._cross(group))
         self.ledger.record(tag, full.dtype, (n - 1) * nbytes, (n - 1) * nbytes, cross * nbytes, cross * nbytes)
         if n == 1:
-            out.copy_(full)
+            out.add_(full) if accumulate else out.copy_(full)
             return _DoneWork() if async_op else None
         if self._executor is None:
-            return dist.reduce_scatter_single(out, full, group=self.group(group), async_op=async_op)
-        future = self._executor.submit(self._ring_reduce_scatter, out, full, group, accumulate_dtype)
+            return self._native_reduce_scatter(out, full, group, async_op, accumulate)
+        future = self._executor.submit(self._ring_reduce_scatter, out, full, group, accumulate, accumulate_dtype)
         if async_op:
             return _FutureWork(future)
         future.result()
         return None
 
-    def _ring_reduce_scatter(self, out, full, group, accumulate_dtype):
+    def _native_reduce_scatter(self, out, full, group, async_op, accumulate):
+        if not accumulate and out.dtype == full.dtype:
+            return dist.reduce_scatter_single(out, full, group=self.group(group), async_op=async_op)
+        result = torch.empty(full.numel() // self.size(group), dtype=full.dtype, device=full.device)
+        work = dist.reduce_scatter_single(result, full, group=self.group(group), async_op=True)
+
+        def finish():
+            work.wait()
+            out.add_(result) if accumulate else out.copy_(result)
+
+        if async_op:
+            return _CallbackWork(finish)
+        finish()
+        return None
+
+    def _ring_reduce_scatter(self, out, full, group, accumulate, accumulate_dtype):
         """Ring reduce-scatter from send/recv: n-1 steps, each moving one chunk to the next rank.
 
         Partial sums are kept in `accumulate_dtype` and only rounded to the wire dtype for
@@ -214,7 +245,7 @@ class Comm:
             partial = recv.to(accumulate_dtype) + chunks[(r - k - 2) % n]
             if k < n - 2:
                 send = partial.to(full.dtype)
-        out.copy_(partial)
+        out.add_(partial) if accumulate else out.copy_(partial)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: str, tag: str = "all-to-all",
                    async_op: bool = False):

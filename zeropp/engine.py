@@ -1,0 +1,473 @@
+"""ZeRO-3, applied to an unmodified model from outside.
+
+Units: each transformer block is one; the embeddings with the LM head (and OPT's
+project_in/out) form one; all norms form one (as in YaFSDP, gathered once per weight
+update and kept for the step). Each unit is a `FlatUnit`: per rank an fp32 master shard,
+the optimizer states of that shard, the shard in the communication dtype and a gradient
+shard.
+
+Forward: a unit's shard is all-gathered into one of two preallocated, alternating gather
+buffers (blocks) or the unit's own buffer (embeddings, norms); its parameters become views
+into it. The next block's gather is issued before the current block computes (prefetch in
+the execution order recorded on the first forward), so communication overlaps compute.
+
+Backward: an identity autograd function on each block's output (`_PreBackward`) fires
+before the block's backward: it re-gathers the block into the same buffer (the saved
+tensors are views of it) and prefetches the next one. Parameters are views made by
+`_Narrow`, whose backward writes the gradient straight into the unit's gradient buffer; all
+of them feed one `_WeightGate` (YaFSDP's GateGradFlow), whose backward therefore runs
+exactly when every gradient of the unit is in place. It issues the unit's reduce-scatter,
+asynchronously, accumulating into the fp32 gradient shard. Gradients are divided once, at
+the step, by world size x micro-batches (post-divide).
+
+Step: global gradient norm over the shards, clipping, AdamW on the local shards, refresh of
+the communication-dtype copy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from zeropp.comm import Comm
+from zeropp.flat import FlatUnit
+from zeropp.topology import Topology, build_topology
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class UnsupportedModelError(TypeError):
+    """A model whose structure the runtime cannot split into units; the message says why."""
+
+
+@dataclass
+class EngineOptions:
+    comm_dtype: torch.dtype = torch.bfloat16
+    param_dtype: torch.dtype = torch.float32  # the dtype the forward computes with
+    overlap_comm: bool = True
+    prefetch_numel: int = 50_000_000  # largest unit that is prefetched; 0 disables prefetch
+
+
+# ---------------------------------------------------------------------------- autograd gates
+
+class _WeightGate(torch.autograd.Function):
+    """Identity on the unit's flat weights; its backward runs once all the unit's grads are written."""
+
+    @staticmethod
+    def forward(ctx, flat, engine, unit):
+        ctx.set_materialize_grads(False)
+        ctx.engine, ctx.unit = engine, unit
+        return flat.view_as(flat)
+
+    @staticmethod
+    def backward(ctx, _):
+        ctx.engine._reduce(ctx.unit)
+        return None, None, None
+
+
+class _Narrow(torch.autograd.Function):
+    """A parameter as a view of the flat weights; backward adds its grad into the unit's grad buffer."""
+
+    @staticmethod
+    def forward(ctx, flat, offset, shape, unit):
+        ctx.offset, ctx.numel, ctx.unit = offset, shape.numel(), unit
+        return flat.detach()[offset:offset + shape.numel()].view(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is not None:
+            ctx.unit.grad_target[ctx.offset:ctx.offset + ctx.numel].add_(grad.reshape(-1))
+        return None, None, None, None
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on a unit's outputs; its backward runs just before the units' own backward."""
+
+    @staticmethod
+    def forward(ctx, engine, units, *tensors):
+        ctx.engine, ctx.units = engine, units
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.engine._pre_backward(ctx.units)
+        return (None, None, *grads)
+
+
+def _wrap_outputs(output, engine, units):
+    """Pass every grad-requiring tensor of a module's output through _PreBackward."""
+    if isinstance(output, torch.Tensor):
+        return _PreBackward.apply(engine, units, output)[0] if output.requires_grad else output
+    if isinstance(output, tuple):
+        idx = [i for i, t in enumerate(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return output
+        wrapped = _PreBackward.apply(engine, units, *(output[i] for i in idx))
+        out = list(output)
+        for i, t in zip(idx, wrapped):
+            out[i] = t
+        return tuple(out)
+    return output
+
+
+# ---------------------------------------------------------------------------- unit discovery
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("Norm")
+
+
+def partition_units(model: nn.Module) -> dict[str, list]:
+    """Group parameters into units: "embedding" (+ head), "norms", "blocks.<i>".
+
+    Returns unit name -> [(qualified name, param, [(module, attr)], [alias names])].
+    """
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
+        raise UnsupportedModelError(
+            f"zeropp shards models whose transformer blocks are a non-empty nn.ModuleList named `blocks` "
+            f"(like models.transformer.Transformer); {type(model).__name__} has "
+            f"{'no `blocks`' if blocks is None else type(blocks).__name__ + ' `blocks`'}"
+        )
+    block_of = {}
+    for i, block in enumerate(blocks):
+        for m in block.modules():
+            block_of[m] = i
+    first_name = {}
+    aliases: dict[int, list] = {}
+    for mod_name, module in model.named_modules():
+        for attr, p in module._parameters.items():
+            if p is None:
+                continue
+            qual = f"{mod_name}.{attr}" if mod_name else attr
+            first_name.setdefault(id(p), (qual, p))
+            aliases.setdefault(id(p), []).append((module, attr, qual))
+    units: dict[str, list] = {}
+    for pid, (qual, p) in first_name.items():
+        owners = set()
+        for module, _, _ in aliases[pid]:
+            if _is_norm(module):
+                owners.add("norms")
+            elif module in block_of:
+                owners.add(f"blocks.{block_of[module]}")
+            else:
+                owners.add("embedding")
+        if len(owners) > 1:
+            raise UnsupportedModelError(
+                f"parameter {qual} is shared by modules in different units {sorted(owners)}; zeropp shards "
+                f"a parameter within one unit only"
+            )
+        unit = owners.pop()
+        units.setdefault(unit, []).append(
+            (qual, p, [(m, a) for m, a, _ in aliases[pid]], [q for _, _, q in aliases[pid]]))
+    return units
+
+
+# ---------------------------------------------------------------------------- the engine
+
+class Zero3Engine:
+    """A ZeRO-3 sharded model + AdamW. Call it like the model; then backward(), step()."""
+
+    def __init__(self, model: nn.Module, optimizer_factory, options: EngineOptions | None = None,
+                 topo: Topology | None = None, comm: Comm | None = None, device: torch.device | None = None):
+        """optimizer_factory(param_groups) -> torch optimizer over the shard pieces."""
+        self.model = model
+        self.opts = options or EngineOptions()
+        self.device = device or torch.device("cpu")
+        self.topo = topo or build_topology()
+        self.comm = comm or Comm(self.topo)
+        self.ledger = self.comm.ledger
+        world, rank = self.topo.world_size, self.topo.rank
+
+        groups = partition_units(model)
+        self.units: dict[str, FlatUnit] = {
+            name: FlatUnit(name, params, world, rank, self.opts.comm_dtype, self.device)
+            for name, params in groups.items()
+        }
+        self.blocks = [self.units[f"blocks.{i}"] for i in range(len(model.blocks)) if f"blocks.{i}" in self.units]
+        self.resident = [self.units[n] for n in ("embedding", "norms") if n in self.units]
+        self.norms = self.units.get("norms")
+        self.embedding = self.units.get("embedding")
+
+        # The block order of the first forward: prefetch follows it, and a block's position
+        # picks which of the two alternating buffers it uses.
+        self._order: list[FlatUnit] = []
+        self._order_known = False
+        self._position: dict[int, int] = {}
+
+        # Buffers: two alternating ones shared by the blocks, one of its own for a resident unit.
+        for slot in (s for u in self.units.values() for s in u.slots):
+            for module, attr in slot.aliases:
+                del module._parameters[attr]
+        block_numel = max((u.padded_numel for u in self.blocks), default=0)
+        self._gather_pair = [self._new_buffer(block_numel, self.opts.comm_dtype) for _ in range(2)]
+        self._compute_pair = self._compute_for(self._gather_pair, block_numel)
+        self._grad_pair = [torch.zeros(block_numel, dtype=self.opts.param_dtype, device=self.device) for _ in range(2)]
+        self._grad_owner: list[FlatUnit | None] = [None, None]
+        for u in self.units.values():
+            u.pending_gather = None
+            u.pending_reduce = None
+            u.grad_target = None
+            u.writing_grads = False
+            u.gathered_version = -1
+            if u in self.resident:
+                u.gather_buf = self._new_buffer(u.padded_numel, self.opts.comm_dtype)
+                u.compute_buf = self._compute_for([u.gather_buf], u.padded_numel)[0]
+                u.grad_buf = torch.zeros(u.padded_numel, dtype=self.opts.param_dtype, device=self.device)
+            self._bind(u, grad=False)  # parameters exist (as views) from the start
+
+        pieces = [(p, decay) for u in self.units.values() for p, decay in u.optim_params]
+        self.optimizer = optimizer_factory(pieces)
+        self.weights_version = 0
+        self.micro_batches = 0
+        self._phase = "forward"
+
+        self._hooks = [model.register_forward_pre_hook(self._model_pre_forward),
+                       model.register_forward_hook(self._model_post_forward)]
+        for i, block in enumerate(model.blocks):
+            unit = self.units.get(f"blocks.{i}")
+            if unit is not None:
+                self._hooks.append(block.register_forward_pre_hook(lambda m, a, u=unit: self._block_pre_forward(u)))
+                self._hooks.append(block.register_forward_hook(lambda m, a, o, u=unit: self._block_post_forward(u, o)))
+
+    # ------------------------------------------------------------------ buffers
+
+    def _new_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype, device=self.device)
+
+    def _compute_for(self, gather_bufs, numel):
+        """Compute buffers: the gather buffers themselves when the dtypes agree, else fp32 twins."""
+        if self.opts.comm_dtype == self.opts.param_dtype:
+            return gather_bufs
+        return [self._new_buffer(numel, self.opts.param_dtype) for _ in gather_bufs]
+
+    def _slot(self, unit: FlatUnit) -> int:
+        return self._position[id(unit)] % 2
+
+    def _gather_buf(self, unit):
+        if unit in self.resident:
+            return unit.gather_buf, unit.compute_buf
+        s = self._slot(unit)
+        return self._gather_pair[s], self._compute_pair[s]
+
+    # ------------------------------------------------------------------ gathering
+
+    def _issue_gather(self, unit: FlatUnit, tag: str) -> None:
+        gather, _ = self._gather_buf(unit)
+        unit.pending_gather = self.comm.all_gather(gather[:unit.padded_numel], unit.comm_shard, tag=tag,
+                                                   async_op=self.opts.overlap_comm)
+
+    def _ensure_gathered(self, unit: FlatUnit, tag: str) -> None:
+        """Wait for the unit's prefetched gather, or gather now; then fill the compute buffer."""
+        if unit.pending_gather is None:
+            self._issue_gather(unit, tag)
+        unit.pending_gather.wait()
+        unit.pending_gather = None
+        gather, compute = self._gather_buf(unit)
+        if compute is not gather:
+            compute[:unit.padded_numel].copy_(gather[:unit.padded_numel])
+        unit.gathered_version = self.weights_version
+
+    def _prefetch(self, unit: FlatUnit | None, tag: str) -> None:
+        if (unit is not None and unit.pending_gather is None and self.opts.overlap_comm
+                and unit.padded_numel <= self.opts.prefetch_numel):
+            self._issue_gather(unit, tag)
+
+    def _bind(self, unit: FlatUnit, grad: bool) -> None:
+        """Point the unit's module attributes at views of its gathered weights."""
+        _, compute = self._gather_buf(unit) if (unit in self.resident or id(unit) in self._position) \
+            else (None, self._compute_pair[0])
+        # A fresh alias of the buffer (own version counter): re-gathering into the buffer later
+        # does not trip autograd's checks on the tensors this forward saves.
+        flat = torch.empty(0, dtype=compute.dtype, device=compute.device).set_(
+            compute.untyped_storage(), compute.storage_offset(), (unit.numel,), (1,))
+        gated = None
+        if grad and unit.trainable:
+            flat.requires_grad_(True)
+            gated = _WeightGate.apply(flat, self, unit)
+        for slot in unit.slots:
+            if gated is not None and slot.trainable:
+                view = _Narrow.apply(gated, slot.offset, slot.shape, unit)
+            else:
+                view = flat.detach()[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            for module, attr in slot.aliases:
+                module.__dict__[attr] = view
+
+    # ------------------------------------------------------------------ hooks
+
+    def _model_pre_forward(self, module, args):
+        self._phase = "forward"
+        grad = torch.is_grad_enabled()
+        if self.norms is not None and self.norms.gathered_version != self.weights_version:
+            self._ensure_gathered(self.norms, "forward gather")
+        if self.embedding is not None:
+            self._ensure_gathered(self.embedding, "forward gather")
+        for u in self.resident:
+            self._bind(u, grad)
+        if self._order_known:
+            self._prefetch(self._order[0], "forward gather")
+
+    def _block_pre_forward(self, unit: FlatUnit):
+        if not self._order_known and id(unit) not in self._position:
+            self._position[id(unit)] = len(self._order)
+            self._order.append(unit)
+        self._ensure_gathered(unit, "forward gather")
+        self._bind(unit, torch.is_grad_enabled())
+        if self._order_known:
+            pos = self._position[id(unit)]
+            self._prefetch(self._order[pos + 1] if pos + 1 < len(self._order) else None, "forward gather")
+
+    def _block_post_forward(self, unit: FlatUnit, output):
+        if torch.is_grad_enabled() and unit.trainable:
+            return _wrap_outputs(output, self, [unit])
+        return output
+
+    def _model_post_forward(self, module, args, output):
+        self._order_known = True
+        if torch.is_grad_enabled():
+            return _wrap_outputs(output, self, self.resident)
+        return output
+
+    # ------------------------------------------------------------------ backward
+
+    def _grad_target_for(self, unit: FlatUnit) -> torch.Tensor:
+        """The buffer this unit's gradients are written to in this backward."""
+        if unit in self.resident:
+            buf = unit.grad_buf
+            if unit.pending_reduce is not None:
+                unit.pending_reduce.wait()
+                unit.pending_reduce = None
+        else:
+            s = self._slot(unit)
+            owner = self._grad_owner[s]
+            if owner is not None and owner is not unit and owner.writing_grads:
+                # The previous owner's gate has not fired yet (autograd ordering): do not wait on it.
+                buf = torch.zeros(unit.padded_numel, dtype=self.opts.param_dtype, device=self.device)
+                unit.grad_target = buf
+                unit.writing_grads = True
+                return buf
+            if owner is not None and owner.pending_reduce is not None:
+                owner.pending_reduce.wait()
+                owner.pending_reduce = None
+            self._grad_owner[s] = unit
+            buf = self._grad_pair[s][:unit.padded_numel]
+        buf.zero_()
+        unit.grad_target = buf
+        unit.writing_grads = True
+        return buf
+
+    def _pre_backward(self, units) -> None:
+        if self._phase == "forward":  # the first gate of this backward: the model's output
+            self._phase = "backward"
+            self.micro_batches += 1
+        for unit in units:
+            if unit is self.norms:
+                self._grad_target_for(unit)  # gathered once per step: no re-gather
+                continue
+            self._ensure_gathered(unit, "backward gather")
+            self._grad_target_for(unit)
+            if unit in self.resident:
+                if self._order:
+                    self._prefetch(self._order[-1], "backward gather")
+            else:
+                pos = self._position[id(unit)]
+                self._prefetch(self._order[pos - 1] if pos > 0 else None, "backward gather")
+
+    def _reduce(self, unit: FlatUnit) -> None:
+        """All of the unit's gradients are in grad_target: reduce-scatter them into grad_shard."""
+        grad = unit.grad_target[:unit.padded_numel]
+        wire = grad if grad.dtype == self.opts.comm_dtype else grad.to(self.opts.comm_dtype)
+        if unit.pending_reduce is not None:  # a temporary buffer's earlier reduce (rare path)
+            unit.pending_reduce.wait()
+        unit.pending_reduce = self.comm.reduce_scatter(unit.grad_shard, wire, tag="gradient reduce",
+                                                       async_op=self.opts.overlap_comm, accumulate=True)
+        unit.writing_grads = False
+
+    # ------------------------------------------------------------------ public API
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def train(self, mode: bool = True):
+        self.model.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's mean loss, unscaled.
+
+        Gradients are summed over micro-batches and ranks, then divided once, in
+        clip_grad_norm(), by world size x micro-batches (post-divide).
+        """
+        loss.backward()
+
+    def _finish_reduces(self) -> None:
+        for u in self.units.values():
+            if u.pending_reduce is not None:
+                u.pending_reduce.wait()
+                u.pending_reduce = None
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Post-divide the summed gradients, then clip them by their global L2 norm (returned)."""
+        self._finish_reduces()
+        scale = 1.0 / (self.topo.world_size * max(1, self.micro_batches))
+        local = torch.zeros((), dtype=torch.float64, device=self.device)
+        for u in self.units.values():
+            if u.grad_shard is not None:
+                u.grad_shard.mul_(scale)
+                local += u.trainable_grad().double().pow(2).sum()
+        self.micro_batches = 0
+        self.comm.all_reduce(local, tag="grad norm")
+        norm = local.sqrt().float()
+        if math.isfinite(max_norm):
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for u in self.units.values():
+                if u.grad_shard is not None:
+                    u.grad_shard.mul_(coef)
+        return norm
+
+    def step(self) -> None:
+        self.optimizer.step()
+        for u in self.units.values():
+            u.refresh_comm_shard()
+        self.weights_version += 1
+
+    def zero_grad(self) -> None:
+        self._finish_reduces()
+        for u in self.units.values():
+            if u.grad_shard is not None:
+                u.grad_shard.zero_()
+        self.micro_batches = 0
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter, unsharded in fp32, under all its names (like model.state_dict())."""
+        out = {}
+        for u in self.units.values():
+            full = torch.empty(u.padded_numel, dtype=torch.float32, device=self.device)
+            self.comm.all_gather(full, u.master, tag="consolidate")
+            for slot in u.slots:
+                tensor = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+                for name in slot.alias_names:
+                    out[name] = tensor
+        return out
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Per-rank model-state memory by kind: master, optimizer states, comm copy, gradient shard."""
+        totals: dict[str, int] = {}
+        for u in self.units.values():
+            for k, v in u.model_state_bytes().items():
+                totals[k] = totals.get(k, 0) + v
+        totals["optimizer states"] = sum(
+            t.numel() * t.element_size() for state in self.optimizer.state.values()
+            for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+        return totals
+
+    def close(self) -> None:
+        self._finish_reduces()
+        for h in self._hooks:
+            h.remove()
+        self.comm.close()
