@@ -7,6 +7,7 @@ import pytest
 from tokenizers import Tokenizer as HFRustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from data.corpus import default_corpus
 from data.tokenizer import load_tokenizer, train_sentencepiece
 
 SHARED_DATA = (Path(__file__).resolve().parents[2] / ".." / "shared" / "data").resolve()
@@ -41,14 +42,22 @@ def sp_tokenizer(shakespeare, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def hf_tokenizer_dir(shakespeare, tmp_path_factory) -> Path:
-    """A checkpoint-like directory with a small byte-level BPE tokenizer.json and its special tokens."""
+def corpus(tmp_path_factory) -> Path:
+    return default_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer_dir(corpus, tmp_path_factory) -> Path:
+    """A checkpoint-like directory with a small byte-level BPE tokenizer.json and its special tokens.
+
+    Trained on the default corpus, so these tests run without ../shared/data.
+    """
     tok = HFRustTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>", "<s>", "<pad>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train([str(shakespeare)], trainer)
+    tok.train([str(corpus)], trainer)
     directory = tmp_path_factory.mktemp("hf")
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps(

@@ -75,7 +75,7 @@ def test_hf_special_tokens_from_config_json_and_fallbacks(hf_tokenizer_dir, tmp_
         load_tokenizer(directory)
 
 
-def test_load_tokenizer_errors(tmp_path, shakespeare):
+def test_load_tokenizer_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json.*tokenizer.model"):
         load_tokenizer(tmp_path)
     with pytest.raises(FileNotFoundError, match="missing path"):
