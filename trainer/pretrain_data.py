@@ -15,6 +15,7 @@ from pathlib import Path
 from data.corpus import default_corpus
 from data.datasets import PretrainDataset, split_train_valid
 from data.indexed import IndexedDataset, tokenize_to_indexed
+from data.sources import is_json, iter_documents
 from data.tokenizer import Tokenizer, load_tokenizer, train_sentencepiece
 from trainer.config import DataSection
 from trainer.distributed import barrier
@@ -81,7 +82,11 @@ def prepare_pretraining(cfg: DataSection, seq_len: int, seed: int, rank: int = 0
         if rank == 0 and not _is_indexed_prefix(str(prefix)):
             work.mkdir(parents=True, exist_ok=True)
             if cfg.tokenizer is None and not spm_model.is_file():
-                train_sentencepiece([str(source)], str(work / "tokenizer"), cfg.vocab_size)
+                spm_input = source
+                if is_json(source):  # SentencePiece reads plain text: give it the documents
+                    spm_input = work / "documents.txt"
+                    spm_input.write_text("\n".join(iter_documents(source, cfg.json_key)))
+                train_sentencepiece([str(spm_input)], str(work / "tokenizer"), cfg.vocab_size)
             tokenize_to_indexed(
                 str(source), cfg.tokenizer or str(spm_model), str(prefix), json_key=cfg.json_key,
                 workers=cfg.workers,

@@ -129,3 +129,17 @@ def test_torchrun_ddp_first_step_equals_single_process_and_learns(tmp_path):
     assert abs(losses[1] - single.losses[1]) < 1e-5
     assert val[-1] < losses[1] - 1.0, f"DDP validation loss {val[-1]} did not fall from {losses[1]}"
     assert "checkpoint:" in proc.stdout
+
+
+def test_jsonl_corpus_trains_tokenizer_on_its_documents(corpus, tmp_path):
+    lines = [p for p in corpus.read_text().split("\n\n") if p.strip()][:400]
+    source = tmp_path / "docs.jsonl"
+    source.write_text("\n".join(json.dumps({"body": p}) for p in lines))
+    cfg = parse_args(tiny_args(source, tmp_path / "run", tmp_path / "cache", "--data.json_key", "body",
+                               "--train.steps", "2"))
+    trainer = Trainer(cfg)
+    spm_text = next((tmp_path / "cache").glob("docs-*/documents.txt")).read_text()
+    assert '"body"' not in spm_text and lines[0] in spm_text  # plain documents, not JSON lines
+    assert trainer.data.tokenizer.decode(trainer.data.tokenizer.encode(lines[1])) == lines[1]
+    with pytest.raises(Exception, match="text"):
+        Trainer(parse_args(tiny_args(source, tmp_path / "run2", tmp_path / "cache2", "--train.steps", "2")))
