@@ -12,9 +12,10 @@ once to its destination. Bytes that come from (or go to) a rank on another node 
 cross-node share. This is the accounting of the ZeRO++ paper's communication analysis.
 
 On gloo, `reduce_scatter_single` moves about as much as an all-reduce; a ring built from
-send/recv is several times faster (measured: `scripts/bench/reduce_scatter.py`), so gloo
-uses the ring, run on a dedicated thread and process group so it overlaps compute like an
-async collective. NCCL uses its native reduce-scatter.
+send/recv moves each byte once and measured 1.65-1.85x faster for fp32 on 4 ranks
+(`scripts/bench/reduce_scatter.py`), so gloo uses the ring, run on a dedicated thread and
+process group so it overlaps compute like an async collective. NCCL uses its native
+reduce-scatter.
 """
 
 from __future__ import annotations
@@ -194,7 +195,7 @@ class Comm:
         `full` is 1-D in the wire dtype; `out` may be of another dtype (an fp32 accumulator).
         """
         n = self.size(group)
-        nbytes = out.numel() * out.element_size()
+        nbytes = full.numel() // n * full.element_size()  # one chunk, in the wire dtype
         cross = sum(self._cross(group))
         self.ledger.record(tag, full.dtype, (n - 1) * nbytes, (n - 1) * nbytes, cross * nbytes, cross * nbytes)
         if n == 1:

@@ -103,3 +103,33 @@ def test_gradient_accumulation_equals_big_batch():
 def test_unsupported_structure_is_a_clear_error():
     with pytest.raises(UnsupportedModelError, match="blocks"):
         partition_units(nn.Sequential(nn.Linear(2, 2)))
+
+
+def _one_step_ledger(rank, world):
+    topo = build_topology(ranks_per_node=2)
+    engine = Zero3Engine(make_model("gpt2-tiny"), adamw_factory, EngineOptions(comm_dtype=torch.bfloat16), topo=topo)
+    sample = batches(1)[0][rank * 3:(rank + 1) * 3]
+    engine.backward(lm_loss(engine(sample[:, :-1]), sample[:, 1:]))
+    engine.clip_grad_norm(1.0)
+    engine.step()
+    totals = engine.ledger.totals()
+    sizes = {name: u.padded_numel for name, u in engine.units.items()}
+    engine.close()
+    return totals, sizes
+
+
+def test_ledger_one_step_on_two_nodes_of_two():
+    """Forward gather, backward gather and gradient reduce each move ~M (bf16), half of it cross-node."""
+    totals, sizes = run_ranks(_one_step_ledger, 4, ranks_per_node=2)[0]
+    model_bytes = 2 * sum(sizes.values())  # M: the padded model in bf16
+    norms_bytes = 2 * sizes["norms"]
+    fwd, bwd, grad = totals["forward gather"], totals["backward gather"], totals["gradient reduce"]
+    # A rank receives the 3 other shards of every unit: 3/4 of M (norms are gathered once per step).
+    assert fwd["received"] == model_bytes * 3 // 4
+    assert bwd["received"] == (model_bytes - norms_bytes) * 3 // 4
+    assert grad["sent"] == model_bytes * 3 // 4
+    # Two of the three peers sit on the other node.
+    for entry in (fwd, bwd, grad):
+        assert entry["cross_node_received"] * 3 == entry["received"] * 2
+        assert entry["dtypes"] == ["bfloat16"]
+    assert norms_bytes < 0.05 * model_bytes
