@@ -11,11 +11,13 @@ that rank's traceback, and a hung rank fails it after `timeout` seconds.
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import socket
 import traceback
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -42,7 +44,11 @@ def _worker(rank, world_size, ranks_per_node, port, fn, args, results):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
-        results.put((rank, True, out))
+        # Serialized by value: tensors sent through a multiprocessing queue are shared by file
+        # descriptor, which breaks when the rank exits before the parent reads them.
+        buffer = io.BytesIO()
+        torch.save(out, buffer)
+        results.put((rank, True, buffer.getvalue()))
     except BaseException:  # report every failure to the parent, including assertion errors
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -70,7 +76,7 @@ def run_ranks(fn, world_size: int, args: tuple = (), ranks_per_node: int | None 
             except queue.Empty:
                 raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(outputs))} did not finish in {timeout}s")
             if ok:
-                outputs[rank] = out
+                outputs[rank] = torch.load(io.BytesIO(out), weights_only=True)
             else:
                 failures.append(f"rank {rank} failed:\n{out}")
                 break  # the other ranks are likely blocked in a collective

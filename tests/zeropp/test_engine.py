@@ -133,3 +133,58 @@ def test_ledger_one_step_on_two_nodes_of_two():
         assert entry["cross_node_received"] * 3 == entry["received"] * 2
         assert entry["dtypes"] == ["bfloat16"]
     assert norms_bytes < 0.05 * model_bytes
+
+
+def _two_engines_frozen_and_memory(rank, world):
+    topo = build_topology()
+    fp32 = EngineOptions(comm_dtype=torch.float32, param_dtype=torch.float32)
+    gpt = Zero3Engine(make_model("gpt2-tiny"), adamw_factory, fp32, topo=topo)
+    frozen_model = make_model("llama-tiny")
+    for p in frozen_model.blocks[0].parameters():
+        p.requires_grad_(False)
+    frozen_before = {k: v.clone() for k, v in frozen_model.blocks[0].state_dict().items()}
+    llama = Zero3Engine(frozen_model, adamw_factory, fp32, topo=topo)
+    per_rank = BATCH // world
+    for sample in batches(5):  # the two engines interleave their steps
+        mine = sample[rank * per_rank:(rank + 1) * per_rank]
+        for engine in (gpt, llama):
+            engine.backward(lm_loss(engine(mine[:, :-1]), mine[:, 1:]))
+        for engine in (gpt, llama):
+            engine.clip_grad_norm(1.0)
+            engine.step()
+            engine.zero_grad()
+    states = [gpt.full_state_dict(), llama.full_state_dict()]
+    memory = gpt.model_state_bytes()
+    shard = sum(u.shard_numel for u in gpt.units.values())
+    for engine in (gpt, llama):
+        engine.close()
+    return states, frozen_before, memory, shard
+
+
+def test_two_engines_in_one_process_frozen_params_and_state_memory():
+    world = 2
+    results = run_ranks(_two_engines_frozen_and_memory, world)
+    (gpt_state, llama_state), frozen_before, memory, shard = results[0]
+    # gpt: exactly the single-process run
+    _, ref = reference("gpt2-tiny", 5)
+    assert max((gpt_state[k] - ref[k]).abs().max().item() for k in ref) < 1e-5
+    # llama: the frozen block did not move, the rest trained like a reference with the same frozen block
+    for name, before in frozen_before.items():
+        assert torch.equal(llama_state[f"blocks.0.{name}"], before), name
+    model = make_model("llama-tiny")
+    for p in model.blocks[0].parameters():
+        p.requires_grad_(False)
+    opt = build_optimizer(model, OPTIM)
+    for sample in batches(5):
+        lm_loss(model(sample[:, :-1]), sample[:, 1:]).backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert max((llama_state[k] - v).abs().max().item() for k, v in model.state_dict().items()) < 1e-5
+    # per-rank model state: fp32 master 4 + Adam 8 + fp32 comm copy 4 + fp32 grad 4 bytes per
+    # element of the N/world-element shard; padding keeps it within 5% of the formula
+    n_params = sum(p.numel() for p in make_model("gpt2-tiny").parameters())
+    formula = (4 + 8 + 4 + 4) * n_params / world
+    measured = sum(memory.values())
+    assert abs(measured - formula) <= 0.05 * formula, (memory, formula)
+    assert shard * world >= n_params
