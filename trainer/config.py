@@ -129,38 +129,23 @@ def _convert(value: Any, annotation: Any, key: str) -> Any:
         if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
             return value.lower() in _TRUE
         raise ConfigError(f"{key}: value {value!r} is not a boolean (expected true or false)")
-    if annotation is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}: value {value!r} is not an integer")
-        if isinstance(value, int):
-            return value
+    if annotation in (int, float):
+        # YAML gives numbers, the CLI strings; a bool is never a number here, nor 1.5 an int.
+        accepted = (int,) if annotation is int else (int, float)
+        if isinstance(value, accepted) and not isinstance(value, bool):
+            return annotation(value)
         if isinstance(value, str):
             try:
-                return int(value)
+                return annotation(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key}: value {value!r} is not an integer")
-    if annotation is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}: value {value!r} is not a number")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}: value {value!r} is not a number")
+        raise ConfigError(f"{key}: value {value!r} is not {'an integer' if annotation is int else 'a number'}")
     if annotation is str:
         if isinstance(value, str):
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
         raise ConfigError(f"{key}: value {value!r} is not a string")
-    if isinstance(annotation, dict) or origin is dict:
-        if isinstance(value, dict):
-            return dict(value)
-        raise ConfigError(f"{key}: value {value!r} is not a mapping")
     raise ConfigError(f"{key}: unsupported field type {annotation!r}")
 
 

@@ -36,8 +36,6 @@ from zeropp.comm import Comm
 from zeropp.flat import FlatUnit
 from zeropp.topology import Topology, build_topology
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 class UnsupportedModelError(TypeError):
     """A model whose structure the runtime cannot split into units; the message says why."""
@@ -247,9 +245,10 @@ class Zero3Engine:
         return self._position[id(unit)] % 2
 
     def _gather_buf(self, unit):
+        """(gather, compute) buffers of the unit; a block not yet run gets slot 0 as a placeholder."""
         if unit in self.resident:
             return unit.gather_buf, unit.compute_buf
-        s = self._slot(unit)
+        s = self._position.get(id(unit), 0) % 2
         return self._gather_pair[s], self._compute_pair[s]
 
     # ------------------------------------------------------------------ gathering
@@ -277,8 +276,7 @@ class Zero3Engine:
 
     def _bind(self, unit: FlatUnit, grad: bool) -> None:
         """Point the unit's module attributes at views of its gathered weights."""
-        _, compute = self._gather_buf(unit) if (unit in self.resident or id(unit) in self._position) \
-            else (None, self._compute_pair[0])
+        _, compute = self._gather_buf(unit)
         # A fresh alias of the buffer (own version counter): re-gathering into the buffer later
         # does not trip autograd's checks on the tensors this forward saves.
         flat = torch.empty(0, dtype=compute.dtype, device=compute.device).set_(
@@ -332,31 +330,28 @@ class Zero3Engine:
 
     # ------------------------------------------------------------------ backward
 
-    def _grad_target_for(self, unit: FlatUnit) -> torch.Tensor:
-        """The buffer this unit's gradients are written to in this backward."""
+    def _set_grad_target(self, unit: FlatUnit) -> None:
+        """Pick and zero the buffer this unit's gradients are written to in this backward."""
         if unit in self.resident:
-            buf = unit.grad_buf
-            if unit.pending_reduce is not None:
-                unit.pending_reduce.wait()
-                unit.pending_reduce = None
+            buf, previous = unit.grad_buf, unit
         else:
             s = self._slot(unit)
-            owner = self._grad_owner[s]
-            if owner is not None and owner is not unit and owner.writing_grads:
-                # The previous owner's gate has not fired yet (autograd ordering): do not wait on it.
-                buf = torch.zeros(unit.padded_numel, dtype=self.opts.param_dtype, device=self.device)
-                unit.grad_target = buf
-                unit.writing_grads = True
-                return buf
-            if owner is not None and owner.pending_reduce is not None:
-                owner.pending_reduce.wait()
-                owner.pending_reduce = None
-            self._grad_owner[s] = unit
-            buf = self._grad_pair[s][:unit.padded_numel]
-        buf.zero_()
+            previous = self._grad_owner[s]
+            if previous is not None and previous is not unit and previous.writing_grads:
+                # The previous owner's gate has not fired yet (autograd ordering): use a fresh buffer.
+                buf, previous = None, None
+            else:
+                self._grad_owner[s] = unit
+                buf = self._grad_pair[s][:unit.padded_numel]
+        if previous is not None and previous.pending_reduce is not None:
+            previous.pending_reduce.wait()
+            previous.pending_reduce = None
+        if buf is None:
+            buf = torch.zeros(unit.padded_numel, dtype=self.opts.param_dtype, device=self.device)
+        else:
+            buf.zero_()
         unit.grad_target = buf
         unit.writing_grads = True
-        return buf
 
     def _pre_backward(self, units) -> None:
         if self._phase == "forward":  # the first gate of this backward: the model's output
@@ -364,10 +359,10 @@ class Zero3Engine:
             self.micro_batches += 1
         for unit in units:
             if unit is self.norms:
-                self._grad_target_for(unit)  # gathered once per step: no re-gather
+                self._set_grad_target(unit)  # gathered once per step: no re-gather
                 continue
             self._ensure_gathered(unit, "backward gather")
-            self._grad_target_for(unit)
+            self._set_grad_target(unit)
             if unit in self.resident:
                 if self._order:
                     self._prefetch(self._order[-1], "backward gather")
