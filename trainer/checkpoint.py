@@ -3,10 +3,12 @@
 Layout of ``<out_dir>/checkpoints``::
 
     step_00000100/
-        model.safetensors       parameters and persistent buffers, by our module names
-        optimizer.safetensors   per-parameter optimizer state, "<param>.<state>"
-        state.json              step, data position, config, optimizer hyper-parameters
+        state.json              step, data position, config, optimizer hyper-parameters,
+                                "format": "full" or "zero3-sharded"
         rng_rank00000.json      each rank's RNG state
+        model.safetensors       full: parameters and persistent buffers, by module name
+        optimizer.safetensors   full: per-parameter optimizer state, "<param>.<state>"
+        manifest.json, shards_rank*.safetensors   zero3-sharded: see zeropp/checkpoint.py
     latest                      the name of the newest complete checkpoint
 
 A checkpoint is assembled in a hidden temporary directory and renamed into place only
@@ -19,15 +21,22 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from data.tokenizer import load_tokenizer
+from models.config import ModelConfig
+from models.hf import save_hf_checkpoint
+from models.transformer import Transformer
 from trainer.distributed import barrier
+from zeropp.checkpoint import consolidated_state_dict
 
 LATEST = "latest"
+FULL, SHARDED = "full", "zero3-sharded"  # state.json "format": DDP's unsharded form, or zeropp's shards
 
 
 class CheckpointError(RuntimeError):
@@ -80,15 +89,12 @@ def optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     return out
 
 
-def save_checkpoint(
-    ckpt_root: str | Path,
-    step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    state: dict,
-    rank: int = 0,
-) -> Path:
-    """Write checkpoint `step` collectively (every rank calls this); returns its directory."""
+def save_checkpoint(ckpt_root: str | Path, step: int, state: dict, optimizer: torch.optim.Optimizer,
+                    write_tensors, rank: int = 0) -> Path:
+    """Write checkpoint `step` collectively (every rank calls this); returns its directory.
+
+    `write_tensors(directory)` runs on every rank and writes that rank's tensor files.
+    """
     root = Path(ckpt_root)
     name = f"step_{step:08d}"
     final = root / name
@@ -99,9 +105,8 @@ def save_checkpoint(
         tmp.mkdir()
     barrier()
     _write_json(tmp / f"rng_rank{rank:05d}.json", _rng_state())
+    write_tensors(tmp)
     if rank == 0:
-        save_file(model_tensors(model), str(tmp / "model.safetensors"))
-        save_file(optimizer_tensors(model, optimizer), str(tmp / "optimizer.safetensors"))
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         _write_json(tmp / "state.json", {**state, "step": step, "optimizer_param_groups": hyper})
     barrier()
@@ -117,11 +122,21 @@ def save_checkpoint(
     return final
 
 
-def resolve_checkpoint(resume: str, out_dir: str | Path) -> Path:
-    """`resume` is a checkpoint directory, or "latest" for the newest one under out_dir."""
-    if resume == LATEST:
+def write_full_tensors(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> None:
+    """The unsharded form (DDP): rank 0 writes the model and the optimizer state."""
+    if rank == 0:
+        save_file(model_tensors(model), str(directory / "model.safetensors"))
+        save_file(optimizer_tensors(model, optimizer), str(directory / "optimizer.safetensors"))
+
+
+def resolve_checkpoint(resume: str, out_dir: str | Path) -> Path | None:
+    """`resume` is a checkpoint directory, "latest" for the newest one under out_dir, or
+    "auto": the newest one if there is one, else None (start fresh; for requeued jobs)."""
+    if resume in (LATEST, "auto"):
         pointer = Path(out_dir) / "checkpoints" / LATEST
         if not pointer.is_file():
+            if resume == "auto":
+                return None
             raise CheckpointError(f"resume=latest: no checkpoint pointer at {pointer}")
         path = pointer.parent / pointer.read_text().strip()
     else:
@@ -150,10 +165,8 @@ def read_state(path: Path) -> dict:
         raise CheckpointError(f"checkpoint {path}: state.json cannot be read: {e}") from None
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int = 0) -> dict:
-    """Restore model, optimizer and this rank's RNG from `path`; returns the state.json dict."""
-    state = read_state(path)
-
+def read_full_tensors(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load the unsharded form into the model and its optimizer."""
     weights = _load_safetensors(path / "model.safetensors")
     expected = model_tensors(model)
     missing = sorted(set(expected) - set(weights))
@@ -184,11 +197,49 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         by_param.setdefault(name, {})[state_key] = tensor
     for name, entries in by_param.items():
         optimizer.state[params[name]] = {k: v.to(params[name].device) for k, v in entries.items()}
+
+
+def load_checkpoint(path: Path, optimizer: torch.optim.Optimizer, read_tensors, rank: int = 0) -> dict:
+    """Restore tensors (`read_tensors(path)`), optimizer hyper-parameters and this rank's RNG
+    from `path`; returns the state.json dict."""
+    state = read_state(path)
+    read_tensors(path)
     for group, saved in zip(optimizer.param_groups, state["optimizer_param_groups"]):
         group.update({k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
-
     rng_file = path / f"rng_rank{rank:05d}.json"
     if not rng_file.is_file():  # resumed on more ranks than were saved
         rng_file = path / "rng_rank00000.json"
     _set_rng_state(json.loads(rng_file.read_text()))
     return state
+
+
+def consolidated_model(path: Path) -> Transformer:
+    """The checkpoint's model, built from its config, with the unsharded fp32 weights."""
+    state = read_state(path)
+    model = Transformer(ModelConfig(**state["model_config"]))
+    if state.get("format", FULL) == SHARDED:
+        weights = consolidated_state_dict(path)
+    else:
+        weights = _load_safetensors(path / "model.safetensors")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name not in weights:
+                raise CheckpointError(f"checkpoint {path} has no tensor {name} for the model it describes")
+            param.copy_(weights[name])
+    return model
+
+
+def export_hf(path: Path, out_dir: str | Path, tokenizer: str | Path | None = None) -> Path:
+    """Consolidate checkpoint `path` (either format) into a Hugging Face directory, atomically.
+
+    The tokenizer (a SentencePiece .model or an HF tokenizer dir) defaults to the one the
+    run recorded in state.json.
+    """
+    state = read_state(path)
+    tokenizer = tokenizer or state.get("tokenizer")
+    model = consolidated_model(path)
+    with tempfile.TemporaryDirectory() as tok_dir:
+        if tokenizer:
+            load_tokenizer(tokenizer).save(tok_dir)
+        save_hf_checkpoint(model, out_dir, tokenizer_dir=tok_dir if tokenizer else None)
+    return Path(out_dir)

@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 import yaml
 
+from zeropp.config import ZeroConfig
+
 
 class ConfigError(ValueError):
     """A configuration key or value that cannot be used; the message says which and why."""
@@ -84,6 +86,11 @@ class TrainSection:
     progress_bar: bool = True
     # Peak of the hardware in TFLOP/s per rank, for MFU. On CPU a rough figure suffices.
     peak_tflops: float = 1.0
+    # The scheduler's warning signal (Slurm --signal): checkpoint at the end of the current
+    # step and exit cleanly. "" disables.
+    preempt_signal: str = "SIGUSR1"
+    # At the end, also write the final weights as a Hugging Face directory: <out_dir>/hf.
+    export_hf: bool = False
 
 
 @dataclass
@@ -92,7 +99,9 @@ class Config:
     data: DataSection = field(default_factory=DataSection)
     optim: OptimSection = field(default_factory=OptimSection)
     train: TrainSection = field(default_factory=TrainSection)
-    # A checkpoint directory to continue from, or "latest" for out_dir's latest checkpoint.
+    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    # A checkpoint directory to continue from; "latest": out_dir's latest checkpoint;
+    # "auto": the latest if there is one, else start fresh (requeued jobs).
     resume: str | None = None
 
 

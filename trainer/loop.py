@@ -1,7 +1,8 @@
 """The pretraining loop: model, data, optimizer, schedule, eval, logging and checkpoints.
 
-Data parallelism here is plain PyTorch DDP: the reference baseline that the sharded
-runtime in zeropp/ is measured against.
+Data parallelism is either plain PyTorch DDP (`zero_optimization.stage: 0`, the baseline)
+or our sharded runtime (`stage: 3`, zeropp.engine.Zero3Engine), applied to the same model
+from outside; the loop differs only in who owns backward, clipping and the step.
 """
 
 from __future__ import annotations
@@ -21,12 +22,20 @@ from torch.nn.parallel import DistributedDataParallel
 from data.datasets import ResumableBatchSampler
 from models.config import ModelConfig, flops_per_token
 from models.transformer import Transformer, lm_loss
-from trainer.checkpoint import load_checkpoint, read_state, resolve_checkpoint, save_checkpoint
+from trainer.checkpoint import (
+    FULL, SHARDED, export_hf, load_checkpoint, read_full_tensors, read_state, resolve_checkpoint, save_checkpoint,
+    write_full_tensors,
+)
 from trainer.config import Config, ConfigError, to_dict
-from trainer.distributed import DistEnv, all_reduce_mean, init_distributed
+from trainer.distributed import DistEnv, all_reduce_mean, barrier, init_distributed
 from trainer.metrics import MetricsLogger
-from trainer.optim import build_optimizer, lr_at
+from trainer.optim import build_optimizer, build_shard_optimizer, lr_at
+from trainer.preemption import PreemptionSignal, signal_number
 from trainer.pretrain_data import PretrainData, prepare_pretraining
+from zeropp.checkpoint import load_shards, save_shards
+from zeropp.config import ZeroConfigError
+from zeropp.engine import Zero3Engine
+from zeropp.topology import build_topology, ranks_per_node_from_env
 
 
 @dataclass
@@ -34,6 +43,7 @@ class TrainResult:
     losses: dict[int, float] = field(default_factory=dict)  # step -> training loss
     val_loss: float = float("nan")
     checkpoint: Path | None = None
+    preempted: bool = False  # stopped early by the scheduler's warning signal
 
 
 def build_model_config(cfg: Config, vocab_size: int) -> ModelConfig:
@@ -63,6 +73,12 @@ def _check(cfg: Config) -> None:
             raise ConfigError(f"{key} must be at least 1, got {value}")
     if not 0.0 < cfg.data.valid_fraction < 1.0:
         raise ConfigError(f"data.valid_fraction must be in (0, 1), got {cfg.data.valid_fraction}")
+    try:
+        cfg.zero_optimization.validate()
+        if t.preempt_signal:
+            signal_number(t.preempt_signal)
+    except (ZeroConfigError, ValueError) as e:
+        raise ConfigError(str(e)) from None
 
 
 def autocast_for(precision: str, device: torch.device):
@@ -89,24 +105,53 @@ class Trainer:
         self.model_cfg = build_model_config(cfg, self.data.tokenizer.vocab_size)
         torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank and world size
         self.model = Transformer(self.model_cfg).to(self.env.device)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.ddp = (
-            DistributedDataParallel(self.model, device_ids=[self.env.device] if self.env.device.type == "cuda" else None)
-            if self.env.world_size > 1 else None
-        )
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        zero = cfg.zero_optimization
+        self.engine: Zero3Engine | None = None
+        self.ddp = None
+        self._own_group = False
+        if zero.stage == 3:
+            if not dist.is_initialized():  # one process: a group of one, and the engine runs unchanged
+                backend = "nccl" if self.env.device.type == "cuda" else "gloo"
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+                self._own_group = True
+            topo = build_topology(ranks_per_node=zero.ranks_per_node)
+            self.engine = Zero3Engine(self.model, lambda pieces: build_shard_optimizer(pieces, cfg.optim), zero,
+                                      topo=topo, device=self.env.device)
+            self.optimizer = self.engine.optimizer
+            self.runtime = f"ZeRO-3 ({zero.communication_data_type} communication) | topology: {topo.describe()}"
+        else:
+            self.optimizer = build_optimizer(self.model, cfg.optim)
+            if self.env.world_size > 1:
+                device_ids = [self.env.device] if self.env.device.type == "cuda" else None
+                self.ddp = DistributedDataParallel(self.model, device_ids=device_ids)
+            rpn = min(zero.ranks_per_node or ranks_per_node_from_env(self.env.world_size), self.env.world_size)
+            self.runtime = f"DDP | topology: {self.env.world_size // rpn} node(s) x {rpn} rank(s) per node"
         self.step = 0
         self.consumed_samples = 0
         self.ckpt_root = Path(cfg.train.out_dir) / "checkpoints"
-        if cfg.resume:
-            path = resolve_checkpoint(cfg.resume, cfg.train.out_dir)
-            saved = read_state(path)["model_config"]
-            ours = dataclasses.asdict(self.model_cfg)
-            if saved != ours:
-                diff = {k: (saved.get(k), v) for k, v in ours.items() if saved.get(k) != v}
-                raise ConfigError(f"resume: checkpoint {path} was made for another model; (saved, ours): {diff}")
-            state = load_checkpoint(path, self.model, self.optimizer, self.env.rank)
-            self.step = state["step"]
-            self.consumed_samples = state["consumed_samples"]
+        path = resolve_checkpoint(cfg.resume, cfg.train.out_dir) if cfg.resume else None
+        if path is not None:
+            self._resume(path)
+
+    def _resume(self, path: Path) -> None:
+        saved = read_state(path)
+        ours = dataclasses.asdict(self.model_cfg)
+        if saved["model_config"] != ours:
+            diff = {k: (saved["model_config"].get(k), v) for k, v in ours.items() if saved["model_config"].get(k) != v}
+            raise ConfigError(f"resume: checkpoint {path} was made for another model; (saved, ours): {diff}")
+        fmt, want = saved.get("format", FULL), SHARDED if self.engine else FULL
+        if fmt != want:
+            raise ConfigError(
+                f"resume: checkpoint {path} is {fmt!r} but zero_optimization.stage {self.cfg.zero_optimization.stage} "
+                f"needs {want!r}; resume with the stage it was written with, or convert it with scripts/consolidate.py")
+        if self.engine:
+            read = lambda d: load_shards(self.engine, d)  # noqa: E731
+        else:
+            read = lambda d: read_full_tensors(d, self.model, self.optimizer)  # noqa: E731
+        state = load_checkpoint(path, self.optimizer, read, self.env.rank)
+        self.step = state["step"]
+        self.consumed_samples = state["consumed_samples"]
 
     @property
     def global_batch(self) -> int:
@@ -120,10 +165,11 @@ class Trainer:
     def train_step(self, batches) -> tuple[float, float]:
         """One optimizer step over `grad_accum` micro-batches; returns (loss, grad norm)."""
         cfg = self.cfg
-        module = self.ddp or self.model
         lr = lr_at(self.step, cfg.train.steps, cfg.optim)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        if self.engine:
+            self.engine.ledger.reset()  # the ledger then holds exactly this step's traffic
         total = torch.zeros((), device=self.env.device)
         for micro in range(cfg.train.grad_accum):
             tokens, labels = self._batch(next(batches))
@@ -131,18 +177,34 @@ class Trainer:
             sync = nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
             with sync:
                 with autocast_for(cfg.train.precision, self.env.device):
-                    logits = module(tokens)
+                    logits = (self.ddp or self.model)(tokens)
                 loss = lm_loss(logits, labels)
-                (loss / cfg.train.grad_accum).backward()
+                if self.engine:
+                    self.engine.backward(loss)  # unscaled: the engine post-divides by world x micro-batches
+                else:
+                    (loss / cfg.train.grad_accum).backward()
             total += loss.detach()
         max_norm = cfg.optim.clip_grad if cfg.optim.clip_grad > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.engine:
+            grad_norm = self.engine.clip_grad_norm(max_norm)
+            self.engine.step()
+            self.engine.zero_grad()
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.consumed_samples += self.global_batch
         loss = all_reduce_mean(total / cfg.train.grad_accum)
         return loss.item(), grad_norm.item()
+
+    def comm_scalars(self) -> dict[str, float]:
+        """This rank's communication in the last step, from the engine's ledger (MB sent)."""
+        if not self.engine:
+            return {}
+        totals = self.engine.ledger.totals()
+        return {"comm sent (MB)": sum(e["sent"] for e in totals.values()) / 2**20,
+                "cross-node sent (MB)": sum(e["cross_node_sent"] for e in totals.values()) / 2**20}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -166,24 +228,37 @@ class Trainer:
 
     def save(self) -> Path:
         state = {
+            "format": SHARDED if self.engine else FULL,
             "consumed_samples": self.consumed_samples,
             "config": to_dict(self.cfg),
             "model_config": dataclasses.asdict(self.model_cfg),
             "world_size": self.env.world_size,
+            "tokenizer": str(self.data.tokenizer.path),
         }
-        return save_checkpoint(self.ckpt_root, self.step, self.model, self.optimizer, state, self.env.rank)
+        if self.engine:
+            write = lambda d: save_shards(self.engine, d)  # noqa: E731
+        else:
+            write = lambda d: write_full_tensors(d, self.model, self.optimizer, self.env.rank)  # noqa: E731
+        return save_checkpoint(self.ckpt_root, self.step, state, self.optimizer, write, self.env.rank)
+
+    def close(self) -> None:
+        if self.engine:
+            self.engine.close()
+        if self._own_group:
+            dist.destroy_process_group()
 
     def run(self) -> TrainResult:
         cfg, t = self.cfg, self.cfg.train
         result = TrainResult()
         log = MetricsLogger(t, self.env.is_main, start_step=self.step)
+        preemption = PreemptionSignal(t.preempt_signal)
         if self.env.is_main:
-            n_params = sum(p.numel() for p in self.model.parameters())
             log.info(
-                f"model {cfg.model.preset}: {n_params / 1e6:.2f}M parameters | data {self.data.source}: "
+                f"model {cfg.model.preset}: {self.n_params / 1e6:.2f}M parameters | data {self.data.source}: "
                 f"{len(self.data.train_indices)} train / {len(self.data.valid_indices)} valid samples of "
                 f"{cfg.data.seq_len} tokens | world size {self.env.world_size} | global batch {self.global_batch}"
             )
+            log.info(f"runtime: {self.runtime}")
         sampler = ResumableBatchSampler(
             self.data.train_indices, t.micro_batch_size, self.env.rank, self.env.world_size, t.seed,
             consumed_samples=self.consumed_samples,
@@ -211,6 +286,7 @@ class Trainer:
                     "TFLOP/s per rank": tflops,
                     "MFU %": 100 * tflops / t.peak_tflops,
                     "memory (MB)": _memory_mb(self.env.device),
+                    **self.comm_scalars(),
                 }, total_steps=t.steps)
                 window_start, window_steps = time.perf_counter(), 0
             if self.step % t.eval_interval == 0 or self.step == t.steps:
@@ -222,17 +298,31 @@ class Trainer:
             if t.checkpoint_interval and self.step % t.checkpoint_interval == 0 and self.step != t.steps:
                 path = self.save()
                 log.info(f"saved checkpoint {path}")
+            if self.step != t.steps and preemption.requested(self.env.device):
+                result.preempted = True
+                break
+        preemption.close()
         result.checkpoint = self.save()
+        if result.preempted:
+            log.info(f"preempted at step {self.step}: saved checkpoint {result.checkpoint}")
         log.close()
-        if math.isnan(result.val_loss):  # resumed at the end: nothing was trained or evaluated
+        if math.isnan(result.val_loss) and not result.preempted:  # resumed at the end: nothing was run
             result.val_loss = self.evaluate()
+        if t.export_hf and not result.preempted:
+            if self.env.is_main:
+                hf_dir = export_hf(result.checkpoint, Path(t.out_dir) / "hf")
+                print(f"Hugging Face checkpoint: {hf_dir}")
+            barrier()
         return result
 
 
 def train(cfg: Config) -> TrainResult:
     trainer = Trainer(cfg)
-    result = trainer.run()
-    if trainer.env.is_main:
+    try:
+        result = trainer.run()
+    finally:
+        trainer.close()
+    if trainer.env.is_main and not result.preempted:
         print(f"validation loss {result.val_loss:.4f} | perplexity {math.exp(min(result.val_loss, 50)):.2f}")
         print(f"checkpoint: {result.checkpoint}")
     if dist.is_initialized():

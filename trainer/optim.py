@@ -24,8 +24,18 @@ def param_groups(named_params, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimSection) -> torch.optim.AdamW:
     # Parameters shared by two modules (tied embeddings) appear once in named_parameters().
+    return _adamw(param_groups(model.named_parameters(), cfg.weight_decay), cfg)
+
+
+def build_shard_optimizer(pieces: list[tuple[torch.Tensor, bool]], cfg: OptimSection) -> torch.optim.AdamW:
+    """AdamW over a sharded runtime's (shard piece, decayed) pairs, with the same two groups."""
+    return _adamw([{"params": [p for p, decay in pieces if decay], "weight_decay": cfg.weight_decay},
+                   {"params": [p for p, decay in pieces if not decay], "weight_decay": 0.0}], cfg)
+
+
+def _adamw(groups: list[dict], cfg: OptimSection) -> torch.optim.AdamW:
     return torch.optim.AdamW(
-        param_groups(model.named_parameters(), cfg.weight_decay),
+        groups,
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,

@@ -27,26 +27,17 @@ the communication-dtype copy.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 
 from zeropp.comm import Comm
+from zeropp.config import ZeroConfig
 from zeropp.flat import FlatUnit
 from zeropp.topology import Topology, build_topology
 
 
 class UnsupportedModelError(TypeError):
     """A model whose structure the runtime cannot split into units; the message says why."""
-
-
-@dataclass
-class EngineOptions:
-    comm_dtype: torch.dtype = torch.bfloat16
-    param_dtype: torch.dtype = torch.float32  # the dtype the forward computes with
-    overlap_comm: bool = True
-    prefetch_numel: int = 50_000_000  # largest unit that is prefetched; 0 disables prefetch
 
 
 # ---------------------------------------------------------------------------- autograd gates
@@ -168,11 +159,12 @@ def partition_units(model: nn.Module) -> dict[str, list]:
 class Zero3Engine:
     """A ZeRO-3 sharded model + AdamW. Call it like the model; then backward(), step()."""
 
-    def __init__(self, model: nn.Module, optimizer_factory, options: EngineOptions | None = None,
+    def __init__(self, model: nn.Module, optimizer_factory, config: ZeroConfig | None = None,
                  topo: Topology | None = None, comm: Comm | None = None, device: torch.device | None = None):
-        """optimizer_factory(param_groups) -> torch optimizer over the shard pieces."""
+        """optimizer_factory([(shard piece, decayed)]) -> torch optimizer over the shard pieces."""
         self.model = model
-        self.opts = options or EngineOptions()
+        self.config = config or ZeroConfig(stage=3)
+        self.comm_dtype, self.param_dtype = self.config.comm_dtype, self.config.compute_dtype
         self.device = device or torch.device("cpu")
         self.topo = topo or build_topology()
         self.comm = comm or Comm(self.topo)
@@ -181,7 +173,7 @@ class Zero3Engine:
 
         groups = partition_units(model)
         self.units: dict[str, FlatUnit] = {
-            name: FlatUnit(name, params, world, rank, self.opts.comm_dtype, self.device)
+            name: FlatUnit(name, params, world, rank, self.comm_dtype, self.device)
             for name, params in groups.items()
         }
         self.blocks = [self.units[f"blocks.{i}"] for i in range(len(model.blocks)) if f"blocks.{i}" in self.units]
@@ -200,9 +192,9 @@ class Zero3Engine:
             for module, attr in slot.aliases:
                 del module._parameters[attr]
         block_numel = max((u.padded_numel for u in self.blocks), default=0)
-        self._gather_pair = [self._new_buffer(block_numel, self.opts.comm_dtype) for _ in range(2)]
+        self._gather_pair = [self._new_buffer(block_numel, self.comm_dtype) for _ in range(2)]
         self._compute_pair = self._compute_for(self._gather_pair, block_numel)
-        self._grad_pair = [torch.zeros(block_numel, dtype=self.opts.param_dtype, device=self.device) for _ in range(2)]
+        self._grad_pair = [torch.zeros(block_numel, dtype=self.param_dtype, device=self.device) for _ in range(2)]
         self._grad_owner: list[FlatUnit | None] = [None, None]
         for u in self.units.values():
             u.pending_gather = None
@@ -211,9 +203,9 @@ class Zero3Engine:
             u.writing_grads = False
             u.gathered_version = -1
             if u in self.resident:
-                u.gather_buf = self._new_buffer(u.padded_numel, self.opts.comm_dtype)
+                u.gather_buf = self._new_buffer(u.padded_numel, self.comm_dtype)
                 u.compute_buf = self._compute_for([u.gather_buf], u.padded_numel)[0]
-                u.grad_buf = torch.zeros(u.padded_numel, dtype=self.opts.param_dtype, device=self.device)
+                u.grad_buf = torch.zeros(u.padded_numel, dtype=self.param_dtype, device=self.device)
             self._bind(u, grad=False)  # parameters exist (as views) from the start
 
         pieces = [(p, decay) for u in self.units.values() for p, decay in u.optim_params]
@@ -237,9 +229,9 @@ class Zero3Engine:
 
     def _compute_for(self, gather_bufs, numel):
         """Compute buffers: the gather buffers themselves when the dtypes agree, else fp32 twins."""
-        if self.opts.comm_dtype == self.opts.param_dtype:
+        if self.comm_dtype == self.param_dtype:
             return gather_bufs
-        return [self._new_buffer(numel, self.opts.param_dtype) for _ in gather_bufs]
+        return [self._new_buffer(numel, self.param_dtype) for _ in gather_bufs]
 
     def _slot(self, unit: FlatUnit) -> int:
         return self._position[id(unit)] % 2
@@ -256,7 +248,7 @@ class Zero3Engine:
     def _issue_gather(self, unit: FlatUnit, tag: str) -> None:
         gather, _ = self._gather_buf(unit)
         unit.pending_gather = self.comm.all_gather(gather[:unit.padded_numel], unit.comm_shard, tag=tag,
-                                                   async_op=self.opts.overlap_comm)
+                                                   async_op=self.config.overlap_comm)
 
     def _ensure_gathered(self, unit: FlatUnit, tag: str) -> None:
         """Wait for the unit's prefetched gather, or gather now; then fill the compute buffer."""
@@ -270,8 +262,8 @@ class Zero3Engine:
         unit.gathered_version = self.weights_version
 
     def _prefetch(self, unit: FlatUnit | None, tag: str) -> None:
-        if (unit is not None and unit.pending_gather is None and self.opts.overlap_comm
-                and unit.padded_numel <= self.opts.prefetch_numel):
+        if (unit is not None and unit.pending_gather is None and self.config.overlap_comm
+                and unit.padded_numel <= self.config.stage3_prefetch_bucket_size):
             self._issue_gather(unit, tag)
 
     def _bind(self, unit: FlatUnit, grad: bool) -> None:
@@ -347,7 +339,7 @@ class Zero3Engine:
             previous.pending_reduce.wait()
             previous.pending_reduce = None
         if buf is None:
-            buf = torch.zeros(unit.padded_numel, dtype=self.opts.param_dtype, device=self.device)
+            buf = torch.zeros(unit.padded_numel, dtype=self.param_dtype, device=self.device)
         else:
             buf.zero_()
         unit.grad_target = buf
@@ -373,11 +365,11 @@ class Zero3Engine:
     def _reduce(self, unit: FlatUnit) -> None:
         """All of the unit's gradients are in grad_target: reduce-scatter them into grad_shard."""
         grad = unit.grad_target[:unit.padded_numel]
-        wire = grad if grad.dtype == self.opts.comm_dtype else grad.to(self.opts.comm_dtype)
+        wire = grad if grad.dtype == self.comm_dtype else grad.to(self.comm_dtype)
         if unit.pending_reduce is not None:  # a temporary buffer's earlier reduce (rare path)
             unit.pending_reduce.wait()
         unit.pending_reduce = self.comm.reduce_scatter(unit.grad_shard, wire, tag="gradient reduce",
-                                                       async_op=self.opts.overlap_comm, accumulate=True)
+                                                       async_op=self.config.overlap_comm, accumulate=True)
         unit.writing_grads = False
 
     # ------------------------------------------------------------------ public API
@@ -429,6 +421,11 @@ class Zero3Engine:
         self.optimizer.step()
         for u in self.units.values():
             u.refresh_comm_shard()
+        self.weights_changed()
+
+    def weights_changed(self) -> None:
+        """Every copy of the weights made from the shards (gathered norms, later hpZ
+        secondaries) is stale: call after anything that edits the master shards."""
         self.weights_version += 1
 
     def zero_grad(self) -> None:

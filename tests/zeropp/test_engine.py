@@ -9,7 +9,8 @@ from models.transformer import Transformer, lm_loss
 from tests.spawn import run_ranks
 from trainer.config import OptimSection
 from trainer.optim import build_optimizer
-from zeropp.engine import EngineOptions, UnsupportedModelError, Zero3Engine, partition_units
+from zeropp.config import ZeroConfig
+from zeropp.engine import UnsupportedModelError, Zero3Engine, partition_units
 from zeropp.topology import build_topology
 
 SEQ = 16
@@ -55,7 +56,7 @@ def reference(preset: str, steps: int, clip: float = 1.0):
 def _zero_run(rank, world, preset, steps, ranks_per_node, accum, clip):
     topo = build_topology(ranks_per_node=ranks_per_node)
     engine = Zero3Engine(make_model(preset), adamw_factory,
-                         EngineOptions(comm_dtype=torch.float32, param_dtype=torch.float32), topo=topo)
+                         ZeroConfig(stage=3, communication_data_type="fp32"), topo=topo)
     per_rank = BATCH // world
     losses = []
     for sample in batches(steps):
@@ -107,7 +108,7 @@ def test_unsupported_structure_is_a_clear_error():
 
 def _one_step_ledger(rank, world):
     topo = build_topology(ranks_per_node=2)
-    engine = Zero3Engine(make_model("gpt2-tiny"), adamw_factory, EngineOptions(comm_dtype=torch.bfloat16), topo=topo)
+    engine = Zero3Engine(make_model("gpt2-tiny"), adamw_factory, ZeroConfig(stage=3, communication_data_type="bf16"), topo=topo)
     sample = batches(1)[0][rank * 3:(rank + 1) * 3]
     engine.backward(lm_loss(engine(sample[:, :-1]), sample[:, 1:]))
     engine.clip_grad_norm(1.0)
@@ -137,7 +138,7 @@ def test_ledger_one_step_on_two_nodes_of_two():
 
 def _two_engines_frozen_and_memory(rank, world):
     topo = build_topology()
-    fp32 = EngineOptions(comm_dtype=torch.float32, param_dtype=torch.float32)
+    fp32 = ZeroConfig(stage=3, communication_data_type="fp32")
     gpt = Zero3Engine(make_model("gpt2-tiny"), adamw_factory, fp32, topo=topo)
     frozen_model = make_model("llama-tiny")
     for p in frozen_model.blocks[0].parameters():

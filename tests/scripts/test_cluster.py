@@ -1,0 +1,161 @@
+"""The emulated cluster: real torchrun + gloo across rate-limited namespaces, loopback within a
+node, throughput, and teardown in every exit path. Needs root and iproute2 (skips otherwise)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from scripts.bench.cluster import EmulatedCluster, list_namespaces, parse_rate, tbf_params
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+    reason="the emulated cluster needs root and iproute2 (`ip`, `tc`)",
+)
+
+ALLREDUCE = textwrap.dedent("""
+    import json, os, sys, time
+    import torch, torch.distributed as dist
+    numel, iters, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = torch.arange(numel, dtype=torch.float32) % 1000
+    dist.barrier()
+    start = time.perf_counter()
+    err = 0.0
+    for it in range(iters):
+        t = base * (rank + 1) + it
+        dist.all_reduce(t)
+        expected = base * (world * (world + 1) / 2) + world * it
+        err = max(err, (t - expected).abs().max().item())
+    dist.barrier()
+    elapsed = time.perf_counter() - start
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump({"rank": rank, "world": world, "err": err, "elapsed": elapsed,
+                   "sum_first": t[:3].tolist(), "pid": os.getpid()}, f)
+    print("RESULT", rank, err, elapsed)
+    dist.destroy_process_group()
+""")
+
+SLEEPER = textwrap.dedent("""
+    import os, sys, time
+    with open(f"{sys.argv[1]}/pid{os.environ['RANK']}", "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(300)
+""")
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie of ours would still "exist"; check its state
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _assert_gone(cluster):
+    assert not [ns for ns in list_namespaces() if ns.startswith(cluster.prefix + "-")]
+    out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    links = {line.split(":")[1].strip().split("@")[0] for line in out.splitlines()}
+    assert not links & {name for n in cluster.nodes for name in (n.ifname, n.hub_ifname)}
+    assert not [name for name in links if name.startswith(cluster.prefix)]
+
+
+def test_parse_rate_and_burst():
+    assert parse_rate("20mbit") == 20_000_000
+    assert parse_rate("1gbit") == 1_000_000_000
+    assert parse_rate("1.5Gbit") == 1_500_000_000
+    assert parse_rate("10mbps") == 80_000_000
+    with pytest.raises(ValueError):
+        parse_rate("fast")
+    assert tbf_params(20_000_000)[0] == 64 * 1024
+    assert tbf_params(1_000_000_000)[0] == 625_000
+
+
+def test_allreduce_across_two_nodes_at_20mbit(tmp_path):
+    script = tmp_path / "allreduce.py"
+    script.write_text(ALLREDUCE)
+    numel, iters = 512 * 1024, 4                     # 2 MiB fp32, 4 all-reduces
+    payload = numel * 4 * iters                      # each node must receive (and send) >= this
+    rate = 20_000_000
+    with EmulatedCluster(nodes=2, rate="20mbit", run_dir=tmp_path / "run") as cluster:
+        result = cluster.run([sys.executable, str(script), numel, iters, tmp_path],
+                             nproc_per_node=1, timeout=120, cwd=tmp_path)
+    _assert_gone(cluster)
+    assert result.returncode == 0, result.node_outputs
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["world"] for r in ranks] == [2, 2]
+    assert all(r["err"] == 0.0 for r in ranks)
+    # The sum x0 + x1 plus its own x_k gives away the other's x: each node must receive at least
+    # the payload, and (symmetrically) send it.
+    for k in range(2):
+        assert result.link_bytes[k]["rx"] >= payload, result.link_bytes
+        assert result.link_bytes[k]["tx"] >= payload, result.link_bytes
+        assert result.link_bytes[k]["tx"] < 3 * payload, result.link_bytes
+    # Timing consistent with the rate: no faster than the bytes allow (less the 64 KiB bucket),
+    # and not wildly slower.
+    lower = (payload - 2 * 64 * 1024) * 8 / rate
+    elapsed = max(r["elapsed"] for r in ranks)
+    assert lower <= elapsed <= 4 * lower + 2, (elapsed, lower)
+    assert result.wall_s >= elapsed
+    assert (tmp_path / "run" / "node0.out").exists()
+
+
+def test_ranks_of_one_node_use_loopback(tmp_path):
+    script = tmp_path / "allreduce.py"
+    script.write_text(ALLREDUCE)
+    with EmulatedCluster(nodes=1, rate="20mbit") as cluster:
+        result = cluster.run([sys.executable, str(script), 512 * 1024, 4, tmp_path],
+                             nproc_per_node=2, timeout=120)
+    _assert_gone(cluster)
+    assert result.returncode == 0, result.node_outputs
+    assert all(json.loads((tmp_path / f"rank{r}.json").read_text())["err"] == 0.0 for r in range(2))
+    # 8 MiB moved between the two ranks, none of it over the shaped link
+    assert result.link_bytes[0]["tx"] < 10_000 and result.link_bytes[0]["rx"] < 10_000, result.link_bytes
+
+
+def test_teardown_after_success_failure_and_timeout(tmp_path):
+    with EmulatedCluster(nodes=2, rate="100mbit") as ok:
+        assert len([ns for ns in list_namespaces() if ns.startswith(ok.prefix + "-")]) == 3
+        assert ok.run(["true"], torchrun=False).returncode == 0
+    _assert_gone(ok)
+
+    with EmulatedCluster(nodes=2, rate="100mbit") as failing:
+        result = failing.run(["sh", "-c", "exit 3"], torchrun=False)
+        assert result.returncode == 3 and result.returncodes == [3, 3]
+    _assert_gone(failing)
+
+    # timeout with a real torchrun tree: its workers must die too
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    with EmulatedCluster(nodes=2, rate="100mbit") as slow:
+        result = slow.run([sys.executable, str(script), tmp_path], nproc_per_node=1, timeout=15)
+        assert result.timed_out and result.returncode == 124
+    _assert_gone(slow)
+    started = [tmp_path / f"pid{r}" for r in range(2)]
+    assert all(p.exists() for p in started), f"workers did not start within 15 s: {result.node_outputs}"
+    pids = [int(p.read_text()) for p in started]
+    assert not [p for p in pids if _alive(p)]
+
+    # an exception inside the with-block tears down too
+    with pytest.raises(RuntimeError):
+        with EmulatedCluster(nodes=2, rate="100mbit") as raising:
+            raise RuntimeError("boom")
+    _assert_gone(raising)
+
+
+def test_throughput_at_20mbit():
+    with EmulatedCluster(nodes=2, rate="20mbit") as cluster:
+        measured = cluster.measure_throughput(0, 1, seconds=1.5)
+    _assert_gone(cluster)
+    assert 0.6 * 20 <= measured["mbit_s"] <= 1.1 * 20, measured

@@ -1,0 +1,196 @@
+"""Sharded checkpoints of a ZeRO-3 engine: each rank writes only what it owns.
+
+Inside a checkpoint directory (the trainer makes it atomic: temp dir + rename)::
+
+    manifest.json                 world size, and every unit's layout: its parameters
+                                  (name, shape, offset in the flat buffer, trainable, decayed)
+    shards_rank00003.safetensors  rank 3's part of each unit: "<unit>.master" (fp32 shard),
+                                  "<unit>.<state>" for each optimizer state (exp_avg, ...),
+                                  shard-long, zero where the shard holds no trainable element
+
+The flat layout of a unit depends only on the model, not on the world size (padding sits
+at the end), so a shard is a plain range of the unit's flat buffer. Loading on another
+world size (resharding) reads, for each unit, just the byte ranges of the old shards that
+overlap the new one (`safe_open(...).get_slice`); consolidation reads them all.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from zeropp.flat import FlatUnit
+
+MANIFEST = "manifest.json"
+FORMAT = "zeropp-zero3-v1"
+
+
+class ShardedCheckpointError(RuntimeError):
+    """A sharded checkpoint that cannot be read, or was written for another model."""
+
+
+def shard_file(directory: Path, rank: int) -> Path:
+    return Path(directory) / f"shards_rank{rank:05d}.safetensors"
+
+
+def unit_layout(unit: FlatUnit) -> dict:
+    return {
+        "numel": unit.numel,
+        "shard_numel": unit.shard_numel,
+        "params": [{"name": s.name, "shape": list(s.shape), "offset": s.offset, "trainable": s.trainable,
+                    "decay": s.decay, "aliases": s.alias_names} for s in unit.slots],
+    }
+
+
+def _piece_states(engine, unit: FlatUnit):
+    """(start offset in the shard, optimizer state dict) for each of the unit's shard pieces."""
+    for piece, _ in unit.optim_params:
+        offset = piece.data_ptr() - unit.master.data_ptr()
+        yield offset // unit.master.element_size(), piece, engine.optimizer.state.get(piece, {})
+
+
+def save_shards(engine, directory: str | Path) -> None:
+    """Write this rank's shards (every rank calls it); rank 0 also writes the manifest.
+
+    Every trainable unit gets every optimizer state in every file, zero where this rank's
+    shard has no trainable element, so any range of any unit can be read back.
+    """
+    directory = Path(directory)
+    scalars = {}  # e.g. AdamW's step count: the same for every piece
+    shaped = {}
+    for state in engine.optimizer.state.values():
+        for key, value in state.items():
+            (scalars if value.dim() == 0 else shaped).setdefault(key, value)
+    tensors = {}
+    for name, unit in engine.units.items():
+        tensors[f"{name}.master"] = unit.master.detach().cpu()
+        if not unit.trainable:
+            continue
+        for key, value in scalars.items():
+            tensors[f"{name}.{key}"] = value.detach().cpu().clone()
+        for key, value in shaped.items():
+            tensors[f"{name}.{key}"] = torch.zeros(unit.shard_numel, dtype=value.dtype)
+        for start, piece, state in _piece_states(engine, unit):
+            for key, value in state.items():
+                if value.dim() == 0:
+                    tensors[f"{name}.{key}"] = value.detach().cpu().clone()
+                else:
+                    tensors[f"{name}.{key}"][start:start + piece.numel()] = value.detach().cpu()
+    save_file(tensors, str(shard_file(directory, engine.topo.rank)))
+    if engine.topo.rank == 0:
+        manifest = {"format": FORMAT, "world_size": engine.topo.world_size,
+                    "units": {name: unit_layout(u) for name, u in engine.units.items()}}
+        (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def read_manifest(directory: str | Path) -> dict:
+    path = Path(directory) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ShardedCheckpointError(f"{path} cannot be read: {e}") from None
+    if manifest.get("format") != FORMAT:
+        raise ShardedCheckpointError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    return manifest
+
+
+def check_manifest(manifest: dict, units: dict[str, FlatUnit], where: Path) -> None:
+    """Raise if the checkpoint's units or their parameters differ from the model's."""
+    saved, ours = set(manifest["units"]), set(units)
+    if saved != ours:
+        raise ShardedCheckpointError(
+            f"{where}: the checkpoint's units {sorted(saved - ours)[:4]} are not in the model and the model's "
+            f"{sorted(ours - saved)[:4]} are not in the checkpoint: it was written for another model")
+    for name, unit in units.items():
+        want, have = unit_layout(unit)["params"], manifest["units"][name]["params"]
+        for a, b in zip(want, have):
+            if a != b:
+                diff = ", ".join(f"{k}: checkpoint {b.get(k)!r}, model {a[k]!r}" for k in a if a[k] != b.get(k))
+                raise ShardedCheckpointError(
+                    f"{where} was written for another model: unit {name}, parameter {a['name']}: {diff}")
+        if len(want) != len(have):
+            raise ShardedCheckpointError(
+                f"{where} was written for another model: unit {name} has {len(have)} parameters in the "
+                f"checkpoint, {len(want)} in the model")
+
+
+class _ShardReader:
+    """Reads ranges of a unit's flat tensors across the old ranks' shard files."""
+
+    def __init__(self, directory: Path, manifest: dict):
+        self.directory, self.manifest = directory, manifest
+        self.files = {}
+
+    def _file(self, rank: int):
+        if rank not in self.files:
+            path = shard_file(self.directory, rank)
+            if not path.is_file():
+                raise ShardedCheckpointError(f"checkpoint shard missing: {path}")
+            try:
+                self.files[rank] = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError) as e:
+                raise ShardedCheckpointError(f"checkpoint shard {path} cannot be read (truncated?): {e}") from None
+        return self.files[rank]
+
+    def states(self, unit: str) -> dict[str, bool]:
+        """The unit's optimizer-state keys (rank 0's file names them all) -> is it a scalar."""
+        f = self._file(0)
+        return {k[len(unit) + 1:]: len(f.get_slice(k).get_shape()) == 0
+                for k in f.keys() if k.startswith(unit + ".") and k != f"{unit}.master"}
+
+    def scalar(self, unit: str, key: str) -> torch.Tensor:
+        # A fresh tensor per call: safetensors may hand out views of one memory map, and the
+        # optimizer updates each piece's step count in place.
+        return self._file(0).get_tensor(f"{unit}.{key}").clone()
+
+    def read(self, unit: str, key: str, lo: int, hi: int, dtype=torch.float32) -> torch.Tensor:
+        """Elements [lo, hi) of the unit's flat `key` tensor; beyond the saved padding: zeros."""
+        old = self.manifest["units"][unit]["shard_numel"]
+        out = torch.zeros(hi - lo, dtype=dtype)
+        first, last = lo // old, min((hi - 1) // old, self.manifest["world_size"] - 1)
+        for rank in range(first, last + 1):
+            a, b = max(lo, rank * old), min(hi, (rank + 1) * old)
+            if b > a:
+                out[a - lo:b - lo] = self._file(rank).get_slice(f"{unit}.{key}")[a - rank * old:b - rank * old]
+        return out
+
+
+def load_shards(engine, directory: str | Path) -> None:
+    """Restore master weights and optimizer states, resharding when the world size differs."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    check_manifest(manifest, engine.units, directory)
+    reader = _ShardReader(directory, manifest)
+    for name, unit in engine.units.items():
+        lo = unit.shard_start
+        with torch.no_grad():
+            unit.master.copy_(reader.read(name, "master", lo, lo + unit.shard_numel))
+        states = reader.states(name)
+        for start, piece, _ in _piece_states(engine, unit):
+            a = lo + start
+            state = {key: (reader.scalar(name, key) if scalar else reader.read(name, key, a, a + piece.numel()))
+                     for key, scalar in sorted(states.items())}
+            if state:
+                engine.optimizer.state[piece] = {k: v.to(piece.device) for k, v in state.items()}
+        unit.refresh_comm_shard()
+    engine.weights_changed()
+
+
+def consolidated_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every parameter, unsharded in fp32, under all its names; needs no process group."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    reader = _ShardReader(directory, manifest)
+    out = {}
+    for name, layout in manifest["units"].items():
+        flat = reader.read(name, "master", 0, layout["numel"])
+        for p in layout["params"]:
+            numel = int(torch.Size(p["shape"]).numel())
+            tensor = flat[p["offset"]:p["offset"] + numel].view(p["shape"]).clone()
+            for alias in p["aliases"]:
+                out[alias] = tensor
+    return out

@@ -1,0 +1,65 @@
+"""The runtime's configuration: the `zero_optimization` section, with DeepSpeed's key names.
+
+The same dataclass is a section of every entry point's config (YAML / CLI, e.g.
+``--zero_optimization.stage 3``) and what the engine is built from, so there is one place
+where a knob is named, defaulted and checked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ZeroConfigError(ValueError):
+    """Keys of `zero_optimization` that contradict each other or the run; the message names them."""
+
+
+@dataclass
+class ZeroConfig:
+    # 0: plain DDP (every rank holds everything); 3: parameters, gradients and optimizer
+    # states partitioned, gathered unit by unit. Stages 1 and 2 are subsets of 3 we do not build.
+    stage: int = 0
+    # Issue gathers and reduce-scatters asynchronously and prefetch the next unit.
+    overlap_comm: bool = True
+    # Units with more elements than this are not prefetched (DeepSpeed's meaning: numel).
+    stage3_prefetch_bucket_size: int = 50_000_000
+    # Dtype of the weight all-gather and the gradient reduce-scatter; the master weights,
+    # optimizer states and the gradient accumulation stay fp32.
+    communication_data_type: Literal["bf16", "fp16", "fp32"] = "bf16"
+    # Dtype the forward/backward computes with (gathered weights); fp32 on CPU. On CUDA,
+    # fp32 with bf16 autocast is the default; "bf16" keeps the gathered weights in bf16.
+    param_dtype: Literal["fp32", "bf16"] = "fp32"
+    # Ranks per node; unset takes the launcher's (LOCAL_WORLD_SIZE, Slurm). Set it to emulate
+    # nodes on one machine (4 ranks as 2 nodes x 2).
+    ranks_per_node: int | None = None
+
+    @property
+    def comm_dtype(self) -> torch.dtype:
+        return DTYPES[self.communication_data_type]
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return DTYPES[self.param_dtype]
+
+    def validate(self) -> None:
+        """Raise ZeroConfigError for values that are impossible or contradict each other."""
+        if self.stage not in (0, 3):
+            raise ZeroConfigError(
+                f"zero_optimization.stage={self.stage} is not supported: use 0 (plain DDP) or 3 (ZeRO-3)")
+        if self.stage3_prefetch_bucket_size < 0:
+            raise ZeroConfigError(
+                f"zero_optimization.stage3_prefetch_bucket_size must be >= 0, got {self.stage3_prefetch_bucket_size}")
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            raise ZeroConfigError(f"zero_optimization.ranks_per_node must be >= 1, got {self.ranks_per_node}")
+        if self.stage == 0:
+            changed = [f.name for f in fields(self)
+                       if f.name not in ("stage", "ranks_per_node") and getattr(self, f.name) != f.default]
+            if changed:
+                raise ZeroConfigError(
+                    f"zero_optimization.{changed[0]} applies to the sharded runtime, but zero_optimization.stage "
+                    f"is 0 (plain DDP); set stage: 3 or drop {', '.join(changed)}")
