@@ -1,0 +1,29 @@
+"""Block quantization for ZeRO++ qwZ / qgZ: one API over a torch path and Triton kernels (docs/kernels.md)."""
+
+from kernels.quant import (
+    BITS,
+    QuantizedTensor,
+    dequant_reduce,
+    dequant_reduce_quant,
+    dequantize,
+    num_blocks,
+    pack_codes,
+    packed_bytes,
+    quantize,
+    quantize_transposed,
+    unpack_codes,
+)
+
+__all__ = [
+    "BITS",
+    "QuantizedTensor",
+    "dequant_reduce",
+    "dequant_reduce_quant",
+    "dequantize",
+    "num_blocks",
+    "pack_codes",
+    "packed_bytes",
+    "quantize",
+    "quantize_transposed",
+    "unpack_codes",
+]

@@ -1,0 +1,348 @@
+"""Block quantization for ZeRO++ (qwZ weights, qgZ gradients): the API and the torch path.
+
+Format (docs/kernels.md): a flat tensor is cut into blocks of `block_size` elements, the
+last one zero-padded. Per block, s = absmax / qmax in fp32, stored as `scale_dtype`;
+q = clamp(round_half_even(x / s), -qmax, qmax) with s read back in fp32 (q = 0 where s = 0);
+the code q + 2**(bits-1) is packed densely, 8 codes in `bits` bytes, little-endian bit order.
+Blocks are contiguous byte ranges, so a range of blocks can be sliced out and sent as is.
+
+The torch path (`impl="torch"`) runs on any device; `kernels.triton_quant` holds the fused
+Triton kernels, bit-identical to it. "auto" picks Triton for CUDA tensors.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+BITS = (8, 6, 4, 3, 2)
+SCALE_DTYPES = (torch.float32, torch.float16)
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FP16_MAX = 65504.0
+IMPLS = ("auto", "torch", "triton")
+
+
+@dataclass
+class QuantizedTensor:
+    """Codes and scales of a flat tensor of `numel` elements."""
+
+    codes: torch.Tensor  # uint8, packed_bytes(numel, bits, block_size)
+    scales: torch.Tensor  # scale_dtype, num_blocks(numel, block_size)
+    numel: int
+    bits: int
+    block_size: int
+
+    def dequantize(self, **kwargs) -> torch.Tensor:
+        return dequantize(self.codes, self.scales, self.numel, self.bits, self.block_size, **kwargs)
+
+
+def num_blocks(numel: int, block_size: int) -> int:
+    return -(-numel // block_size)
+
+
+def packed_bytes(numel: int, bits: int, block_size: int) -> int:
+    return num_blocks(numel, block_size) * block_size * bits // 8
+
+
+# ---------------------------------------------------------------- public API
+
+
+def quantize(x, bits=8, block_size=256, *, scale_dtype=torch.float32, codes_out=None, scales_out=None,
+             impl="auto") -> QuantizedTensor:
+    """Quantize `x` (any shape, read flat) into blocks; optionally into caller-given buffers."""
+    _check_format(bits, block_size)
+    _check_input(x)
+    numel = x.numel()
+    codes, scales = _outputs(x.device, numel, bits, block_size, scale_dtype, codes_out, scales_out)
+    if _pick(impl, x) == "triton":
+        from kernels import triton_quant
+
+        flat = x.reshape(-1)
+        triton_quant.quantize(flat, (1, 1, numel), (0, 0, 1), bits, block_size, codes, scales)
+    else:
+        _quantize_flat(x.reshape(-1), bits, block_size, codes, scales)
+    return QuantizedTensor(codes, scales, numel, bits, block_size)
+
+
+def quantize_transposed(x3d, bits, block_size, *, scale_dtype=torch.float32, codes_out=None, scales_out=None,
+                        impl="auto") -> QuantizedTensor:
+    """Quantize x3d.transpose(0, 1).contiguous().flatten() without making that copy.
+
+    qgZ's hierarchical all-to-all sends a gradient's slices in a different order than they lie
+    in memory; reading the [A, B, C] view (any strides) in [B, A, C] order fuses that reorder
+    into quantization.
+    """
+    _check_format(bits, block_size)
+    _check_input(x3d)
+    if x3d.dim() != 3:
+        raise ValueError(f"quantize_transposed: x3d has shape {tuple(x3d.shape)}, expected 3 dims [A, B, C]")
+    A, B, C = x3d.shape
+    if C % block_size:
+        raise ValueError(f"quantize_transposed: C={C} must be a multiple of block_size={block_size}")
+    numel = x3d.numel()
+    codes, scales = _outputs(x3d.device, numel, bits, block_size, scale_dtype, codes_out, scales_out)
+    if _pick(impl, x3d) == "triton":
+        from kernels import triton_quant
+
+        triton_quant.quantize(x3d, (A, B, C), x3d.stride(), bits, block_size, codes, scales)
+    elif numel:
+        _quantize_rows(x3d.transpose(0, 1).unflatten(-1, (C // block_size, block_size)), bits, codes, scales)
+    return QuantizedTensor(codes, scales, numel, bits, block_size)
+
+
+def dequantize(codes, scales, numel, bits, block_size, *, out=None, dtype=torch.float32, accumulate=False,
+               impl="auto") -> torch.Tensor:
+    """Dequantize to `numel` values of `dtype`, into `out` if given (adding to it if `accumulate`)."""
+    _check_format(bits, block_size)
+    _check_codes(codes, scales, 1, numel, bits, block_size)
+    out = _result(out, codes.device, numel, dtype, accumulate)
+    if _pick(impl, codes) == "triton":
+        from kernels import triton_quant
+
+        triton_quant.dequantize(codes, scales, numel, bits, block_size, out, accumulate)
+    else:
+        _store_pieces(out, _summed_pieces(codes, scales, 1, numel, bits, block_size), accumulate)
+    return out
+
+
+def dequant_reduce(codes, scales, k, numel, bits, block_size, *, out=None, accumulate=False,
+                   impl="auto") -> torch.Tensor:
+    """Sum (fp32, in order 0..k-1) of the k quantized tensors held back to back in codes/scales.
+
+    This is the reduction step after qgZ's all-to-all; with `accumulate` the sum is added
+    to `out` (a gradient accumulation buffer).
+    """
+    _check_format(bits, block_size)
+    _check_codes(codes, scales, k, numel, bits, block_size)
+    out = _result(out, codes.device, numel, torch.float32, accumulate)
+    if _pick(impl, codes) == "triton":
+        from kernels import triton_quant
+
+        triton_quant.dequant_reduce(codes, scales, k, numel, bits, block_size, out=out, accumulate=accumulate)
+    else:
+        _store_pieces(out, _summed_pieces(codes, scales, k, numel, bits, block_size), accumulate)
+    return out
+
+
+def dequant_reduce_quant(codes, scales, k, numel, bits, block_size, *, out_bits=None,
+                         scale_dtype=torch.float32, impl="auto") -> QuantizedTensor:
+    """Requantized sum of k quantized tensors (qgZ's intra-node reduction before the next hop).
+
+    One fused pass on Triton; the torch path does the same a piece at a time.
+    """
+    out_bits = bits if out_bits is None else out_bits
+    _check_format(bits, block_size)
+    _check_format(out_bits, block_size)
+    _check_codes(codes, scales, k, numel, bits, block_size)
+    out_codes, out_scales = _outputs(codes.device, numel, out_bits, block_size, scale_dtype, None, None)
+    if _pick(impl, codes) == "triton":
+        from kernels import triton_quant
+
+        triton_quant.dequant_reduce(codes, scales, k, numel, bits, block_size,
+                                    quant_out=(out_codes, out_scales, out_bits))
+    else:
+        block_bytes = block_size * out_bits // 8
+        for start, total in _summed_pieces(codes, scales, k, numel, bits, block_size):
+            first, n = start // block_size, num_blocks(total.numel(), block_size)
+            _quantize_flat(total, out_bits, block_size, out_codes[first * block_bytes:(first + n) * block_bytes],
+                           out_scales[first:first + n])
+    return QuantizedTensor(out_codes, out_scales, numel, out_bits, block_size)
+
+
+def pack_codes(codes: torch.Tensor, bits: int, out: torch.Tensor) -> torch.Tensor:
+    """Pack uint8 codes (< 2**bits, a multiple of 8 of them) densely into `out`.
+
+    Code i of each group of 8 takes bits [i*bits, (i+1)*bits) of the group's `bits` bytes read
+    as a little-endian integer; when bits divides 8 that is simply 8 // bits codes per byte,
+    the first in the low bits.
+    """
+    if 8 % bits == 0:
+        # Read the codes of one output byte as one little-endian word: code i sits at bit 8i,
+        # and shifting the word right by i * (8 - bits) brings it to bit i * bits while the
+        # other codes land outside the low byte, which is what `out` keeps.
+        word = codes.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[8 // bits])
+        packed = word
+        for i in range(1, 8 // bits):
+            packed = packed | (word >> (i * (8 - bits)))
+        out.copy_(packed)
+    else:  # 3 or 6 bits: build each group's 24- or 48-bit integer, then cut it into bytes
+        shifts = torch.arange(8, device=codes.device, dtype=torch.int64) * bits
+        word = (codes.view(-1, 8).to(torch.int64) << shifts).sum(-1, keepdim=True)
+        byte_shifts = torch.arange(bits, device=codes.device, dtype=torch.int64) * 8
+        out.view(-1, bits).copy_((word >> byte_shifts) & 0xFF)
+    return out
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, dtype=torch.uint8) -> torch.Tensor:
+    """Inverse of pack_codes: the 8 * packed.numel() // bits codes, as `dtype`."""
+    mask = (1 << bits) - 1
+    if 8 % bits == 0:  # one strided column per position in the byte, converted on the way
+        codes = torch.empty(packed.numel(), 8 // bits, dtype=dtype, device=packed.device)
+        for i in range(8 // bits):
+            codes[:, i] = packed if bits == 8 else (packed >> (i * bits)) & mask
+        return codes.view(-1)
+    byte_shifts = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
+    word = (packed.view(-1, bits).to(torch.int64) << byte_shifts).sum(-1, keepdim=True)
+    shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * bits
+    return ((word >> shifts) & mask).to(dtype).view(-1)
+
+
+# ---------------------------------------------------------------- checks
+
+
+def _check_format(bits, block_size):
+    if bits not in BITS:
+        raise ValueError(f"bits={bits!r}: expected one of {BITS}")
+    if not isinstance(block_size, int) or block_size <= 0 or block_size % 8:
+        raise ValueError(f"block_size={block_size!r}: expected a positive multiple of 8")
+
+
+def _check_input(x):
+    if x.dtype not in INPUT_DTYPES:
+        raise ValueError(f"input dtype {x.dtype}: expected one of {INPUT_DTYPES}")
+
+
+def _check_buffer(name, t, dtype, numel, device):
+    if t.dtype != dtype or t.numel() != numel or not t.is_contiguous() or t.device != device:
+        raise ValueError(f"{name}: got {t.dtype} with {t.numel()} elements on {t.device} (contiguous="
+                         f"{t.is_contiguous()}), expected a contiguous {dtype} tensor of {numel} elements on {device}")
+
+
+def _check_codes(codes, scales, k, numel, bits, block_size):
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k={k!r}: expected the number (>= 1) of quantized tensors in codes/scales")
+    if scales.dtype not in SCALE_DTYPES:
+        raise ValueError(f"scales dtype {scales.dtype}: expected one of {SCALE_DTYPES}")
+    _check_buffer("codes", codes, torch.uint8, k * packed_bytes(numel, bits, block_size), codes.device)
+    _check_buffer("scales", scales, scales.dtype, k * num_blocks(numel, block_size), codes.device)
+
+
+def _outputs(device, numel, bits, block_size, scale_dtype, codes_out, scales_out):
+    """Codes and scales buffers: the caller's (checked) or new ones."""
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"scale_dtype={scale_dtype}: expected one of {SCALE_DTYPES}")
+    n_codes, n_scales = packed_bytes(numel, bits, block_size), num_blocks(numel, block_size)
+    if codes_out is None:
+        codes_out = torch.empty(n_codes, dtype=torch.uint8, device=device)
+    if scales_out is None:
+        scales_out = torch.empty(n_scales, dtype=scale_dtype, device=device)
+    _check_buffer("codes_out", codes_out, torch.uint8, n_codes, device)
+    _check_buffer("scales_out", scales_out, scale_dtype, n_scales, device)
+    return codes_out.view(-1), scales_out.view(-1)
+
+
+def _result(out, device, numel, dtype, accumulate):
+    """The dequantized output buffer: the caller's (checked) or a new one."""
+    if dtype not in INPUT_DTYPES:
+        raise ValueError(f"dtype={dtype}: expected one of {INPUT_DTYPES}")
+    if accumulate and (out is None or dtype != torch.float32):
+        raise ValueError("accumulate=True needs an fp32 `out` to add into")
+    if out is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    _check_buffer("out", out, dtype, numel, device)
+    return out.view(-1)
+
+
+def _pick(impl, tensor):
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
+    if impl == "auto":
+        return "triton" if tensor.is_cuda else "torch"
+    if impl == "triton" and not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("impl='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported")
+    return impl
+
+
+# ---------------------------------------------------------------- torch path
+#
+# The torch path works CHUNK elements at a time: each step is a handful of vectorised passes
+# whose temporaries stay in cache, instead of full-size temporaries that cost a page fault
+# per 4 KiB on first touch.
+
+CHUNK = 1 << 20
+
+
+def _pieces(rows, limit):
+    """Views of consecutive whole blocks covering a [..., block_size] view, in order, of about
+    `limit` elements each (at least one block)."""
+    if rows.numel() <= limit:
+        yield rows
+    elif rows.dim() == 2 or rows[0].numel() <= limit:
+        step = max(1, limit // rows[0].numel())
+        for i in range(0, rows.shape[0], step):
+            yield rows[i:i + step]
+    else:
+        for sub in rows:
+            yield from _pieces(sub, limit)
+
+
+def _quantize_flat(flat, bits, block_size, codes, scales):
+    """Whole blocks straight from `flat`; only a ragged last block is copied to be padded."""
+    full = flat.numel() // block_size
+    split = full * block_size * bits // 8
+    if full:
+        _quantize_rows(flat[: full * block_size].view(full, block_size), bits, codes[:split], scales[:full])
+    if full < scales.numel():
+        tail = flat.new_zeros(1, block_size)
+        tail[0, : flat.numel() - full * block_size] = flat[full * block_size:]
+        _quantize_rows(tail, bits, codes[split:], scales[full:])
+
+
+def _quantize_rows(rows, bits, codes, scales):
+    """Quantize a [..., block_size] view (any strides, any input dtype) into flat codes/scales."""
+    block_bytes = rows.shape[-1] * bits // 8
+    done = 0
+    for piece in _pieces(rows, CHUNK):
+        n = piece.numel() // piece.shape[-1]
+        _quantize_piece(piece, bits, codes[done * block_bytes:(done + n) * block_bytes], scales[done:done + n])
+        done += n
+
+
+def _quantize_piece(rows, bits, codes, scales):
+    qmax = 2 ** (bits - 1) - 1
+    scale = torch.maximum(rows.amax(-1).float(), rows.amin(-1).float().neg_()).div_(qmax)
+    if scales.dtype == torch.float16:
+        scale.clamp_(max=FP16_MAX)
+    scales.copy_(scale.flatten())  # rounds to the scale dtype
+    s = scales.view(scale.shape + (1,)).float()
+    divisor = torch.where(s == 0, float("inf"), s)  # x / inf = 0: an all-zero (or underflowed) block codes 0
+    q = torch.div(rows, divisor, out=torch.empty(rows.shape, dtype=torch.float32, device=rows.device))
+    q.clamp_(-qmax, qmax).round_()  # clamping first is equivalent (qmax is an integer)
+    # code = q + 2**(bits-1): via int8, then a wrapping uint8 addition (float -> uint8 is slow)
+    if bits == 8:
+        codes.view(torch.int8).view(q.shape).copy_(q)
+        codes.add_(qmax + 1)
+    else:
+        pack_codes(q.to(torch.int8).view(torch.uint8).add_(qmax + 1).view(-1), bits, codes)
+
+
+def _summed_pieces(codes, scales, k, numel, bits, block_size):
+    """(first element, fp32 values): the sum of k quantized tensors, in order, piece by piece.
+
+    The last piece stops at `numel` (padding dropped).
+    """
+    n_codes, n_blocks = packed_bytes(numel, bits, block_size), num_blocks(numel, block_size)
+    block_bytes = block_size * bits // 8
+    step = max(1, CHUNK // block_size)
+    for first in range(0, n_blocks, step):
+        last = min(first + step, n_blocks)
+        total = None
+        for t in range(k):
+            part = _dequantize_piece(codes[t * n_codes + first * block_bytes:t * n_codes + last * block_bytes],
+                                     scales[t * n_blocks + first:t * n_blocks + last], bits, block_size)
+            total = part if total is None else total.add_(part)
+        yield first * block_size, total[: numel - first * block_size]
+
+
+def _dequantize_piece(codes, scales, bits, block_size):
+    values = unpack_codes(codes, bits, torch.float32).view(-1, block_size)
+    return values.sub_(2 ** (bits - 1)).mul_(scales.float().unsqueeze(-1)).view(-1)
+
+
+def _store_pieces(out, pieces, accumulate):
+    for start, values in pieces:
+        dest = out[start:start + values.numel()]
+        if accumulate:
+            dest.add_(values)
+        else:
+            dest.copy_(values)

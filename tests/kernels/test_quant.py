@@ -1,0 +1,374 @@
+"""Block quantization (kernels/): the torch path against a per-element Python reference, the
+fused entry points against their explicit composition, and every Triton kernel (under
+TRITON_INTERPRET=1, in a subprocess) bit-identical to the torch path."""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels as K
+
+ROOT = Path(__file__).resolve().parents[2]
+FP16_MAX = 65504.0
+
+
+# ---------------------------------------------------------------- reference (plain Python floats)
+
+
+def _f32(v):
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
+def _f16(v):
+    return struct.unpack("e", struct.pack("e", v))[0]
+
+
+def ref_quantize(x, bits, block_size, scale_dtype):
+    """(codes as ints, scales as floats): the spec, one element at a time.
+
+    Python floats are doubles; one double operation on fp32 values rounded back to fp32 equals
+    the fp32 operation (53 >= 2 * 24 + 2), and round() is half-to-even.
+    """
+    qmax = 2 ** (bits - 1) - 1
+    values = x.float().tolist()
+    values += [0.0] * (-len(values) % block_size)
+    codes, scales = [], []
+    for start in range(0, len(values), block_size):
+        block = values[start:start + block_size]
+        scale = _f32(max(abs(v) for v in block) / qmax)
+        if scale_dtype == torch.float16:
+            scale = _f16(min(scale, FP16_MAX))
+        scales.append(scale)
+        for v in block:
+            q = 0 if scale == 0 else max(-qmax, min(qmax, round(_f32(v / scale))))
+            codes.append(q + qmax + 1)
+    return codes, scales
+
+
+def ref_pack(codes, bits):
+    out = bytearray()
+    for start in range(0, len(codes), 8):
+        word = sum(c << (i * bits) for i, c in enumerate(codes[start:start + 8]))
+        out += word.to_bytes(bits, "little")
+    return torch.tensor(list(out), dtype=torch.uint8)
+
+
+def ref_dequantize(codes, scales, numel, bits, block_size):
+    half = 2 ** (bits - 1)
+    return [_f32((c - half) * scales[n // block_size]) for n, c in enumerate(codes[:numel])]
+
+
+def sample(numel, dtype, seed=0):
+    """Gaussian values in 64-blocks: one all zero, one whose fp16 scale underflows to 0, one
+    with exact .5 ties at 8 bits, then one whose fp16 scale is subnormal (x / s gets clamped)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel, generator=g) * 3
+    x[64:128] = 0
+    x[128:192] *= 1e-30
+    x[200:208] = torch.tensor([0.125, 0.375, 0.625, 0.875, -0.375, -0.625, 31.75, -31.75])  # s = 0.25
+    x[256:] *= 1e-6
+    x[256] = 1.06e-5  # fp16 scale: 1.4 subnormal steps rounds to 1, so x / s = 178 gets clamped
+    return x.to(dtype)
+
+
+BITS_DTYPES = [(bits, dtype, sdt) for bits in K.BITS for dtype in (torch.float32, torch.bfloat16)
+               for sdt in (torch.float32, torch.float16)]
+
+
+# ---------------------------------------------------------------- torch path vs reference
+
+
+@pytest.mark.parametrize("bits,dtype,scale_dtype", BITS_DTYPES)
+def test_quantize_matches_reference(bits, dtype, scale_dtype):
+    numel, bs = 4 * 64 + 13, 64  # ragged last block
+    x = sample(numel, dtype)
+    q = K.quantize(x, bits, bs, scale_dtype=scale_dtype, impl="torch")
+    codes, scales = ref_quantize(x, bits, bs, scale_dtype)
+    assert q.codes.numel() == K.packed_bytes(numel, bits, bs) == 5 * 64 * bits // 8
+    assert q.scales.dtype == scale_dtype and q.scales.tolist() == scales
+    assert K.unpack_codes(q.codes, bits).tolist() == codes
+    assert torch.equal(q.codes, ref_pack(codes, bits))
+    assert q.dequantize().tolist() == ref_dequantize(codes, scales, numel, bits, bs)
+    as_bf16 = torch.tensor(ref_dequantize(codes, scales, numel, bits, bs)).bfloat16()
+    assert torch.equal(q.dequantize(dtype=torch.bfloat16).view(torch.int16), as_bf16.view(torch.int16))
+
+
+def test_ties_round_to_even():
+    # scale = 31.75 / 127 = 0.25 exactly, so x / s lands on .5 ties
+    x = torch.tensor([0.125, 0.375, 0.625, 0.875, -0.125, -0.375, -0.625, 31.75])
+    q = K.quantize(x, 8, 8, impl="torch")
+    assert q.scales.tolist() == [0.25]
+    assert (K.unpack_codes(q.codes, 8).int() - 128).tolist() == [0, 2, 2, 4, 0, -2, -2, 127]
+
+
+def test_round_trip_error_is_at_most_half_a_step():
+    x = torch.randn(8 * 256 + 100, generator=torch.Generator().manual_seed(1)) * 10
+    for bits in K.BITS:
+        for scale_dtype in (torch.float32, torch.float16):
+            q = K.quantize(x, bits, 256, scale_dtype=scale_dtype)
+            step = q.scales.double().repeat_interleave(256)[: x.numel()]
+            err = (x.double() - q.dequantize().double()).abs()
+            assert (err <= step / 2 * (1 + 1e-6)).all(), (bits, scale_dtype)
+
+
+def test_packing_layout():
+    # codes 1..15, 15..1 in one 4-bit block: element 2j in the low nibble, 2j+1 in the high one
+    x = torch.tensor([float(v) for v in list(range(-7, 8)) + list(range(7, -8, -1))] + [0.0, 0.0])
+    q = K.quantize(x, 4, 32)
+    codes = [v + 8 for v in x.int().tolist()]
+    assert q.codes.tolist() == [codes[2 * j] | codes[2 * j + 1] << 4 for j in range(16)]
+    for bits in K.BITS:
+        for numel, bs in [(1, 8), (100, 32), (4096, 4096), (513, 256)]:
+            q = K.quantize(torch.randn(numel), bits, bs)
+            assert q.codes.numel() == K.num_blocks(numel, bs) * bs * bits // 8
+            assert q.scales.numel() == K.num_blocks(numel, bs)
+
+
+def test_blocks_are_contiguous_byte_ranges():
+    x = torch.randn(8 * 64)
+    whole = K.quantize(x, 3, 64)
+    part = K.quantize(x[2 * 64:5 * 64], 3, 64)
+    assert torch.equal(whole.codes[2 * 24:5 * 24], part.codes)
+    assert torch.equal(whole.scales[2:5], part.scales)
+
+
+def test_caller_buffers_and_out():
+    x = torch.randn(300)
+    codes = torch.empty(K.packed_bytes(300, 4, 64), dtype=torch.uint8)
+    scales = torch.empty(K.num_blocks(300, 64), dtype=torch.float16)
+    q = K.quantize(x, 4, 64, scale_dtype=torch.float16, codes_out=codes, scales_out=scales)
+    assert q.codes.data_ptr() == codes.data_ptr() and q.scales.data_ptr() == scales.data_ptr()
+    out = torch.full((300,), 1.0)
+    assert K.dequantize(codes, scales, 300, 4, 64, out=out) is not None
+    assert torch.equal(out, q.dequantize())
+    K.dequantize(codes, scales, 300, 4, 64, out=out, accumulate=True)
+    assert torch.equal(out, q.dequantize() + q.dequantize())
+
+
+# ---------------------------------------------------------------- fused entry points vs composition
+
+
+def stage_view(A, B, S, c, dtype, seed=0):
+    """Stage s of an [A, B, S, c] buffer: a non-contiguous [A, B, c] view."""
+    x = torch.randn(A, B, S, c, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return x[:, :, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_transposed_equals_quantize_of_the_copy(dtype):
+    x3d = stage_view(3, 4, 2, 128, dtype)
+    assert not x3d.is_contiguous()
+    for bits in (8, 4, 3):
+        got = K.quantize_transposed(x3d, bits, 64, scale_dtype=torch.float16)
+        want = K.quantize(x3d.transpose(0, 1).contiguous().flatten(), bits, 64, scale_dtype=torch.float16)
+        assert torch.equal(got.codes, want.codes) and torch.equal(got.scales, want.scales)
+
+
+def received(k, numel, bits, bs, scale_dtype=torch.float32):
+    """k quantized tensors back to back, as an all-to-all delivers them."""
+    parts = [K.quantize(torch.randn(numel, generator=torch.Generator().manual_seed(i)) * (i + 1), bits, bs,
+                        scale_dtype=scale_dtype) for i in range(k)]
+    return parts, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts])
+
+
+@pytest.mark.parametrize("bits,out_bits", [(4, 4), (8, 4), (2, 8)])
+def test_dequant_reduce_equals_composition(bits, out_bits):
+    k, numel, bs = 3, 5 * 64 + 7, 64
+    parts, codes, scales = received(k, numel, bits, bs, torch.float16)
+    total = parts[0].dequantize()
+    for p in parts[1:]:
+        total = total + p.dequantize()
+    assert torch.equal(K.dequant_reduce(codes, scales, k, numel, bits, bs), total)
+    acc = torch.randn(numel)
+    expect = acc + total
+    K.dequant_reduce(codes, scales, k, numel, bits, bs, out=acc, accumulate=True)
+    assert torch.equal(acc, expect)
+    got = K.dequant_reduce_quant(codes, scales, k, numel, bits, bs, out_bits=out_bits, scale_dtype=torch.float16)
+    want = K.quantize(total, out_bits, bs, scale_dtype=torch.float16)
+    assert (got.bits, got.numel) == (out_bits, numel)
+    assert torch.equal(got.codes, want.codes) and torch.equal(got.scales, want.scales)
+
+
+@pytest.mark.parametrize("chunk", [64, 200])
+def test_torch_path_in_pieces_equals_one_piece(monkeypatch, chunk):
+    """The torch path works CHUNK elements at a time; tiny chunks must not change a bit."""
+    x, x3d = sample(7 * 64 + 5, torch.bfloat16), stage_view(3, 2, 2, 192, torch.float32)
+    _, codes, scales = received(3, 5 * 64 + 7, 4, 64)
+
+    def run():
+        q = K.quantize(x, 3, 64, scale_dtype=torch.float16)
+        t = K.quantize_transposed(x3d, 4, 64)
+        acc = torch.linspace(-1, 1, 5 * 64 + 7)
+        K.dequant_reduce(codes, scales, 3, 5 * 64 + 7, 4, 64, out=acc, accumulate=True)
+        r = K.dequant_reduce_quant(codes, scales, 3, 5 * 64 + 7, 4, 64, out_bits=8)
+        return [q.codes, q.scales, q.dequantize(dtype=torch.bfloat16), t.codes, t.scales, acc, r.codes, r.scales]
+
+    whole = run()
+    monkeypatch.setattr(K.quant, "CHUNK", chunk)
+    for a, b in zip(whole, run()):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_errors_name_the_value():
+    x = torch.randn(64)
+    q = K.quantize(x, 4, 32)
+    cases = [
+        (lambda: K.quantize(x, 5, 32), "bits=5"),
+        (lambda: K.quantize(x, 4, 12), "block_size=12"),
+        (lambda: K.quantize(x.int(), 4, 32), "input dtype"),
+        (lambda: K.quantize(x, 4, 32, scale_dtype=torch.bfloat16), "scale_dtype"),
+        (lambda: K.quantize(x, 4, 32, codes_out=torch.empty(31, dtype=torch.uint8)), "codes_out"),
+        (lambda: K.quantize(x, 4, 32, scales_out=torch.empty(2, dtype=torch.float16)), "scales_out"),
+        (lambda: K.quantize(x, 4, 32, impl="cuda"), "impl="),
+        (lambda: K.quantize_transposed(torch.randn(2, 2, 48), 4, 32), "C=48"),
+        (lambda: K.quantize_transposed(torch.randn(2, 64), 4, 32), "3 dims"),
+        (lambda: K.dequantize(q.codes[:-1], q.scales, 64, 4, 32), "codes"),
+        (lambda: K.dequantize(q.codes, q.scales, 64, 4, 32, out=torch.empty(63)), "out"),
+        (lambda: K.dequantize(q.codes, q.scales, 64, 4, 32, out=torch.empty(64).bfloat16()), "out"),
+        (lambda: K.dequantize(q.codes, q.scales, 64, 4, 32, accumulate=True), "accumulate"),
+        (lambda: K.dequant_reduce(q.codes, q.scales, 2, 64, 4, 32), "codes"),
+        (lambda: K.dequant_reduce_quant(q.codes, q.scales, 1, 64, 4, 32, out_bits=7), "bits=7"),
+    ]
+    for call, needle in cases:
+        with pytest.raises(ValueError, match=needle):
+            call()
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+            K.quantize(x, 4, 32, impl="triton")
+
+
+# ---------------------------------------------------------------- Triton == torch (interpreter)
+
+
+def _stored(q):
+    return [q.codes, q.scales]
+
+
+def _triton_cases():
+    """name -> callable(impl) returning the tensors to compare; small, the interpreter is slow."""
+    cases = {}
+    for bits, dtype, sdt in BITS_DTYPES:
+        x = sample(4 * 64 + 13, dtype, seed=bits)
+        cases[f"quantize-{bits}-{str(dtype)[6:]}-{str(sdt)[6:]}"] = (
+            lambda impl, x=x, bits=bits, sdt=sdt: _stored(K.quantize(x, bits, 64, scale_dtype=sdt, impl=impl)))
+    for bits in K.BITS:
+        q = K.quantize(sample(300, torch.float32), bits, 128, scale_dtype=torch.float16)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            cases[f"dequantize-{bits}-{str(dtype)[6:]}"] = (
+                lambda impl, q=q, dtype=dtype: [q.dequantize(dtype=dtype, impl=impl)])
+        cases[f"dequantize-accumulate-{bits}"] = (
+            lambda impl, q=q: [q.dequantize(out=torch.linspace(-1, 1, 300), accumulate=True, impl=impl)])
+    # ties only: with absmax 31.75 the 8-bit scale is 0.25 and x / s is k + .5
+    ties = torch.tensor([0.125, 0.375, 0.625, 0.875, -0.125, -0.375, -0.625, 31.75] * 8)
+    cases["quantize-ties"] = lambda impl: _stored(K.quantize(ties, 8, 64, impl=impl))
+    for dtype in (torch.float32, torch.bfloat16):
+        x3d = stage_view(3, 2, 3, 256, dtype)
+        cases[f"quantize_transposed-{str(dtype)[6:]}"] = (
+            lambda impl, x3d=x3d: _stored(K.quantize_transposed(x3d, 4, 128, impl=impl)))
+    for bits, out_bits in [(4, 4), (8, 4), (3, 8)]:
+        _, codes, scales = received(3, 2 * 128 + 5, bits, 128)
+        args = (codes, scales, 3, 2 * 128 + 5, bits, 128)
+        cases[f"dequant_reduce-{bits}"] = lambda impl, args=args: [
+            K.dequant_reduce(*args, impl=impl),
+            K.dequant_reduce(*args, out=torch.linspace(-1, 1, args[3]), accumulate=True, impl=impl)]
+        cases[f"dequant_reduce_quant-{bits}-{out_bits}"] = lambda impl, args=args, out_bits=out_bits: _stored(
+            K.dequant_reduce_quant(*args, out_bits=out_bits, scale_dtype=torch.float16, impl=impl))
+    return cases
+
+
+TRITON_CASES = list(_triton_cases())
+
+
+def triton_report():
+    """Run in a TRITON_INTERPRET=1 subprocess: print {case: None or what differs} as JSON."""
+    report = {}
+    for name, run in _triton_cases().items():
+        try:
+            want, got = run("torch"), run("triton")
+            same = all(w.dtype == g.dtype and torch.equal(w.view(torch.uint8), g.view(torch.uint8))
+                       for w, g in zip(want, got))
+            report[name] = None if same else f"torch {want} != triton {got}"
+        except Exception as e:  # reported per case
+            report[name] = repr(e)
+    print(json.dumps(report))
+
+
+@pytest.fixture(scope="module")
+def triton_results():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", "from tests.kernels.test_quant import triton_report; "
+                           "triton_report()"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", TRITON_CASES)
+def test_triton_matches_torch(triton_results, case):
+    assert triton_results[case] is None, triton_results[case]
+
+
+# ---------------------------------------------------------------- Triton compiled for the GPU (no GPU needed)
+
+PTX_CASES = {  # kernel, pointer types, constexprs: the variants whose arithmetic differs
+    "quantize-bf16-3bit-fp16scale": ("_quantize_kernel", {"x_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*fp16"},
+                                     dict(BLOCK=256, BITS=3, GROUPS=32, G=32, ROWS=16, SCALE_FP16=True)),
+    "dequantize-accumulate": ("_dequantize_kernel", {"codes_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*fp32"},
+                              dict(BLOCK=256, BITS=4, GROUPS=32, G=32, ROWS=16, ACCUMULATE=True, OUT_BF16=False)),
+    "dequantize-bf16": ("_dequantize_kernel", {"codes_ptr": "*u8", "scales_ptr": "*fp16", "out_ptr": "*bf16"},
+                        dict(BLOCK=96, BITS=6, GROUPS=12, G=16, ROWS=32, ACCUMULATE=False, OUT_BF16=True)),
+    "dequant_reduce_quant": ("_dequant_reduce_kernel",
+                             {"codes_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*fp32", "out_codes_ptr": "*u8",
+                              "out_scales_ptr": "*fp16"},
+                             dict(BLOCK=256, BITS=4, GROUPS=32, G=32, ROWS=16, QUANTIZE=True, OUT_BITS=8,
+                                  SCALE_FP16=True, ACCUMULATE=False)),
+    "dequant_reduce-accumulate": ("_dequant_reduce_kernel",
+                                  {"codes_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*fp32",
+                                   "out_codes_ptr": "*u8", "out_scales_ptr": "*fp32"},
+                                  dict(BLOCK=256, BITS=8, GROUPS=32, G=32, ROWS=16, QUANTIZE=False, OUT_BITS=8,
+                                       SCALE_FP16=False, ACCUMULATE=True)),
+}
+
+
+def ptx_report():
+    """Run in a subprocess without the interpreter: compile for sm_90 and count PTX instructions."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels import triton_quant
+
+    report = {}
+    for name, (kernel, pointers, consts) in PTX_CASES.items():
+        fn = getattr(triton_quant, kernel)
+        signature = {a: "constexpr" if a in consts else pointers.get(a, "i32") for a in fn.arg_names}
+        src = ASTSource(fn=fn, signature=signature, constexprs=consts)
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=triton_quant.EXACT).asm["ptx"]
+        report[name] = {op: len(re.findall(pattern, ptx)) for op, pattern in
+                        [("div.rn", r"div\.rn\.f32"), ("inexact div", r"div\.(full|approx)"), ("fma", r"\bfma\.")]}
+    print(json.dumps(report))
+
+
+def test_compiled_kernels_divide_exactly_and_never_fuse():
+    """The interpreter cannot show what the GPU build does: IEEE divisions, no FMA contraction."""
+    pytest.importorskip("triton.backends.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", "from tests.kernels.test_quant import ptx_report; ptx_report()"],
+                          cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    if "ptxas" in proc.stderr and proc.returncode:
+        pytest.skip("no ptxas to compile for the GPU")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name, counts in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+        assert counts["inexact div"] == 0 and counts["fma"] == 0, (name, counts)
+        assert (counts["div.rn"] > 0) == name.startswith(("quantize", "dequant_reduce_quant")), (name, counts)
