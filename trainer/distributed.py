@@ -1,9 +1,20 @@
-"""Process-group setup from the launcher's environment (torchrun sets RANK, WORLD_SIZE, ...)."""
+"""Process-group setup from the launcher's environment.
+
+Two launchers are understood:
+  torchrun  sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT;
+  srun      (one task per rank, `srun python train.py`) sets SLURM_PROCID, SLURM_NTASKS,
+            SLURM_LOCALID, SLURM_NNODES and the tasks per node; MASTER_ADDR and MASTER_PORT
+            come from the batch script (scripts/slurm/launch.sbatch exports them).
+The srun variables are translated into torchrun's, so the rest of the code (and
+zeropp.topology's ranks_per_node_from_env) sees one set of names and the real node layout.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -21,24 +32,98 @@ class DistEnv:
         return self.rank == 0
 
 
+class LauncherError(RuntimeError):
+    """The launcher's environment does not describe a usable set of ranks; says what to set."""
+
+
+def parse_tasks_per_node(value: str) -> list[int]:
+    """Slurm's compressed tasks-per-node list, e.g. "2(x3),1" -> [2, 2, 2, 1]."""
+    counts: list[int] = []
+    for part in value.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not m:
+            raise LauncherError(f"cannot parse Slurm tasks per node {value!r}")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts
+
+
+def slurm_rank_env(environ: dict[str, str] | os._Environ = os.environ) -> dict[str, str]:
+    """torchrun-style variables for a process that srun started as one rank of a step.
+
+    Returns {} unless this process is a task of an srun step (SLURM_PROCID and
+    SLURM_STEP_NUM_TASKS set: a batch script or salloc shell has the job's SLURM_NTASKS but
+    no step, and must not be taken for rank 0 of several) and no launcher has set RANK or
+    WORLD_SIZE already (torchrun inside srun keeps torchrun's numbering).
+    """
+    if "RANK" in environ or "WORLD_SIZE" in environ:
+        return {}
+    if "SLURM_PROCID" not in environ or "SLURM_STEP_NUM_TASKS" not in environ:
+        return {}
+    rank = int(environ["SLURM_PROCID"])
+    world_size = int(environ["SLURM_STEP_NUM_TASKS"])  # the step's SLURM_NTASKS
+    local_rank = int(environ.get("SLURM_LOCALID", "0"))
+    nodes = int(environ.get("SLURM_STEP_NUM_NODES", environ.get("SLURM_NNODES", "1")))
+    per_node_spec = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+    per_node = parse_tasks_per_node(per_node_spec) if per_node_spec else [world_size // max(nodes, 1)] * nodes
+    if len(set(per_node)) == 1:
+        local_world_size = per_node[0]
+        # Ranks are assumed node-major (zeropp.topology): rank r on node r // L as local rank
+        # r % L, which is srun's default block distribution.
+        if rank % local_world_size != local_rank:
+            raise LauncherError(
+                f"srun placed rank {rank} as local rank {local_rank} of {local_world_size} on its node; "
+                f"ranks must be laid out node-major (use srun's default --distribution=block)"
+            )
+    else:  # uneven nodes: this node's count (the sharded runtime will refuse such a layout)
+        node = int(environ.get("SLURM_NODEID", "0"))
+        local_world_size = per_node[node] if node < len(per_node) else 1
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+    }
+    if world_size > 1:
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not environ.get(k)]
+        if missing:
+            raise LauncherError(
+                f"srun started this process as rank {rank} of {world_size}, but {' and '.join(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} not set: export the head node's address and a free "
+                f"port in the batch script (scripts/slurm/launch.sbatch does), or launch with torchrun"
+            )
+    return env
+
+
 def init_distributed() -> DistEnv:
     """Join the process group when launched with several ranks; a no-op for one process.
 
     CUDA ranks use NCCL on their local GPU; CPU ranks use gloo with one thread each, since
-    several ranks share the machine's cores.
+    several ranks share the machine's cores. Under srun (one task per rank) the Slurm
+    variables are exported as RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE first. DIST_TIMEOUT
+    (seconds) bounds how long a collective may wait for the other ranks.
     """
+    os.environ.update(slurm_rank_env())
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+        # A launcher that binds one GPU per task leaves each rank a single visible device.
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
         if device.type == "cpu":
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size)
+        kwargs = {}
+        timeout = os.environ.get("DIST_TIMEOUT")
+        if timeout:
+            try:
+                kwargs["timeout"] = timedelta(seconds=float(timeout))
+            except ValueError:
+                raise LauncherError(f"DIST_TIMEOUT must be a number of seconds, got {timeout!r}") from None
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
+                                **kwargs)
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 

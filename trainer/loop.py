@@ -81,6 +81,18 @@ def _check(cfg: Config) -> None:
         raise ConfigError(str(e)) from None
 
 
+def describe_runtime(zero) -> str:
+    """E.g. "ZeRO-3 + qwZ int8 + hpZ + qgZ int4 (bf16 communication)"."""
+    parts = ["ZeRO-3"]
+    if zero.zero_quantized_weights:
+        parts.append(f"qwZ int{zero.zero_quantized_weights_bits}")
+    if zero.hpz:
+        parts.append("hpZ")
+    if zero.zero_quantized_gradients:
+        parts.append(f"qgZ int{zero.zero_quantized_gradients_bits}")
+    return " + ".join(parts) + f" ({zero.communication_data_type} communication)"
+
+
 def autocast_for(precision: str, device: torch.device):
     """bf16 autocast on CUDA ("auto" or "bf16"); fp32 on CPU unless bf16 is asked for."""
     use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
@@ -115,16 +127,19 @@ class Trainer:
                 backend = "nccl" if self.env.device.type == "cuda" else "gloo"
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
                 self._own_group = True
-            topo = build_topology(ranks_per_node=zero.ranks_per_node)
+            secondary = zero.zero_hpz_partition_size if zero.zero_hpz_partition_size > 1 else None
+            topo = build_topology(ranks_per_node=zero.ranks_per_node, secondary_size=secondary)
             self.engine = Zero3Engine(self.model, lambda pieces: build_shard_optimizer(pieces, cfg.optim), zero,
                                       topo=topo, device=self.env.device)
             self.optimizer = self.engine.optimizer
-            self.runtime = f"ZeRO-3 ({zero.communication_data_type} communication) | topology: {topo.describe()}"
+            self.runtime = f"{describe_runtime(zero)} | topology: {topo.describe()}"
         else:
             self.optimizer = build_optimizer(self.model, cfg.optim)
             if self.env.world_size > 1:
                 device_ids = [self.env.device] if self.env.device.type == "cuda" else None
-                self.ddp = DistributedDataParallel(self.model, device_ids=device_ids)
+                # find_unused_parameters also keeps DDP from rebuilding its buckets after the first
+                # step; a rebuild changes the summation order, so a resumed run would not be bit-exact.
+                self.ddp = DistributedDataParallel(self.model, device_ids=device_ids, find_unused_parameters=True)
             rpn = min(zero.ranks_per_node or ranks_per_node_from_env(self.env.world_size), self.env.world_size)
             self.runtime = f"DDP | topology: {self.env.world_size // rpn} node(s) x {rpn} rank(s) per node"
         self.step = 0
@@ -301,8 +316,8 @@ class Trainer:
             if self.step != t.steps and preemption.requested(self.env.device):
                 result.preempted = True
                 break
-        preemption.close()
         result.checkpoint = self.save()
+        preemption.close()  # after the save: a second warning must not kill the rank mid-save
         if result.preempted:
             log.info(f"preempted at step {self.step}: saved checkpoint {result.checkpoint}")
         log.close()

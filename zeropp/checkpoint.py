@@ -8,10 +8,10 @@ Inside a checkpoint directory (the trainer makes it atomic: temp dir + rename)::
                                   "<unit>.<state>" for each optimizer state (exp_avg, ...),
                                   shard-long, zero where the shard holds no trainable element
 
-The flat layout of a unit depends only on the model, not on the world size (padding sits
-at the end), so a shard is a plain range of the unit's flat buffer. Loading on another
-world size (resharding) reads, for each unit, just the byte ranges of the old shards that
-overlap the new one (`safe_open(...).get_slice`); consolidation reads them all.
+Loading maps every parameter from the layout it was saved in (its offset in the manifest)
+to the loading run's layout, reading just the ranges of the old shard files that overlap
+this rank's new shard (`safe_open(...).get_slice`). So a checkpoint loads on another world
+size (resharding) and with another alignment (ZeRO-3 <-> qwZ); consolidation reads it all.
 """
 
 from __future__ import annotations
@@ -106,7 +106,9 @@ def check_manifest(manifest: dict, units: dict[str, FlatUnit], where: Path) -> N
             f"{where}: the checkpoint's units {sorted(saved - ours)[:4]} are not in the model and the model's "
             f"{sorted(ours - saved)[:4]} are not in the checkpoint: it was written for another model")
     for name, unit in units.items():
-        want, have = unit_layout(unit)["params"], manifest["units"][name]["params"]
+        # Offsets may differ (alignment); everything else about a parameter must match.
+        want = [{k: v for k, v in p.items() if k != "offset"} for p in unit_layout(unit)["params"]]
+        have = [{k: v for k, v in p.items() if k != "offset"} for p in manifest["units"][name]["params"]]
         for a, b in zip(want, have):
             if a != b:
                 diff = ", ".join(f"{k}: checkpoint {b.get(k)!r}, model {a[k]!r}" for k in a if a[k] != b.get(k))
@@ -166,17 +168,29 @@ def load_shards(engine, directory: str | Path) -> None:
     check_manifest(manifest, engine.units, directory)
     reader = _ShardReader(directory, manifest)
     for name, unit in engine.units.items():
-        lo = unit.shard_start
+        saved_offset = {p["name"]: p["offset"] for p in manifest["units"][name]["params"]}
+        lo, hi = unit.shard_start, unit.shard_start + unit.shard_numel
+
+        def this_shard(key, slots, name=name, saved_offset=saved_offset, lo=lo, hi=hi):
+            """The unit's `key` over this rank's shard, rebuilt in this run's layout."""
+            out = torch.zeros(unit.shard_numel)
+            for slot in slots:
+                a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                if b > a:
+                    old = saved_offset[slot.name] - slot.offset
+                    out[a - lo:b - lo] = reader.read(name, key, old + a, old + b)
+            return out
+
         with torch.no_grad():
-            unit.master.copy_(reader.read(name, "master", lo, lo + unit.shard_numel))
+            unit.master.copy_(this_shard("master", unit.slots))
         states = reader.states(name)
+        full = {key: this_shard(key, [s for s in unit.slots if s.trainable])
+                for key, scalar in states.items() if not scalar}
         for start, piece, _ in _piece_states(engine, unit):
-            a = lo + start
-            state = {key: (reader.scalar(name, key) if scalar else reader.read(name, key, a, a + piece.numel()))
+            state = {key: reader.scalar(name, key) if scalar else full[key][start:start + piece.numel()].clone()
                      for key, scalar in sorted(states.items())}
             if state:
                 engine.optimizer.state[piece] = {k: v.to(piece.device) for k, v in state.items()}
-        unit.refresh_comm_shard()
     engine.weights_changed()
 
 

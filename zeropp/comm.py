@@ -248,17 +248,80 @@ class Comm:
                 send = partial.to(full.dtype)
         out.add_(partial) if accumulate else out.copy_(partial)
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: str, tag: str = "all-to-all",
-                   async_op: bool = False):
-        """Chunk j of `inp` goes to member j; chunk j of `out` comes from member j (equal chunks)."""
+    def quantized_reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, bits: int, block_size: int,
+                                 hops: int = 2, stages: int = 1, tag: str = "quantized reduce-scatter",
+                                 async_op: bool = False):
+        """qgZ: `out` (fp32) += the sum over DP ranks of chunk `rank` of `full`, over quantized all-to-alls.
+
+        hops=1: quantize, one all-to-all over all ranks, dequantize and sum. hops=2 (ZeRO++
+        section 3.3): reorder the chunks node-major -> local-rank-major while quantizing, an
+        all-to-all inside the node, dequantize + sum + requantize, an all-to-all across nodes
+        (same local rank), dequantize + sum. `stages` > 1 cuts every chunk into that many
+        slices and pipelines them: the inter-node hop of slice s runs while the intra-node hop
+        of slice s+1 does (paper Algorithm 2). The chunk length must be a multiple of
+        block_size x stages (the engine pads units so).
+        """
+        work = lambda: self._qgz(out, full, bits, block_size, hops, stages, tag)  # noqa: E731
+        if self._executor is None:
+            work()
+            return _DoneWork() if async_op else None
+        future = self._executor.submit(work)
+        if async_op:
+            return _FutureWork(future)
+        future.result()
+        return None
+
+    def _qgz(self, out, full, bits, block_size, hops, stages, tag):
+        from kernels import dequant_reduce, dequant_reduce_quant, quantize_transposed
+
+        t = self.topo
+        world, nodes, local = t.world_size, t.num_nodes, t.ranks_per_node
+        if hops == 1 or nodes == 1 or local == 1:
+            nodes, local, hops = 1, world, 1  # one all-to-all over everybody
+        sub = full.numel() // world // stages
+        pending = []
+        for s in range(stages):
+            # [node, local rank, slice] -> quantized in [local rank, node, slice] order
+            view = full.view(nodes, local, stages, sub)[:, :, s]
+            q = quantize_transposed(view, bits, block_size)
+            first = "dp" if hops == 1 else "intra_node"
+            codes, scales = self._exchange(q.codes, q.scales, first, tag, async_op=False)
+            if hops == 1:
+                dequant_reduce(codes, scales, local, sub, bits, block_size, out=out[s * sub:(s + 1) * sub],
+                               accumulate=True)
+                continue
+            partial = dequant_reduce_quant(codes, scales, local, nodes * sub, bits, block_size)
+            pending.append((s, *self._exchange(partial.codes, partial.scales, "inter_node", tag, async_op=True)))
+        for s, codes, scales, works in pending:
+            for w in works:
+                w.wait()
+            dequant_reduce(codes, scales, nodes, sub, bits, block_size, out=out[s * sub:(s + 1) * sub],
+                           accumulate=True)
+
+    def _exchange(self, codes, scales, group, tag, async_op):
+        """All-to-all of equal chunks of codes and of scales (on the caller's thread's groups)."""
+        recv_codes, recv_scales = torch.empty_like(codes), torch.empty_like(scales)
+        pg = self._ring_groups.get(group) or self.group(group)
+        works = [self._record_a2a(recv, sent, group, tag, pg, async_op)
+                 for recv, sent in ((recv_codes, codes), (recv_scales, scales))]
+        return (recv_codes, recv_scales, works) if async_op else (recv_codes, recv_scales)
+
+    def _record_a2a(self, out, inp, group, tag, pg, async_op):
         n = self.size(group)
         chunk = inp.numel() // n * inp.element_size()
         cross = sum(self._cross(group))
         self.ledger.record(tag, inp.dtype, (n - 1) * chunk, (n - 1) * chunk, cross * chunk, cross * chunk)
         if n == 1:
             out.copy_(inp)
-            return _DoneWork() if async_op else None
-        return dist.all_to_all_single(out, inp, group=self.group(group), async_op=async_op)
+            return _DoneWork()
+        work = dist.all_to_all_single(out, inp, group=pg, async_op=async_op)
+        return work if async_op else _DoneWork()
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: str, tag: str = "all-to-all",
+                   async_op: bool = False):
+        """Chunk j of `inp` goes to member j; chunk j of `out` comes from member j (equal chunks)."""
+        work = self._record_a2a(out, inp, group, tag, self.group(group), async_op)
+        return work if async_op else None
 
     def all_reduce(self, tensor: torch.Tensor, group: str = "dp", tag: str = "all-reduce", async_op: bool = False):
         n = self.size(group)

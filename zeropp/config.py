@@ -7,12 +7,14 @@ where a knob is named, defaulted and checked.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+QUANT_BITS = (8, 6, 4, 3, 2)
 
 
 class ZeroConfigError(ValueError):
@@ -38,6 +40,23 @@ class ZeroConfig:
     # nodes on one machine (4 ranks as 2 nodes x 2).
     ranks_per_node: int | None = None
 
+    # ZeRO++ (docs/zeropp.md). qwZ: block-quantized weight all-gather.
+    zero_quantized_weights: bool = False
+    zero_quantized_weights_bits: int = 8
+    # hpZ: after a unit's forward, keep a secondary copy of its weights partitioned over a group
+    # of this many ranks, so the backward gather stays inside that group. 1 disables (DeepSpeed's
+    # default); 0 means one node (the launcher's ranks per node).
+    zero_hpz_partition_size: int = 1
+    # qgZ: gradients reduced by quantized all-to-all; 2 hops (inside the node, then across
+    # nodes) on more than one node, 1 hop otherwise; `stages` > 1 pipelines the two hops.
+    zero_quantized_gradients: bool = False
+    zero_quantized_gradients_bits: int = 4
+    zero_quantized_gradients_hops: int = 0  # 0: automatic (2 on several nodes), 1 or 2
+    zero_quantized_gradients_stages: int = 1
+    # Elements per quantization block (one scale each), for weights and gradients. Blocks never
+    # straddle two parameters; a multiple of 32 keeps qwZ weights exportable to GGUF exactly.
+    zero_quantization_block_size: int = 256
+
     @property
     def comm_dtype(self) -> torch.dtype:
         return DTYPES[self.communication_data_type]
@@ -45,6 +64,21 @@ class ZeroConfig:
     @property
     def compute_dtype(self) -> torch.dtype:
         return DTYPES[self.param_dtype]
+
+    @property
+    def hpz(self) -> bool:
+        return self.zero_hpz_partition_size != 1
+
+    def param_align(self) -> int:
+        """Parameters start at a multiple of this: qwZ's blocks never straddle two of them."""
+        return self.zero_quantization_block_size if self.zero_quantized_weights else 1
+
+    def shard_align(self) -> int:
+        """Shard lengths are a multiple of this: whole blocks per rank (and per qgZ stage)."""
+        align = self.param_align()
+        if self.zero_quantized_gradients:
+            align = math.lcm(align, self.zero_quantization_block_size * self.zero_quantized_gradients_stages)
+        return align
 
     def validate(self) -> None:
         """Raise ZeroConfigError for values that are impossible or contradict each other."""
@@ -56,6 +90,22 @@ class ZeroConfig:
                 f"zero_optimization.stage3_prefetch_bucket_size must be >= 0, got {self.stage3_prefetch_bucket_size}")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ZeroConfigError(f"zero_optimization.ranks_per_node must be >= 1, got {self.ranks_per_node}")
+        for key in ("zero_quantized_weights_bits", "zero_quantized_gradients_bits"):
+            if getattr(self, key) not in QUANT_BITS:
+                raise ZeroConfigError(f"zero_optimization.{key}={getattr(self, key)}: supported bit widths are "
+                                      f"{list(QUANT_BITS)}")
+        if self.zero_quantization_block_size < 8 or self.zero_quantization_block_size % 8:
+            raise ZeroConfigError(f"zero_optimization.zero_quantization_block_size="
+                                  f"{self.zero_quantization_block_size}: must be a positive multiple of 8")
+        if self.zero_hpz_partition_size < 0:
+            raise ZeroConfigError(f"zero_optimization.zero_hpz_partition_size={self.zero_hpz_partition_size}: "
+                                  f"use 1 (off), 0 (one node) or a group size that divides the world size")
+        if self.zero_quantized_gradients_hops not in (0, 1, 2):
+            raise ZeroConfigError(f"zero_optimization.zero_quantized_gradients_hops="
+                                  f"{self.zero_quantized_gradients_hops}: use 0 (automatic), 1 or 2")
+        if self.zero_quantized_gradients_stages < 1:
+            raise ZeroConfigError(f"zero_optimization.zero_quantized_gradients_stages="
+                                  f"{self.zero_quantized_gradients_stages}: must be >= 1")
         if self.stage == 0:
             changed = [f.name for f in fields(self)
                        if f.name not in ("stage", "ranks_per_node") and getattr(self, f.name) != f.default]

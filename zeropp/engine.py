@@ -31,8 +31,9 @@ import torch
 import torch.nn as nn
 
 from zeropp.comm import Comm
-from zeropp.config import ZeroConfig
+from zeropp.config import ZeroConfig, ZeroConfigError
 from zeropp.flat import FlatUnit
+from zeropp.quantized import PlainCodec, QuantizedCodec
 from zeropp.topology import Topology, build_topology
 
 
@@ -171,11 +172,23 @@ class Zero3Engine:
         self.ledger = self.comm.ledger
         world, rank = self.topo.world_size, self.topo.rank
 
+        cfg = self.config
         groups = partition_units(model)
         self.units: dict[str, FlatUnit] = {
-            name: FlatUnit(name, params, world, rank, self.comm_dtype, self.device)
+            name: FlatUnit(name, params, world, rank, self.device, cfg.param_align(), cfg.shard_align())
             for name, params in groups.items()
         }
+        # What the weight all-gather sends: the shard in the comm dtype, or qwZ's codes + scales.
+        self.codec = (QuantizedCodec(cfg.zero_quantized_weights_bits, cfg.zero_quantization_block_size)
+                      if cfg.zero_quantized_weights else PlainCodec(self.comm_dtype))
+        wanted = cfg.zero_hpz_partition_size or self.topo.ranks_per_node
+        if cfg.hpz and wanted != self.topo.secondary_size:
+            raise ZeroConfigError(
+                f"zero_optimization.zero_hpz_partition_size={cfg.zero_hpz_partition_size} asks for secondary groups "
+                f"of {wanted} ranks, but the topology was built with {self.topo.secondary_size}; pass "
+                f"secondary_size={wanted} to build_topology")
+        self.hpz = cfg.hpz and self.topo.secondary_size > 1
+        self.qgz_hops = cfg.zero_quantized_gradients_hops or (2 if self.topo.num_nodes > 1 else 1)
         self.blocks = [self.units[f"blocks.{i}"] for i in range(len(model.blocks)) if f"blocks.{i}" in self.units]
         self.resident = [self.units[n] for n in ("embedding", "norms") if n in self.units]
         self.norms = self.units.get("norms")
@@ -192,7 +205,8 @@ class Zero3Engine:
             for module, attr in slot.aliases:
                 del module._parameters[attr]
         block_numel = max((u.padded_numel for u in self.blocks), default=0)
-        self._gather_pair = [self._new_buffer(block_numel, self.comm_dtype) for _ in range(2)]
+        block_wire = world * max((self.codec.wire_numel(u.shard_numel) for u in self.blocks), default=0)
+        self._gather_pair = [self._new_buffer(block_wire, self.codec.dtype) for _ in range(2)]
         self._compute_pair = self._compute_for(self._gather_pair, block_numel)
         self._grad_pair = [torch.zeros(block_numel, dtype=self.param_dtype, device=self.device) for _ in range(2)]
         self._grad_owner: list[FlatUnit | None] = [None, None]
@@ -202,8 +216,14 @@ class Zero3Engine:
             u.grad_target = None
             u.writing_grads = False
             u.gathered_version = -1
+            u.wire = self._new_buffer(self.codec.wire_numel(u.shard_numel), self.codec.dtype)
+            u.wire_numel = world * u.wire.numel()  # of the gathered buffer
+            # hpZ: this rank's part of the unit's gathered wire bytes within its secondary group.
+            u.secondary = self._new_buffer(u.wire_numel // self.topo.secondary_size, self.codec.dtype) \
+                if self.hpz and u is not self.norms else None
+            u.secondary_version = -1
             if u in self.resident:
-                u.gather_buf = self._new_buffer(u.padded_numel, self.comm_dtype)
+                u.gather_buf = self._new_buffer(u.wire_numel, self.codec.dtype)
                 u.compute_buf = self._compute_for([u.gather_buf], u.padded_numel)[0]
                 u.grad_buf = torch.zeros(u.padded_numel, dtype=self.param_dtype, device=self.device)
             self._bind(u, grad=False)  # parameters exist (as views) from the start
@@ -211,6 +231,7 @@ class Zero3Engine:
         pieces = [(p, decay) for u in self.units.values() for p, decay in u.optim_params]
         self.optimizer = optimizer_factory(pieces)
         self.weights_version = 0
+        self._encode_weights()
         self.micro_batches = 0
         self._phase = "forward"
 
@@ -228,8 +249,8 @@ class Zero3Engine:
         return torch.zeros(numel, dtype=dtype, device=self.device)
 
     def _compute_for(self, gather_bufs, numel):
-        """Compute buffers: the gather buffers themselves when the dtypes agree, else fp32 twins."""
-        if self.comm_dtype == self.param_dtype:
+        """Compute buffers: the gather buffers themselves when they hold the compute dtype, else twins."""
+        if self.codec.dtype == self.param_dtype:
             return gather_bufs
         return [self._new_buffer(numel, self.param_dtype) for _ in gather_bufs]
 
@@ -246,20 +267,30 @@ class Zero3Engine:
     # ------------------------------------------------------------------ gathering
 
     def _issue_gather(self, unit: FlatUnit, tag: str) -> None:
+        """All-gather the unit's wire bytes: from the hpZ secondary partition when it is valid
+        (backward, inside the secondary group), else from every rank's primary shard."""
         gather, _ = self._gather_buf(unit)
-        unit.pending_gather = self.comm.all_gather(gather[:unit.padded_numel], unit.comm_shard, tag=tag,
+        if tag == "backward gather" and unit.secondary is not None and unit.secondary_version == self.weights_version:
+            source, group = unit.secondary, "secondary"
+        else:
+            source, group = unit.wire, "dp"
+        unit.pending_gather = self.comm.all_gather(gather[:unit.wire_numel], source, group=group, tag=tag,
                                                    async_op=self.config.overlap_comm)
 
     def _ensure_gathered(self, unit: FlatUnit, tag: str) -> None:
-        """Wait for the unit's prefetched gather, or gather now; then fill the compute buffer."""
+        """Wait for the unit's prefetched gather, or gather now; then decode into the compute buffer."""
         if unit.pending_gather is None:
             self._issue_gather(unit, tag)
         unit.pending_gather.wait()
         unit.pending_gather = None
         gather, compute = self._gather_buf(unit)
-        if compute is not gather:
-            compute[:unit.padded_numel].copy_(gather[:unit.padded_numel])
+        self.codec.decode(gather[:unit.wire_numel], compute[:unit.padded_numel], self.topo.world_size)
         unit.gathered_version = self.weights_version
+        if unit.secondary is not None and tag == "forward gather" and torch.is_grad_enabled():
+            n = unit.secondary.numel()
+            j = self.comm.group_rank("secondary")
+            unit.secondary.copy_(gather[j * n:(j + 1) * n])
+            unit.secondary_version = self.weights_version
 
     def _prefetch(self, unit: FlatUnit | None, tag: str) -> None:
         if (unit is not None and unit.pending_gather is None and self.config.overlap_comm
@@ -365,11 +396,18 @@ class Zero3Engine:
     def _reduce(self, unit: FlatUnit) -> None:
         """All of the unit's gradients are in grad_target: reduce-scatter them into grad_shard."""
         grad = unit.grad_target[:unit.padded_numel]
-        wire = grad if grad.dtype == self.comm_dtype else grad.to(self.comm_dtype)
         if unit.pending_reduce is not None:  # a temporary buffer's earlier reduce (rare path)
             unit.pending_reduce.wait()
-        unit.pending_reduce = self.comm.reduce_scatter(unit.grad_shard, wire, tag="gradient reduce",
-                                                       async_op=self.config.overlap_comm, accumulate=True)
+        cfg = self.config
+        if cfg.zero_quantized_gradients:
+            unit.pending_reduce = self.comm.quantized_reduce_scatter(
+                unit.grad_shard, grad, cfg.zero_quantized_gradients_bits, cfg.zero_quantization_block_size,
+                hops=self.qgz_hops, stages=cfg.zero_quantized_gradients_stages, tag="gradient reduce",
+                async_op=cfg.overlap_comm)
+        else:
+            wire = grad if grad.dtype == self.comm_dtype else grad.to(self.comm_dtype)
+            unit.pending_reduce = self.comm.reduce_scatter(unit.grad_shard, wire, tag="gradient reduce",
+                                                           async_op=cfg.overlap_comm, accumulate=True)
         unit.writing_grads = False
 
     # ------------------------------------------------------------------ public API
@@ -419,14 +457,17 @@ class Zero3Engine:
 
     def step(self) -> None:
         self.optimizer.step()
-        for u in self.units.values():
-            u.refresh_comm_shard()
         self.weights_changed()
 
     def weights_changed(self) -> None:
-        """Every copy of the weights made from the shards (gathered norms, later hpZ
-        secondaries) is stale: call after anything that edits the master shards."""
+        """Call after anything that edits the master shards (step, checkpoint load): re-encode
+        the wire shards, and mark every copy made from them (gathered norms, hpZ secondaries) stale."""
+        self._encode_weights()
         self.weights_version += 1
+
+    def _encode_weights(self) -> None:
+        for u in self.units.values():
+            self.codec.encode(u.master, u.wire)
 
     def zero_grad(self) -> None:
         self._finish_reduces()
@@ -451,7 +492,10 @@ class Zero3Engine:
         """Per-rank model-state memory by kind: master, optimizer states, comm copy, gradient shard."""
         totals: dict[str, int] = {}
         for u in self.units.values():
-            for k, v in u.model_state_bytes().items():
+            state = {**u.model_state_bytes(), "comm copy": u.wire.numel() * u.wire.element_size()}
+            if u.secondary is not None:
+                state["hpZ secondary"] = u.secondary.numel() * u.secondary.element_size()
+            for k, v in state.items():
                 totals[k] = totals.get(k, 0) + v
         totals["optimizer states"] = sum(
             t.numel() * t.element_size() for state in self.optimizer.state.values()

@@ -33,13 +33,16 @@ class ParamSlot:
 class FlatUnit:
     """The parameters of one unit (a transformer block, the embeddings, the norms).
 
-    Per rank it owns: `master` (fp32 shard), `comm_shard` (the shard in the communication
-    dtype, what the all-gather sends), `grad_shard` (fp32, reduce-scattered gradients summed
-    over micro-batches) and `optim_params`, the pieces of `master` the optimizer updates.
+    Per rank it owns: `master` (fp32 shard), `grad_shard` (fp32, reduce-scattered gradients
+    summed over micro-batches) and `optim_params`, the pieces of `master` the optimizer
+    updates. What the all-gather sends is the engine's business (zeropp.quantized).
     """
 
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]], list[str]]],
-                 world_size: int, rank: int, comm_dtype: torch.dtype, device: torch.device):
+                 world_size: int, rank: int, device: torch.device,
+                 param_align: int = 1, shard_align: int = 1):
+        """param_align: every parameter starts at a multiple of it (quantization blocks then
+        never straddle two parameters); shard_align: the shard length is a multiple of it."""
         self.name = name
         self.world_size, self.rank = world_size, rank
 
@@ -51,15 +54,16 @@ class FlatUnit:
         self.slots: list[ParamSlot] = []
         offset = 0
         for qualname, p, aliases, alias_names in ordered:
+            offset = -(-offset // param_align) * param_align
             self.slots.append(ParamSlot(qualname, p.shape, offset, p.requires_grad,
                                         p.requires_grad and p.dim() >= 2, aliases, alias_names))
             offset += p.numel()
         self.numel = offset
         # Pad to a multiple of the world size (and at least one element per rank).
-        self.shard_numel = max(1, -(-self.numel // world_size))
+        self.shard_numel = -(-max(1, -(-self.numel // world_size)) // shard_align) * shard_align
         self.padded_numel = self.shard_numel * world_size
-        self.decay_end = sum(s.numel for s in self.slots if s.decay)
-        self.trainable_end = sum(s.numel for s in self.slots if s.trainable)
+        self.decay_end = max((s.offset + s.numel for s in self.slots if s.decay), default=0)
+        self.trainable_end = max((s.offset + s.numel for s in self.slots if s.trainable), default=0)
 
         full = torch.zeros(self.padded_numel, dtype=torch.float32)
         for slot, (_, p, _, _) in zip(self.slots, ordered):
@@ -67,7 +71,6 @@ class FlatUnit:
         start = rank * self.shard_numel
         self.shard_start = start
         self.master = full[start:start + self.shard_numel].clone().to(device)
-        self.comm_shard = self.master.to(comm_dtype)
         self.grad_shard = torch.zeros_like(self.master) if self.trainable_end else None
 
         # The optimizer's view of this shard: the decayed and the undecayed trainable pieces.
@@ -87,13 +90,9 @@ class FlatUnit:
         """This rank's gradient elements that belong to trainable parameters (no padding)."""
         return self.grad_shard[:max(0, min(self.shard_numel, self.trainable_end - self.shard_start))]
 
-    def refresh_comm_shard(self) -> None:
-        self.comm_shard.copy_(self.master)
-
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of model state this rank holds for the unit (optimizer states are counted by the engine)."""
-        out = {"master": self.master.numel() * self.master.element_size(),
-               "comm copy": self.comm_shard.numel() * self.comm_shard.element_size()}
+        out = {"master": self.master.numel() * self.master.element_size()}
         if self.grad_shard is not None:
             out["gradient shard"] = self.grad_shard.numel() * self.grad_shard.element_size()
         return out

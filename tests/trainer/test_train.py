@@ -192,3 +192,20 @@ def test_zero3_training_matches_one_process_resumes_reshards_and_exports(corpus,
                                      "--zero_optimization.communication_data_type", "fp32")))
     with pytest.raises(ConfigError, match="zero3-sharded"):
         Trainer(parse_args(tiny_args(corpus, tmp_path / "x", cache, "--resume", str(ckpt))))
+
+
+def test_zeropp_on_two_nodes_of_two_tracks_the_reference(corpus, tmp_path):
+    cache = tmp_path / "cache"
+    reference = train(parse_args(tiny_args(corpus, tmp_path / "ref", cache, "--train.micro_batch_size", "8")))
+    argv = tiny_args(corpus, tmp_path / "zpp", cache, "--train.micro_batch_size", "2",
+                     "--zero_optimization.stage", "3", "--zero_optimization.ranks_per_node", "2",
+                     "--zero_optimization.zero_quantized_weights", "true",
+                     "--zero_optimization.zero_hpz_partition_size", "2",
+                     "--zero_optimization.zero_quantized_gradients", "true",
+                     "--zero_optimization.zero_quantization_block_size", "64")
+    losses, val = run_ranks(_train_on_ranks, 4, args=(argv,), ranks_per_node=2)[0]
+    assert losses[8] < losses[1] - 0.2  # it learns
+    assert max(abs(losses[s] - reference.losses[s]) / reference.losses[s] for s in losses) < 0.02
+    assert abs(val - reference.val_loss) / reference.val_loss < 0.02
+    metrics = [json.loads(line) for line in (tmp_path / "zpp" / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["cross-node sent (MB)"] > 0 for m in metrics if "lm loss" in m)
