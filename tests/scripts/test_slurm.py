@@ -38,12 +38,15 @@ needs_slurm = pytest.mark.skipif(
 )
 
 STEPS = 30
-# A tiny GPT on 2 nodes x 2 ranks with the sharded runtime (ZeRO-3), whose groups follow the
-# node layout the launcher reports; its resume is bit-exact, so runs compare exactly.
+# A tiny GPT on 2 nodes x 2 ranks with ZeRO++ (qwZ int8, hpZ over one node, qgZ int4 in two
+# hops), whose groups follow the node layout the launcher reports; its resume is bit-exact,
+# so runs compare exactly.
 TRAIN = [
     "--config", "configs/quickstart.yaml", "--train.steps", str(STEPS), "--train.log_interval", "1",
     "--train.micro_batch_size", "4", "--train.eval_batches", "2", "--train.progress_bar", "false",
     "--train.tensorboard", "false", "--data.cache_dir", str(REPO / "cache"), "--zero_optimization.stage", "3",
+    "--zero_optimization.zero_quantized_weights", "true", "--zero_optimization.zero_hpz_partition_size", "0",
+    "--zero_optimization.zero_quantized_gradients", "true",
 ]
 LAYOUT = "topology: 2 node(s) x 2 rank(s) per node"
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
@@ -199,7 +202,7 @@ def test_srun_form_trains_on_two_nodes(reference):
     # SLURM_PROCID/NTASKS/LOCALID/tasks per node -> RANK/WORLD_SIZE/LOCAL_WORLD_SIZE: the
     # sharded runtime built its intra-/inter-node groups (hpZ's secondary partition, qgZ's two
     # hops) on the real nodes without any flag.
-    assert "ZeRO-3" in log and LAYOUT in log, log[-4000:]
+    assert "ZeRO-3 + qwZ int8 + hpZ + qgZ int4" in log and LAYOUT in log, log[-4000:]
     got = losses(out)
     assert sorted(got) == list(range(1, STEPS + 1))
     assert got[STEPS] < got[1] - 0.5, got
