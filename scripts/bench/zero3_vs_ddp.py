@@ -1,4 +1,4 @@
-"""Step time of our ZeRO-3 against plain DDP, same model, ranks and batch, run side by side.
+"""Step time of our ZeRO-3 and ZeRO++ against plain DDP, same model, ranks and batch, side by side.
 
     python scripts/bench/zero3_vs_ddp.py --ranks 4 --ranks-per-node 2 --steps 12
     python scripts/bench/zero3_vs_ddp.py --nodes 2 --ranks-per-node 2 --rate 100mbit   # emulated cluster
@@ -24,6 +24,9 @@ sys.path.insert(0, str(ROOT))
 RUNTIMES = {
     "DDP (fp32 all-reduce)": ["--zero_optimization.stage", "0"],
     "ZeRO-3 (bf16)": ["--zero_optimization.stage", "3"],
+    "ZeRO++ (qwZ int8, hpZ, qgZ int4)": ["--zero_optimization.stage", "3", "--zero_optimization.zero_quantized_weights",
+                                         "true", "--zero_optimization.zero_hpz_partition_size", "0",
+                                         "--zero_optimization.zero_quantized_gradients", "true"],
 }
 
 
@@ -85,7 +88,7 @@ def main():
         try:
             for repeat in range(args.repeats):
                 for name, runtime in RUNTIMES.items():
-                    out = Path(tmp) / f"{len(times[name])}-{runtime[-1]}-{repeat}"
+                    out = Path(tmp) / f"{list(RUNTIMES).index(name)}-{repeat}"
                     if cluster:
                         link[name] = run_cluster(args, cluster, out, runtime)
                     else:
@@ -95,13 +98,15 @@ def main():
         finally:
             if cluster:
                 cluster.teardown()
-    ddp, zero = (min(times[name]) for name in RUNTIMES)
+    best = {name: min(t) for name, t in times.items()}
+    ddp = best["DDP (fp32 all-reduce)"]
     where = f"emulated {args.nodes} nodes x {args.ranks_per_node} at {args.rate}" if args.rate else \
         f"{args.ranks} ranks ({args.ranks_per_node} per node) on loopback"
     print(f"{args.preset}, micro-batch {args.micro_batch} x {args.seq} tokens per rank, {where}")
-    print(f"DDP {ddp:.1f} ms/step | ZeRO-3 {zero:.1f} ms/step | ZeRO-3 / DDP step time = {zero / ddp:.2f}")
+    for name, ms in best.items():
+        print(f"{name}: {ms:.1f} ms/step, {ms / ddp:.2f}x DDP's step time")
     if args.json:
-        args.json.write_text(json.dumps({"times_ms": times, "link_bytes_node0": link, "ratio": zero / ddp,
+        args.json.write_text(json.dumps({"times_ms": times, "link_bytes_node0": link, "best_ms": best,
                                          "setup": vars(args) | {"json": str(args.json)}}, indent=1))
 
 
