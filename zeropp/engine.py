@@ -1,14 +1,14 @@
 """ZeRO-3, applied to an unmodified model from outside.
 
 Units: each transformer block is one; the embeddings with the LM head (and OPT's
-project_in/out) form one; all norms form one (as in YaFSDP, gathered once per weight
-update and kept for the step). Each unit is a `FlatUnit`: per rank an fp32 master shard,
-the optimizer states of that shard, the shard in the communication dtype and a gradient
-shard.
+project_in/out) form one; all norms form one (as in YaFSDP). Each unit is a `FlatUnit`:
+per rank an fp32 master shard, the optimizer states of that shard, the shard as sent on
+the wire (comm dtype, or qwZ codes) and a gradient shard.
 
-Forward: a unit's shard is all-gathered into one of two preallocated, alternating gather
-buffers (blocks) or the unit's own buffer (embeddings, norms); its parameters become views
-into it. The next block's gather is issued before the current block computes (prefetch in
+Forward: a block's shard is all-gathered into one of two preallocated, alternating gather
+buffers; its parameters become views into it. The two resident units (embeddings, norms)
+have buffers of their own that nothing else overwrites, so they are gathered once per
+weight update and serve every forward and backward until the next step. The next block's gather is issued before the current block computes (prefetch in
 the execution order recorded on the first forward), so communication overlaps compute.
 
 Backward: an identity autograd function on each block's output (`_PreBackward`) fires
@@ -20,8 +20,8 @@ exactly when every gradient of the unit is in place. It issues the unit's reduce
 asynchronously, accumulating into the fp32 gradient shard. Gradients are divided once, at
 the step, by world size x micro-batches (post-divide).
 
-Step: global gradient norm over the shards, clipping, AdamW on the local shards, refresh of
-the communication-dtype copy.
+Step: global gradient norm over the shards, clipping, AdamW on the local shards, re-encoding
+of the wire shards.
 """
 
 from __future__ import annotations
@@ -191,8 +191,6 @@ class Zero3Engine:
         self.qgz_hops = cfg.zero_quantized_gradients_hops or (2 if self.topo.num_nodes > 1 else 1)
         self.blocks = [self.units[f"blocks.{i}"] for i in range(len(model.blocks)) if f"blocks.{i}" in self.units]
         self.resident = [self.units[n] for n in ("embedding", "norms") if n in self.units]
-        self.norms = self.units.get("norms")
-        self.embedding = self.units.get("embedding")
 
         # The block order of the first forward: prefetch follows it, and a block's position
         # picks which of the two alternating buffers it uses.
@@ -218,9 +216,10 @@ class Zero3Engine:
             u.gathered_version = -1
             u.wire = self._new_buffer(self.codec.wire_numel(u.shard_numel), self.codec.dtype)
             u.wire_numel = world * u.wire.numel()  # of the gathered buffer
-            # hpZ: this rank's part of the unit's gathered wire bytes within its secondary group.
+            # hpZ: this rank's part of a block's gathered wire bytes within its secondary group
+            # (resident units are not re-gathered for the backward).
             u.secondary = self._new_buffer(u.wire_numel // self.topo.secondary_size, self.codec.dtype) \
-                if self.hpz and u is not self.norms else None
+                if self.hpz and u in self.blocks else None
             u.secondary_version = -1
             if u in self.resident:
                 u.gather_buf = self._new_buffer(u.wire_numel, self.codec.dtype)
@@ -321,11 +320,9 @@ class Zero3Engine:
     def _model_pre_forward(self, module, args):
         self._phase = "forward"
         grad = torch.is_grad_enabled()
-        if self.norms is not None and self.norms.gathered_version != self.weights_version:
-            self._ensure_gathered(self.norms, "forward gather")
-        if self.embedding is not None:
-            self._ensure_gathered(self.embedding, "forward gather")
-        for u in self.resident:
+        for u in self.resident:  # own buffers: gathered once per weight update
+            if u.gathered_version != self.weights_version:
+                self._ensure_gathered(u, "forward gather")
             self._bind(u, grad)
         if self._order_known:
             self._prefetch(self._order[0], "forward gather")
@@ -381,15 +378,12 @@ class Zero3Engine:
             self._phase = "backward"
             self.micro_batches += 1
         for unit in units:
-            if unit is self.norms:
-                self._set_grad_target(unit)  # gathered once per step: no re-gather
-                continue
-            self._ensure_gathered(unit, "backward gather")
             self._set_grad_target(unit)
-            if unit in self.resident:
+            if unit in self.resident:  # its buffer still holds the forward's weights
                 if self._order:
                     self._prefetch(self._order[-1], "backward gather")
             else:
+                self._ensure_gathered(unit, "backward gather")
                 pos = self._position[id(unit)]
                 self._prefetch(self._order[pos - 1] if pos > 0 else None, "backward gather")
 
