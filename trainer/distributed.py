@@ -122,9 +122,21 @@ def init_distributed() -> DistEnv:
                 kwargs["timeout"] = timedelta(seconds=float(timeout))
             except ValueError:
                 raise LauncherError(f"DIST_TIMEOUT must be a number of seconds, got {timeout!r}") from None
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size,
-                                **kwargs)
+        dist.init_process_group(_backend(device), rank=rank, world_size=world_size, **kwargs)
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def ensure_process_group(device: torch.device) -> bool:
+    """Make a group of one when no launcher made a group (the sharded runtime talks through
+    collectives even on one process); True if it was made here (then `shutdown()` it)."""
+    if dist.is_initialized():
+        return False
+    dist.init_process_group(_backend(device), store=dist.HashStore(), rank=0, world_size=1)
+    return True
 
 
 def barrier() -> None:

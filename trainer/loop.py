@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from data.datasets import ResumableBatchSampler
@@ -27,7 +26,7 @@ from trainer.checkpoint import (
     write_full_tensors,
 )
 from trainer.config import Config, ConfigError, to_dict
-from trainer.distributed import DistEnv, all_reduce_mean, barrier, init_distributed
+from trainer.distributed import DistEnv, all_reduce_mean, barrier, ensure_process_group, init_distributed, shutdown
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, build_shard_optimizer, lr_at
 from trainer.preemption import PreemptionSignal, signal_number
@@ -75,22 +74,13 @@ def _check(cfg: Config) -> None:
         raise ConfigError(f"data.valid_fraction must be in (0, 1), got {cfg.data.valid_fraction}")
     try:
         cfg.zero_optimization.validate()
+    except ZeroConfigError as e:
+        raise ConfigError(str(e)) from None
+    try:
         if t.preempt_signal:
             signal_number(t.preempt_signal)
-    except (ZeroConfigError, ValueError) as e:
-        raise ConfigError(str(e)) from None
-
-
-def describe_runtime(zero) -> str:
-    """E.g. "ZeRO-3 + qwZ int8 + hpZ + qgZ int4 (bf16 communication)"."""
-    parts = ["ZeRO-3"]
-    if zero.zero_quantized_weights:
-        parts.append(f"qwZ int{zero.zero_quantized_weights_bits}")
-    if zero.hpz:
-        parts.append("hpZ")
-    if zero.zero_quantized_gradients:
-        parts.append(f"qgZ int{zero.zero_quantized_gradients_bits}")
-    return " + ".join(parts) + f" ({zero.communication_data_type} communication)"
+    except ValueError as e:
+        raise ConfigError(f"train.preempt_signal: {e}") from None
 
 
 def autocast_for(precision: str, device: torch.device):
@@ -123,16 +113,13 @@ class Trainer:
         self.ddp = None
         self._own_group = False
         if zero.stage == 3:
-            if not dist.is_initialized():  # one process: a group of one, and the engine runs unchanged
-                backend = "nccl" if self.env.device.type == "cuda" else "gloo"
-                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-                self._own_group = True
+            self._own_group = ensure_process_group(self.env.device)
             secondary = zero.zero_hpz_partition_size if zero.zero_hpz_partition_size > 1 else None
             topo = build_topology(ranks_per_node=zero.ranks_per_node, secondary_size=secondary)
             self.engine = Zero3Engine(self.model, lambda pieces: build_shard_optimizer(pieces, cfg.optim), zero,
                                       topo=topo, device=self.env.device)
             self.optimizer = self.engine.optimizer
-            self.runtime = f"{describe_runtime(zero)} | topology: {topo.describe()}"
+            self.runtime = f"{zero.describe()} | topology: {topo.describe()}"
         else:
             self.optimizer = build_optimizer(self.model, cfg.optim)
             if self.env.world_size > 1:
@@ -141,7 +128,8 @@ class Trainer:
                 # step; a rebuild changes the summation order, so a resumed run would not be bit-exact.
                 self.ddp = DistributedDataParallel(self.model, device_ids=device_ids, find_unused_parameters=True)
             rpn = min(zero.ranks_per_node or ranks_per_node_from_env(self.env.world_size), self.env.world_size)
-            self.runtime = f"DDP | topology: {self.env.world_size // rpn} node(s) x {rpn} rank(s) per node"
+            nodes = self.env.world_size // rpn
+            self.runtime = f"{zero.describe()} | topology: {nodes} node(s) x {rpn} rank(s) per node"
         self.step = 0
         self.consumed_samples = 0
         self.ckpt_root = Path(cfg.train.out_dir) / "checkpoints"
@@ -177,8 +165,9 @@ class Trainer:
         samples = torch.stack([self.data.dataset[i] for i in indices]).to(self.env.device)
         return samples[:, :-1], samples[:, 1:]
 
-    def train_step(self, batches) -> tuple[float, float]:
-        """One optimizer step over `grad_accum` micro-batches; returns (loss, grad norm)."""
+    def train_step(self, batches, stop: bool = False) -> tuple[float, float, bool]:
+        """One optimizer step over `grad_accum` micro-batches; returns (loss, grad norm, whether
+        any rank asked to `stop`): the flag rides on the loss's all-reduce, no extra collective."""
         cfg = self.cfg
         lr = lr_at(self.step, cfg.train.steps, cfg.optim)
         for group in self.optimizer.param_groups:
@@ -210,8 +199,9 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.consumed_samples += self.global_batch
-        loss = all_reduce_mean(total / cfg.train.grad_accum)
-        return loss.item(), grad_norm.item()
+        stats = torch.stack([total / cfg.train.grad_accum, torch.tensor(float(stop), device=self.env.device)])
+        loss, anyone_stops = all_reduce_mean(stats).tolist()
+        return loss, grad_norm.item(), anyone_stops > 0
 
     def comm_scalars(self) -> dict[str, float]:
         """This rank's communication in the last step, from the engine's ledger (MB sent)."""
@@ -260,7 +250,7 @@ class Trainer:
         if self.engine:
             self.engine.close()
         if self._own_group:
-            dist.destroy_process_group()
+            shutdown()
 
     def run(self) -> TrainResult:
         cfg, t = self.cfg, self.cfg.train
@@ -284,7 +274,7 @@ class Trainer:
         self.model.train()
         window_start, window_steps = time.perf_counter(), 0
         while self.step < t.steps:
-            loss, grad_norm = self.train_step(batches)
+            loss, grad_norm, stop = self.train_step(batches, preemption.received)
             result.losses[self.step] = loss
             window_steps += 1
             log.advance()
@@ -313,7 +303,7 @@ class Trainer:
             if t.checkpoint_interval and self.step % t.checkpoint_interval == 0 and self.step != t.steps:
                 path = self.save()
                 log.info(f"saved checkpoint {path}")
-            if self.step != t.steps and preemption.requested(self.env.device):
+            if stop and self.step != t.steps:
                 result.preempted = True
                 break
         result.checkpoint = self.save()
@@ -340,6 +330,5 @@ def train(cfg: Config) -> TrainResult:
     if trainer.env.is_main and not result.preempted:
         print(f"validation loss {result.val_loss:.4f} | perplexity {math.exp(min(result.val_loss, 50)):.2f}")
         print(f"checkpoint: {result.checkpoint}")
-    if dist.is_initialized():
-        dist.barrier()
+    barrier()
     return result

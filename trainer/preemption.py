@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import signal
 
-import torch
-import torch.distributed as dist
-
 
 class PreemptionSignal:
-    """Sets a flag when `signal_name` arrives; ranks agree on it at step boundaries."""
+    """Sets `received` when `signal_name` arrives; the trainer makes the ranks agree on it at the
+    end of each step (on the loss's all-reduce)."""
 
     def __init__(self, signal_name: str):
         self.received = False
@@ -23,13 +21,6 @@ class PreemptionSignal:
     def _handle(self, signum, frame) -> None:
         self.received = True
 
-    def requested(self, device: torch.device) -> bool:
-        """True on every rank once any rank has received the signal (a collective call)."""
-        flag = torch.tensor(int(self.received), device=device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
     def close(self) -> None:
         if self._signum is not None:
             signal.signal(self._signum, self._previous)
@@ -41,5 +32,5 @@ def signal_number(name: str) -> int:
     full = name if name.startswith("SIG") else f"SIG{name}"
     value = getattr(signal.Signals, full, None)
     if value is None or value in (signal.SIGKILL, signal.SIGSTOP):
-        raise ValueError(f"train.preempt_signal: {name!r} is not a signal that can be caught (e.g. SIGUSR1, SIGTERM)")
+        raise ValueError(f"{name!r} is not a signal that can be caught (e.g. SIGUSR1, SIGTERM)")
     return int(value)

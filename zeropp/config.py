@@ -69,6 +69,19 @@ class ZeroConfig:
     def hpz(self) -> bool:
         return self.zero_hpz_partition_size != 1
 
+    def describe(self) -> str:
+        """E.g. "ZeRO-3 + qwZ int8 + hpZ + qgZ int4 (bf16 communication)", or "DDP"."""
+        if self.stage == 0:
+            return "DDP"
+        parts = ["ZeRO-3"]
+        if self.zero_quantized_weights:
+            parts.append(f"qwZ int{self.zero_quantized_weights_bits}")
+        if self.hpz:
+            parts.append("hpZ")
+        if self.zero_quantized_gradients:
+            parts.append(f"qgZ int{self.zero_quantized_gradients_bits}")
+        return " + ".join(parts) + f" ({self.communication_data_type} communication)"
+
     def param_align(self) -> int:
         """Parameters start at a multiple of this: qwZ's blocks never straddle two of them."""
         return self.zero_quantization_block_size if self.zero_quantized_weights else 1

@@ -23,6 +23,11 @@ import runpy
 import signal
 import sys
 import time
+from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # appended: sys.path[0] becomes the script's dir
+
+from trainer.preemption import signal_number  # noqa: E402  (no torch: the wrapper starts fast)
 
 
 def _record(code: int) -> None:
@@ -52,9 +57,10 @@ def _ignore_preempt_signal() -> None:
     name = os.environ.get("PREEMPT_SIGNAL", "").strip()
     if not name:
         return
-    number = getattr(signal.Signals, name if name.startswith("SIG") else f"SIG{name}", None)
-    if number is None:
-        sys.exit(f"run_rank.py: PREEMPT_SIGNAL={name!r} is not a signal name (e.g. USR1)")
+    try:
+        number = signal_number(name)
+    except ValueError as e:
+        sys.exit(f"run_rank.py: PREEMPT_SIGNAL: {e}")
     signal.signal(number, signal.SIG_IGN)
 
 
