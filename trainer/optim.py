@@ -7,28 +7,16 @@ import math
 import torch
 
 from trainer.config import OptimSection
-
-
-def param_groups(named_params, weight_decay: float) -> list[dict]:
-    """Matrices (embeddings, linear weights) are decayed; biases and norm gains are not."""
-    decay, no_decay = [], []
-    for _, p in named_params:
-        if not p.requires_grad:
-            continue
-        (decay if p.dim() >= 2 else no_decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+from zeropp.flat import is_decayed
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimSection) -> torch.optim.AdamW:
-    # Parameters shared by two modules (tied embeddings) appear once in named_parameters().
-    return _adamw(param_groups(model.named_parameters(), cfg.weight_decay), cfg)
+    # Parameters shared by two modules (tied embeddings) appear once in parameters().
+    return build_shard_optimizer([(p, is_decayed(p)) for p in model.parameters() if p.requires_grad], cfg)
 
 
 def build_shard_optimizer(pieces: list[tuple[torch.Tensor, bool]], cfg: OptimSection) -> torch.optim.AdamW:
-    """AdamW over a sharded runtime's (shard piece, decayed) pairs, with the same two groups."""
+    """AdamW over (tensor, decayed) pairs: whole parameters, or a sharded runtime's shard pieces."""
     return _adamw([{"params": [p for p, decay in pieces if decay], "weight_decay": cfg.weight_decay},
                    {"params": [p for p, decay in pieces if not decay], "weight_decay": 0.0}], cfg)
 

@@ -15,6 +15,11 @@ import torch
 import torch.nn as nn
 
 
+def is_decayed(p: torch.Tensor) -> bool:
+    """Matrices (embeddings, linear weights) get weight decay; biases and norm gains do not."""
+    return p.requires_grad and p.dim() >= 2
+
+
 @dataclass
 class ParamSlot:
     name: str  # qualified name in the model (the first one, for a shared parameter)
@@ -48,15 +53,15 @@ class FlatUnit:
 
         def kind(entry):
             p = entry[1]
-            return 0 if (p.requires_grad and p.dim() >= 2) else 1 if p.requires_grad else 2
+            return 0 if is_decayed(p) else 1 if p.requires_grad else 2
 
         ordered = sorted(params, key=kind)  # stable: model order within each kind
         self.slots: list[ParamSlot] = []
         offset = 0
         for qualname, p, aliases, alias_names in ordered:
             offset = -(-offset // param_align) * param_align
-            self.slots.append(ParamSlot(qualname, p.shape, offset, p.requires_grad,
-                                        p.requires_grad and p.dim() >= 2, aliases, alias_names))
+            self.slots.append(ParamSlot(qualname, p.shape, offset, p.requires_grad, is_decayed(p),
+                                        aliases, alias_names))
             offset += p.numel()
         self.numel = offset
         # Pad to a multiple of the world size (and at least one element per rank).

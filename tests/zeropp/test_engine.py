@@ -8,7 +8,7 @@ from models.config import ModelConfig
 from models.transformer import Transformer, lm_loss
 from tests.spawn import run_ranks
 from trainer.config import OptimSection
-from trainer.optim import build_optimizer
+from trainer.optim import build_optimizer, build_shard_optimizer
 from zeropp.config import ZeroConfig
 from zeropp.engine import UnsupportedModelError, Zero3Engine, partition_units
 from zeropp.topology import build_topology
@@ -33,10 +33,7 @@ def batches(steps: int, vocab: int = 96):
 
 
 def adamw_factory(pieces):
-    groups = [{"params": [p for p, d in pieces if d], "weight_decay": OPTIM.weight_decay},
-              {"params": [p for p, d in pieces if not d], "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=OPTIM.lr, betas=(OPTIM.beta1, OPTIM.beta2),
-                             eps=OPTIM.eps, foreach=False)
+    return build_shard_optimizer(pieces, OPTIM)
 
 
 def reference(preset: str, steps: int, clip: float = 1.0):
