@@ -109,8 +109,11 @@ def config_from_hf(hf_config: dict, source: str) -> ModelConfig:
         raise ValueError(f"{source}: {e}") from e
 
 
-def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
+def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32, token_ids: dict | None = None) -> dict:
     """config.json contents that transformers.AutoModelForCausalLM loads as the same model.
+
+    token_ids: {"bos_token_id": .., "eos_token_id": .., "pad_token_id": ..} of the tokenizer;
+    without them transformers falls back to its class defaults (GPT-2's 50256, whatever the vocab).
 
     Raises ValueError when the config mixes features the HF class cannot express
     (e.g. arch="gpt2" with RMSNorm): it is checked by converting back.
@@ -135,6 +138,7 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dic
               "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps, "hidden_act": "silu",
               "rope_theta": c.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
               "attention_bias": c.bias, "mlp_bias": c.bias}
+    hf.update(token_ids or {})
     hf["tie_word_embeddings"] = c.tie_embeddings
     hf["dtype"] = str(dtype).removeprefix("torch.")
     hf["torch_dtype"] = hf["dtype"]  # the key's name before transformers 4.56, still read by older tools
@@ -405,8 +409,11 @@ def _copy_tokenizer(tokenizer_dir: Path, directory: Path):
         shutil.copy2(file, directory / file.name)
 
 
-def save_hf_checkpoint(model: Transformer, path, max_shard_size: int | None = None, tokenizer_dir=None):
+def save_hf_checkpoint(model: Transformer, path, max_shard_size: int | None = None, tokenizer_dir=None,
+                       token_ids: dict | None = None):
     """Write `model` as a Hugging Face dir (config.json + safetensors) that transformers loads.
+
+    tokenizer_dir: tokenizer files to copy in; token_ids: its special ids for config.json.
 
     The dir is written beside `path` and renamed into place, so a reader (or a
     crash) never sees a half-written checkpoint; an existing `path` is replaced.
@@ -416,7 +423,7 @@ def save_hf_checkpoint(model: Transformer, path, max_shard_size: int | None = No
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} exists and is not a directory")
     config = model.config
-    hf_config = config_to_hf(config, next(model.parameters()).dtype)  # fails before anything is written
+    hf_config = config_to_hf(config, next(model.parameters()).dtype, token_ids)  # fails before anything is written
     hf_state = to_hf_state_dict(model.state_dict(), config)
 
     path.parent.mkdir(parents=True, exist_ok=True)

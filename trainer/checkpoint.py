@@ -239,7 +239,10 @@ def export_hf(path: Path, out_dir: str | Path, tokenizer: str | Path | None = No
     tokenizer = tokenizer or state.get("tokenizer")
     model = consolidated_model(path)
     with tempfile.TemporaryDirectory() as tok_dir:
+        token_ids = None
         if tokenizer:
-            load_tokenizer(tokenizer).save(tok_dir)
-        save_hf_checkpoint(model, out_dir, tokenizer_dir=tok_dir if tokenizer else None)
+            tok = load_tokenizer(tokenizer)
+            tok.save(tok_dir)
+            token_ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+        save_hf_checkpoint(model, out_dir, tokenizer_dir=tok_dir if tokenizer else None, token_ids=token_ids)
     return Path(out_dir)

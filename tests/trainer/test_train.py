@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from data.tokenizer import load_tokenizer
 from tests.spawn import free_port, run_ranks
 from trainer.checkpoint import CheckpointError, consolidated_model
 from trainer.config import ConfigError, parse_args
@@ -182,7 +183,8 @@ def test_zero3_training_matches_one_process_resumes_reshards_and_exports(corpus,
     tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(hf(tokens).logits, ours(tokens), atol=1e-5, rtol=1e-4)
-    assert (tmp_path / "zero" / "hf" / "tokenizer.model").is_file()
+    tokenizer = load_tokenizer(tmp_path / "zero" / "hf")  # with its special ids in config.json
+    assert (hf.config.eos_token_id, hf.config.bos_token_id) == (tokenizer.eos_id, tokenizer.bos_id)
 
     # Misuse: an unsupported stage, a knob that contradicts stage 0, a checkpoint of the other format.
     with pytest.raises(ConfigError, match="stage=2"):
