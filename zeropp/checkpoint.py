@@ -169,22 +169,11 @@ def load_shards(engine, directory: str | Path) -> None:
     reader = _ShardReader(directory, manifest)
     for name, unit in engine.units.items():
         saved_offset = {p["name"]: p["offset"] for p in manifest["units"][name]["params"]}
-        lo, hi = unit.shard_start, unit.shard_start + unit.shard_numel
-
-        def this_shard(key, slots, name=name, saved_offset=saved_offset, lo=lo, hi=hi):
-            """The unit's `key` over this rank's shard, rebuilt in this run's layout."""
-            out = torch.zeros(unit.shard_numel)
-            for slot in slots:
-                a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-                if b > a:
-                    old = saved_offset[slot.name] - slot.offset
-                    out[a - lo:b - lo] = reader.read(name, key, old + a, old + b)
-            return out
-
         with torch.no_grad():
-            unit.master.copy_(this_shard("master", unit.slots))
+            unit.master.copy_(_read_shard(reader, unit, saved_offset, "master", unit.slots))
         states = reader.states(name)
-        full = {key: this_shard(key, [s for s in unit.slots if s.trainable])
+        trainable = [s for s in unit.slots if s.trainable]
+        full = {key: _read_shard(reader, unit, saved_offset, key, trainable)
                 for key, scalar in states.items() if not scalar}
         for start, piece, _ in _piece_states(engine, unit):
             state = {key: reader.scalar(name, key) if scalar else full[key][start:start + piece.numel()].clone()
@@ -192,6 +181,19 @@ def load_shards(engine, directory: str | Path) -> None:
             if state:
                 engine.optimizer.state[piece] = {k: v.to(piece.device) for k, v in state.items()}
     engine.weights_changed()
+
+
+def _read_shard(reader: _ShardReader, unit: FlatUnit, saved_offset: dict[str, int], key: str, slots) -> torch.Tensor:
+    """The unit's `key` over this rank's shard in this run's layout, each parameter read from
+    where the checkpoint's layout put it."""
+    lo, hi = unit.shard_start, unit.shard_start + unit.shard_numel
+    out = torch.zeros(unit.shard_numel)
+    for slot in slots:
+        a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if b > a:
+            shift = saved_offset[slot.name] - slot.offset
+            out[a - lo:b - lo] = reader.read(unit.name, key, shift + a, shift + b)
+    return out
 
 
 def consolidated_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:

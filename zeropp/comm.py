@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from kernels import dequant_reduce, dequant_reduce_quant, quantize_transposed
 from zeropp.topology import Topology
 
 
@@ -272,8 +273,6 @@ class Comm:
         return None
 
     def _qgz(self, out, full, bits, block_size, hops, stages, tag):
-        from kernels import dequant_reduce, dequant_reduce_quant, quantize_transposed
-
         t = self.topo
         world, nodes, local = t.world_size, t.num_nodes, t.ranks_per_node
         if hops == 1 or nodes == 1 or local == 1:

@@ -8,8 +8,9 @@ the wire (comm dtype, or qwZ codes) and a gradient shard.
 Forward: a block's shard is all-gathered into one of two preallocated, alternating gather
 buffers; its parameters become views into it. The two resident units (embeddings, norms)
 have buffers of their own that nothing else overwrites, so they are gathered once per
-weight update and serve every forward and backward until the next step. The next block's gather is issued before the current block computes (prefetch in
-the execution order recorded on the first forward), so communication overlaps compute.
+weight update and serve every forward and backward until the next step. The next block's
+gather is issued before the current block computes (prefetch in the execution order
+recorded on the first forward), so communication overlaps compute.
 
 Backward: an identity autograd function on each block's output (`_PreBackward`) fires
 before the block's backward: it re-gathers the block into the same buffer (the saved
