@@ -12,19 +12,16 @@ once (same storage before and after the steps).
 
 import argparse
 import json
-import os
-import socket
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from models.config import ModelConfig  # noqa: E402
 from models.transformer import Transformer, lm_loss  # noqa: E402
+from tests.spawn import run_ranks  # noqa: E402
 from trainer.config import OptimSection  # noqa: E402
 from trainer.optim import build_shard_optimizer  # noqa: E402
 from zeropp.config import DTYPES, ZeroConfig  # noqa: E402
@@ -68,14 +65,6 @@ def measure(rank, world, preset, comm, seq, batch):
             "buffers_allocated_once": all(before[k][0] == after[k][0] for k in before)}
 
 
-def _worker(rank, world, port, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    queue.put(measure(rank, world, args.preset, args.comm, args.seq, args.batch))
-    dist.destroy_process_group()
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="gpt2-small-cpu")
@@ -85,17 +74,7 @@ def main():
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, args.ranks, port, args, queue)) for r in range(args.ranks)]
-    for p in procs:
-        p.start()
-    reports = sorted((queue.get(timeout=600) for _ in procs), key=lambda r: r["rank"])
-    for p in procs:
-        p.join()
+    reports = run_ranks(measure, args.ranks, args=(args.preset, args.comm, args.seq, args.batch), timeout=900)
     print(f"{args.preset}: {reports[0]['params'] / 1e6:.2f}M parameters on {args.ranks} ranks, "
           f"{args.comm} communication")
     print(f"{'rank':>4} {'kind':<18} {'measured MB':>12} {'formula MB':>11} {'ratio':>7}")
