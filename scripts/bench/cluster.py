@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PREFIX = "zpp-"
+THROUGHPUT_PORT = 5201      # measure_throughput's TCP port, inside the namespaces
 RDZV_PORT = 29400           # every cluster has its own network stack, so a fixed port never collides
 _NS_RE = re.compile(r"^zpp-(\d+)-(\d+)-(hub|n\d+)$")
 _SEQ = itertools.count()
@@ -251,7 +252,6 @@ class EmulatedCluster:
             raise ValueError("nodes must be in 1..250")
         self.num_nodes = nodes
         self.rate_bits = parse_rate(rate)
-        self.rate = rate
         self.rdzv_port = rdzv_port
         self.burst, self.latency = tbf_params(self.rate_bits)
         seq = next(_SEQ)
@@ -435,11 +435,38 @@ class EmulatedCluster:
         return out
 
     def measure_throughput(self, src: int = 0, dst: int = 1, seconds: float = 2.0) -> dict:
-        return measure_throughput(self, src, dst, seconds)
+        """Achieved TCP goodput from node `src` to node `dst` (an iperf-like bulk transfer).
+
+        The sender writes for `seconds`; the receiver times first byte to EOF (so the queue drains
+        into the measurement). Returns {"mbit_s": goodput, "bytes", "seconds", "link_mbit_s": rate
+        of the physical bytes the sender's veth sent (headers and retransmits included),
+        "rate_mbit": the configured rate}.
+        """
+        a, b = self.nodes[src], self.nodes[dst]
+        before = self.link_counters()
+        recv = self._popen(b, [sys.executable, "-c", _RECEIVER, b.addr, str(THROUGHPUT_PORT)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            if recv.stdout.readline().strip() != "READY":
+                raise ClusterError(f"throughput receiver failed: {recv.stderr.read()}")
+            send = self._popen(a, [sys.executable, "-c", _SENDER, b.addr, str(THROUGHPUT_PORT), str(seconds)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            out, err = recv.communicate(timeout=seconds * 20 + 30)
+            send.wait(timeout=30)
+            if recv.returncode != 0 or send.returncode != 0:
+                raise ClusterError(f"throughput measurement failed: {err} {send.stderr.read()}")
+        finally:
+            self._kill_procs()
+        nbytes, secs = out.split()
+        nbytes, secs = int(nbytes), float(secs)
+        after = self.link_counters()
+        link_tx = after[src]["tx"] - before[src]["tx"]
+        return {"mbit_s": nbytes * 8 / secs / 1e6, "bytes": nbytes, "seconds": secs,
+                "link_mbit_s": link_tx * 8 / secs / 1e6, "rate_mbit": self.rate_bits / 1e6}
 
     # -- running
 
-    def torchrun_argv(self, node: _Node, cmd: list[str], nproc_per_node: int, extra: list[str] = ()) -> list[str]:
+    def torchrun_argv(self, node: _Node, cmd: list[str], nproc_per_node: int) -> list[str]:
         """`python -m torch.distributed.run ...` for one node. `cmd` is `python script.py args`,
         `python -m module args`, `script.py args`, or any other executable (run --no-python)."""
         cmd = list(cmd)
@@ -466,7 +493,7 @@ class EmulatedCluster:
             # (default: the machine's FQDN, unreachable from inside the namespaces)
             "--local-addr", node.addr,
             "--max-restarts", "0",
-            *extra, *mode, *cmd,
+            *mode, *cmd,
         ]
 
     def run(self, cmd: list[str], nproc_per_node: int = 1, env: dict | None = None,
@@ -588,38 +615,6 @@ chunk = bytes(256 * 1024); end = time.perf_counter() + float(sys.argv[3])
 while time.perf_counter() < end: c.sendall(chunk)
 c.shutdown(socket.SHUT_WR); c.recv(1); c.close()
 """
-
-
-def measure_throughput(cluster: EmulatedCluster, src: int = 0, dst: int = 1, seconds: float = 2.0,
-                       port: int = 5201) -> dict:
-    """Achieved TCP goodput from node `src` to node `dst` (an iperf-like bulk transfer).
-
-    The sender writes for `seconds`; the receiver times first byte to EOF (so the queue drains
-    into the measurement). Returns {"mbit_s": goodput, "bytes", "seconds", "link_mbit_s": rate
-    of the physical bytes the sender's veth sent (headers and retransmits included),
-    "rate_mbit": the configured rate}.
-    """
-    a, b = cluster.nodes[src], cluster.nodes[dst]
-    before = cluster.link_counters()
-    recv = cluster._popen(b, [sys.executable, "-c", _RECEIVER, b.addr, str(port)],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        if recv.stdout.readline().strip() != "READY":
-            raise ClusterError(f"throughput receiver failed: {recv.stderr.read()}")
-        send = cluster._popen(a, [sys.executable, "-c", _SENDER, b.addr, str(port), str(seconds)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        out, err = recv.communicate(timeout=seconds * 20 + 30)
-        send.wait(timeout=30)
-        if recv.returncode != 0 or send.returncode != 0:
-            raise ClusterError(f"throughput measurement failed: {err} {send.stderr.read()}")
-    finally:
-        cluster._kill_procs()
-    nbytes, secs = out.split()
-    nbytes, secs = int(nbytes), float(secs)
-    after = cluster.link_counters()
-    link_tx = after[src]["tx"] - before[src]["tx"]
-    return {"mbit_s": nbytes * 8 / secs / 1e6, "bytes": nbytes, "seconds": secs,
-            "link_mbit_s": link_tx * 8 / secs / 1e6, "rate_mbit": cluster.rate_bits / 1e6}
 
 
 # ---------------------------------------------------------------- CLI
