@@ -96,28 +96,13 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, numel, nblocks, A, C, stride_
 
 
 @triton.jit
-def _dequantize_kernel(codes_ptr, scales_ptr, out_ptr, numel, nblocks,
-                       BLOCK: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr, G: tl.constexpr,
-                       ROWS: tl.constexpr, ACCUMULATE: tl.constexpr, OUT_BF16: tl.constexpr):
-    row, row_ok, g, i = _tile_index(tl.program_id(0), nblocks, ROWS, G)
-    x = _dequantize_tile(codes_ptr, scales_ptr, row, row_ok, g, i, BITS, GROUPS)
-    n = row[:, None, None] * BLOCK + g[None, :, None] * 8 + i[None, None, :]
-    mask = row_ok[:, None, None] & (g < GROUPS)[None, :, None] & (n < numel)
-    if ACCUMULATE:
-        x += tl.load(out_ptr + n, mask=mask)
-    if OUT_BF16:
-        tl.store(out_ptr + n, _to_bf16(x), mask=mask)
-    else:
-        tl.store(out_ptr + n, x.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _dequant_reduce_kernel(codes_ptr, scales_ptr, out_ptr, out_codes_ptr, out_scales_ptr, k, numel, nblocks,
                            codes_per_tensor,
                            BLOCK: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr, G: tl.constexpr,
                            ROWS: tl.constexpr, QUANTIZE: tl.constexpr, OUT_BITS: tl.constexpr,
-                           SCALE_FP16: tl.constexpr, ACCUMULATE: tl.constexpr):
-    """Sum tensors 0..k-1 in order in fp32; store it into out_ptr or requantize it."""
+                           SCALE_FP16: tl.constexpr, ACCUMULATE: tl.constexpr, OUT_BF16: tl.constexpr):
+    """Sum tensors 0..k-1 in order in fp32; store it into out_ptr (k=1: plain dequantize) or
+    requantize it."""
     row, row_ok, g, i = _tile_index(tl.program_id(0), nblocks, ROWS, G)
     acc = _dequantize_tile(codes_ptr, scales_ptr, row, row_ok, g, i, BITS, GROUPS)
     for _ in range(1, k):  # advancing the pointers keeps the offsets 64-bit
@@ -132,7 +117,10 @@ def _dequant_reduce_kernel(codes_ptr, scales_ptr, out_ptr, out_codes_ptr, out_sc
     else:
         if ACCUMULATE:
             acc += tl.load(out_ptr + n, mask=mask)
-        tl.store(out_ptr + n, acc, mask=mask)
+        if OUT_BF16:
+            tl.store(out_ptr + n, _to_bf16(acc), mask=mask)
+        else:
+            tl.store(out_ptr + n, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _geometry(block_size):
@@ -156,13 +144,7 @@ def quantize(x, shape, strides, bits, block_size, codes, scales):
 
 
 def dequantize(codes, scales, numel, bits, block_size, out, accumulate):
-    nblocks = scales.numel()
-    groups, g, rows = _geometry(block_size)
-    if nblocks:
-        _dequantize_kernel[(triton.cdiv(nblocks, rows),)](
-            codes, scales, out, numel, nblocks,
-            BLOCK=block_size, BITS=bits, GROUPS=groups, G=g, ROWS=rows, ACCUMULATE=accumulate,
-            OUT_BF16=out.dtype == torch.bfloat16, **EXACT)
+    dequant_reduce(codes, scales, 1, numel, bits, block_size, out=out, accumulate=accumulate)
 
 
 def dequant_reduce(codes, scales, k, numel, bits, block_size, out=None, accumulate=False, quant_out=None):
@@ -176,4 +158,4 @@ def dequant_reduce(codes, scales, k, numel, bits, block_size, out=None, accumula
             codes.numel() // k,
             BLOCK=block_size, BITS=bits, GROUPS=groups, G=g, ROWS=rows, QUANTIZE=quant_out is not None,
             OUT_BITS=out_bits, SCALE_FP16=out_scales.dtype.itemsize == 2, ACCUMULATE=accumulate,
-            **EXACT)
+            OUT_BF16=out is not None and out.dtype == torch.bfloat16, **EXACT)
