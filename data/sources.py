@@ -99,3 +99,14 @@ def iter_documents(path: str | os.PathLike, json_key: str = "text") -> Iterator[
         if not isinstance(text, str):
             raise ValueError(f"{path}: record {i}: key {json_key!r} is {text!r}, expected a string")
         yield text
+
+
+def documents_as_text(path: str | os.PathLike, json_key: str, target: str | os.PathLike) -> Path:
+    """A plain-text file of `path`'s documents, for SentencePiece (which reads a sentence a
+    line): `path` itself when it is text; for JSON/JSONL, the documents streamed into `target`."""
+    if not is_json(path):
+        return Path(path)
+    with open(target, "w", encoding="utf-8") as out:
+        for document in iter_documents(path, json_key):
+            out.write(document + "\n")
+    return Path(target)

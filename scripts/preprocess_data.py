@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, like Megatron's tools/
 
 from data.indexed import tokenize_to_indexed  # noqa: E402
-from data.sources import iter_documents, require_file  # noqa: E402
+from data.sources import documents_as_text, require_file  # noqa: E402
 from data.tokenizer import load_tokenizer, train_sentencepiece  # noqa: E402
 
 
@@ -48,12 +48,9 @@ def main(argv=None) -> None:
     output_dir = Path(args.output_prefix).parent
     if args.train_sentencepiece:
         output_dir.mkdir(parents=True, exist_ok=True)
-        # SentencePiece reads plain text a line at a time: give it the documents, whatever the input format.
-        with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=output_dir, suffix=".txt") as text:
-            for document in iter_documents(args.input, args.json_key):
-                text.write(document + "\n")
-            text.flush()
-            tokenizer = train_sentencepiece([text.name], output_dir / "tokenizer", args.train_sentencepiece,
+        with tempfile.TemporaryDirectory(dir=output_dir) as tmp:
+            text = documents_as_text(args.input, args.json_key, Path(tmp) / "documents.txt")
+            tokenizer = train_sentencepiece([text], output_dir / "tokenizer", args.train_sentencepiece,
                                             args.sp_model_type)
         print(f"trained SentencePiece ({args.sp_model_type}, vocab {tokenizer.vocab_size}) -> {tokenizer.path} "
               f"in {time.perf_counter() - start:.1f} s")

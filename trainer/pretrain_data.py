@@ -12,10 +12,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from data.corpus import default_corpus
 from data.datasets import PretrainDataset, split_train_valid
 from data.indexed import IndexedDataset, tokenize_to_indexed
-from data.sources import is_json, iter_documents
+from data.sources import documents_as_text
 from data.tokenizer import Tokenizer, load_tokenizer, train_sentencepiece
 from trainer.config import DataSection
 from trainer.distributed import barrier
@@ -29,8 +31,8 @@ class DataError(ValueError):
 class PretrainData:
     tokenizer: Tokenizer
     dataset: PretrainDataset
-    train_indices: list[int]
-    valid_indices: list[int]
+    train_indices: np.ndarray
+    valid_indices: np.ndarray
     source: str
 
 
@@ -82,10 +84,7 @@ def prepare_pretraining(cfg: DataSection, seq_len: int, seed: int, rank: int = 0
         if rank == 0 and not _is_indexed_prefix(str(prefix)):
             work.mkdir(parents=True, exist_ok=True)
             if cfg.tokenizer is None and not spm_model.is_file():
-                spm_input = source
-                if is_json(source):  # SentencePiece reads plain text: give it the documents
-                    spm_input = work / "documents.txt"
-                    spm_input.write_text("\n".join(iter_documents(source, cfg.json_key)))
+                spm_input = documents_as_text(source, cfg.json_key, work / "documents.txt")
                 train_sentencepiece([str(spm_input)], str(work / "tokenizer"), cfg.vocab_size)
             tokenize_to_indexed(
                 str(source), cfg.tokenizer or str(spm_model), str(prefix), json_key=cfg.json_key,
@@ -103,4 +102,4 @@ def prepare_pretraining(cfg: DataSection, seq_len: int, seed: int, rank: int = 0
             f"seq_len {seq_len}"
         )
     train_idx, valid_idx = split_train_valid(len(dataset), cfg.valid_fraction, seed)
-    return PretrainData(tokenizer, dataset, list(train_idx), list(valid_idx), name)
+    return PretrainData(tokenizer, dataset, train_idx, valid_idx, name)
