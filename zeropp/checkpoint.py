@@ -67,7 +67,7 @@ def save_shards(engine, directory: str | Path) -> None:
             (scalars if value.dim() == 0 else shaped).setdefault(key, value)
     tensors = {}
     for name, unit in engine.units.items():
-        tensors[f"{name}.master"] = unit.master.detach().cpu()
+        tensors[f"{name}.master"] = engine.master_shard(unit).detach().cpu()
         if not unit.trainable:
             continue
         for key, value in scalars.items():
@@ -141,8 +141,10 @@ class _ShardReader:
     def states(self, unit: str) -> dict[str, bool]:
         """The unit's optimizer-state keys (rank 0's file names them all) -> is it a scalar."""
         f = self._file(0)
+        keys = [k for k in f.keys() if k.startswith(unit + ".")]
+        # state names have no dots: "blocks.1.exp_avg" is unit blocks.1's, "blocks.1.frozen.master" is not
         return {k[len(unit) + 1:]: len(f.get_slice(k).get_shape()) == 0
-                for k in f.keys() if k.startswith(unit + ".") and k != f"{unit}.master"}
+                for k in keys if "." not in k[len(unit) + 1:] and k != f"{unit}.master"}
 
     def scalar(self, unit: str, key: str) -> torch.Tensor:
         # A fresh tensor per call: safetensors may hand out views of one memory map, and the
@@ -170,7 +172,7 @@ def load_shards(engine, directory: str | Path) -> None:
     for name, unit in engine.units.items():
         saved_offset = {p["name"]: p["offset"] for p in manifest["units"][name]["params"]}
         with torch.no_grad():
-            unit.master.copy_(_read_shard(reader, unit, saved_offset, "master", unit.slots))
+            engine.load_master_shard(unit, _read_shard(reader, unit, saved_offset, "master", unit.slots))
         states = reader.states(name)
         trainable = [s for s in unit.slots if s.trainable]
         full = {key: _read_shard(reader, unit, saved_offset, key, trainable)

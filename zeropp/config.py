@@ -43,6 +43,9 @@ class ZeroConfig:
     # ZeRO++ (docs/zeropp.md). qwZ: block-quantized weight all-gather.
     zero_quantized_weights: bool = False
     zero_quantized_weights_bits: int = 8
+    # Frozen parameters (requires_grad=False, e.g. a LoRA base model) are kept only as qwZ codes
+    # (zero_quantized_weights_bits, no fp32 copy) and gathered as such, never requantized.
+    zero_quantized_nontrainable_weights: bool = False
     # hpZ: after a unit's forward, keep a secondary copy of its weights partitioned over a group
     # of this many ranks, so the backward gather stays inside that group. 1 disables (DeepSpeed's
     # default); 0 means one node (the launcher's ranks per node).
@@ -80,16 +83,19 @@ class ZeroConfig:
             parts.append("hpZ")
         if self.zero_quantized_gradients:
             parts.append(f"qgZ int{self.zero_quantized_gradients_bits}")
+        if self.zero_quantized_nontrainable_weights:
+            parts.append(f"frozen weights int{self.zero_quantized_weights_bits}")
         return " + ".join(parts) + f" ({self.communication_data_type} communication)"
 
-    def param_align(self) -> int:
+    def param_align(self, frozen: bool = False) -> int:
         """Parameters start at a multiple of this: qwZ's blocks never straddle two of them."""
-        return self.zero_quantization_block_size if self.zero_quantized_weights else 1
+        quantized = self.zero_quantized_weights or (frozen and self.zero_quantized_nontrainable_weights)
+        return self.zero_quantization_block_size if quantized else 1
 
-    def shard_align(self) -> int:
+    def shard_align(self, frozen: bool = False) -> int:
         """Shard lengths are a multiple of this: whole blocks per rank (and per qgZ stage)."""
-        align = self.param_align()
-        if self.zero_quantized_gradients:
+        align = self.param_align(frozen)
+        if self.zero_quantized_gradients and not frozen:
             align = math.lcm(align, self.zero_quantization_block_size * self.zero_quantized_gradients_stages)
         return align
 

@@ -110,10 +110,16 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, nn.LayerNorm) or type(module).__name__.endswith("Norm")
 
 
+FROZEN_SUFFIX = ".frozen"
+
+
 def partition_units(model: nn.Module) -> dict[str, list]:
     """Group parameters into units: "embedding" (+ head), "norms", "blocks.<i>".
 
-    Returns unit name -> [(qualified name, param, [(module, attr)], [alias names])].
+    Frozen parameters (requires_grad False) of a group form a unit of their own,
+    "<group>.frozen": it is never reduced, never stepped, and may be stored quantized
+    (`zero_quantized_nontrainable_weights`). Returns unit name -> [(qualified name, param,
+    [(module, attr)], [alias names])].
     """
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
@@ -150,13 +156,18 @@ def partition_units(model: nn.Module) -> dict[str, list]:
                 f"parameter {qual} is shared by modules in different units {sorted(owners)}; zeropp shards "
                 f"a parameter within one unit only"
             )
-        unit = owners.pop()
+        unit = owners.pop() + ("" if p.requires_grad else FROZEN_SUFFIX)
         units.setdefault(unit, []).append(
             (qual, p, [(m, a) for m, a, _ in aliases[pid]], [q for _, _, q in aliases[pid]]))
     return units
 
 
 # ---------------------------------------------------------------------------- the engine
+
+def _aligned(nbytes: int) -> int:
+    """Byte offsets inside the shared block buffers: 64-aligned, so any dtype can view them."""
+    return -(-nbytes // 64) * 64
+
 
 class Zero3Engine:
     """A ZeRO-3 sharded model + AdamW. Call it like the model; then backward(), step()."""
@@ -174,14 +185,21 @@ class Zero3Engine:
         world, rank = self.topo.world_size, self.topo.rank
 
         cfg = self.config
-        groups = partition_units(model)
-        self.units: dict[str, FlatUnit] = {
-            name: FlatUnit(name, params, world, rank, self.device, cfg.param_align(), cfg.shard_align())
-            for name, params in groups.items()
-        }
+        self.units: dict[str, FlatUnit] = {}
+        for name, params in partition_units(model).items():
+            frozen = name.endswith(FROZEN_SUFFIX)
+            self.units[name] = FlatUnit(name, params, world, rank, self.device, cfg.param_align(frozen),
+                                        cfg.shard_align(frozen))
         # What the weight all-gather sends: the shard in the comm dtype, or qwZ's codes + scales.
-        self.codec = (QuantizedCodec(cfg.zero_quantized_weights_bits, cfg.zero_quantization_block_size)
-                      if cfg.zero_quantized_weights else PlainCodec(self.comm_dtype))
+        # Frozen units under zero_quantized_nontrainable_weights are stored as codes: their wire
+        # shard is the only copy of the weights, gathered as it is, never requantized.
+        codec = (QuantizedCodec(cfg.zero_quantized_weights_bits, cfg.zero_quantization_block_size)
+                 if cfg.zero_quantized_weights else PlainCodec(self.comm_dtype))
+        frozen_codec = (QuantizedCodec(cfg.zero_quantized_weights_bits, cfg.zero_quantization_block_size)
+                        if cfg.zero_quantized_nontrainable_weights else codec)
+        for u in self.units.values():
+            u.stored_quantized = cfg.zero_quantized_nontrainable_weights and not u.trainable
+            u.codec = frozen_codec if u.stored_quantized else codec
         wanted = cfg.zero_hpz_partition_size or self.topo.ranks_per_node
         if cfg.hpz and wanted != self.topo.secondary_size:
             raise ZeroConfigError(
@@ -190,69 +208,82 @@ class Zero3Engine:
                 f"secondary_size={wanted} to build_topology")
         self.hpz = cfg.hpz and self.topo.secondary_size > 1
         self.qgz_hops = cfg.zero_quantized_gradients_hops or (2 if self.topo.num_nodes > 1 else 1)
-        self.blocks = [self.units[f"blocks.{i}"] for i in range(len(model.blocks)) if f"blocks.{i}" in self.units]
-        self.resident = [self.units[n] for n in ("embedding", "norms") if n in self.units]
+        # A block's units (trainable, then frozen) are gathered, computed and freed together.
+        self.block_groups = [[self.units[n] for n in (f"blocks.{i}", f"blocks.{i}{FROZEN_SUFFIX}") if n in self.units]
+                             for i in range(len(model.blocks))]
+        self.blocks = [u for group in self.block_groups for u in group]
+        self.resident = [self.units[n] for base in ("embedding", "norms") for n in (base, base + FROZEN_SUFFIX)
+                         if n in self.units]
 
         # The block order of the first forward: prefetch follows it, and a block's position
         # picks which of the two alternating buffers it uses.
-        self._order: list[FlatUnit] = []
+        self._order: list[list[FlatUnit]] = []
         self._order_known = False
         self._position: dict[int, int] = {}
 
-        # Buffers: two alternating ones shared by the blocks, one of its own for a resident unit.
         for slot in (s for u in self.units.values() for s in u.slots):
             for module, attr in slot.aliases:
                 del module._parameters[attr]
-        block_numel = max((u.padded_numel for u in self.blocks), default=0)
-        block_wire = world * max((self.codec.wire_numel(u.shard_numel) for u in self.blocks), default=0)
-        self._gather_pair = [self._new_buffer(block_wire, self.codec.dtype) for _ in range(2)]
-        self._compute_pair = self._compute_for(self._gather_pair, block_numel)
-        self._grad_pair = [torch.zeros(block_numel, dtype=self.param_dtype, device=self.device) for _ in range(2)]
-        self._grad_owner: list[FlatUnit | None] = [None, None]
         for u in self.units.values():
             u.pending_gather = None
             u.pending_reduce = None
             u.grad_target = None
             u.writing_grads = False
             u.gathered_version = -1
-            u.wire = self._new_buffer(self.codec.wire_numel(u.shard_numel), self.codec.dtype)
+            u.wire = self._new_buffer(u.codec.wire_numel(u.shard_numel), u.codec.dtype)
             u.wire_numel = world * u.wire.numel()  # of the gathered buffer
             # hpZ: this rank's part of a block's gathered wire bytes within its secondary group
             # (resident units are not re-gathered for the backward).
-            u.secondary = self._new_buffer(u.wire_numel // self.topo.secondary_size, self.codec.dtype) \
+            u.secondary = self._new_buffer(u.wire_numel // self.topo.secondary_size, u.codec.dtype) \
                 if self.hpz and u in self.blocks else None
             u.secondary_version = -1
-            if u in self.resident:
-                u.gather_buf = self._new_buffer(u.wire_numel, self.codec.dtype)
-                u.compute_buf = self._compute_for([u.gather_buf], u.padded_numel)[0]
-                u.grad_buf = torch.zeros(u.padded_numel, dtype=self.param_dtype, device=self.device)
+        # Buffers: two alternating byte buffers shared by the blocks, each holding one block's
+        # units side by side; a resident unit has buffers of its own.
+        self._shared_compute = all(u.codec.dtype == self.param_dtype for u in self.blocks)
+        gather_bytes = compute_numel = grad_numel = 0
+        for group in self.block_groups:
+            gather_at = compute_at = 0
+            for u in group:
+                u.gather_offset, u.compute_offset = gather_at, compute_at
+                gather_at += _aligned(u.wire_numel * u.wire.element_size())
+                compute_at += u.padded_numel
+                if u.trainable:
+                    grad_numel = max(grad_numel, u.padded_numel)
+            gather_bytes, compute_numel = max(gather_bytes, gather_at), max(compute_numel, compute_at)
+        self._gather_pair = [self._new_buffer(gather_bytes, torch.uint8) for _ in range(2)]
+        self._compute_pair = [] if self._shared_compute else \
+            [self._new_buffer(compute_numel, self.param_dtype) for _ in range(2)]
+        self._grad_pair = [self._new_buffer(grad_numel, self.param_dtype) for _ in range(2)]
+        self._grad_owner: list[FlatUnit | None] = [None, None]
+        for u in self.resident:
+            u.gather_buf = self._new_buffer(u.wire_numel, u.codec.dtype)
+            u.compute_buf = u.gather_buf if u.codec.dtype == self.param_dtype else \
+                self._new_buffer(u.padded_numel, self.param_dtype)
+            u.grad_buf = self._new_buffer(u.padded_numel, self.param_dtype) if u.trainable else None
+        for u in self.units.values():
             self._bind(u, grad=False)  # parameters exist (as views) from the start
 
         pieces = [(p, decay) for u in self.units.values() for p, decay in u.optim_params]
         self.optimizer = optimizer_factory(pieces)
         self.weights_version = 0
-        self._encode_weights()
+        for u in self.units.values():
+            u.codec.encode(u.master, u.wire)
+            if u.stored_quantized:
+                u.master = None  # from now on the codes are the weights
         self.micro_batches = 0
         self._phase = "forward"
 
         self._hooks = [model.register_forward_pre_hook(self._model_pre_forward),
                        model.register_forward_hook(self._model_post_forward)]
-        for i, block in enumerate(model.blocks):
-            unit = self.units.get(f"blocks.{i}")
-            if unit is not None:
-                self._hooks.append(block.register_forward_pre_hook(lambda m, a, u=unit: self._block_pre_forward(u)))
-                self._hooks.append(block.register_forward_hook(lambda m, a, o, u=unit: self._block_post_forward(u, o)))
+        for block, group in zip(model.blocks, self.block_groups):
+            if group:
+                self._hooks.append(block.register_forward_pre_hook(lambda m, a, g=group: self._block_pre_forward(g)))
+                self._hooks.append(block.register_forward_hook(lambda m, a, o, g=group: self._block_post_forward(g, o)))
 
     # ------------------------------------------------------------------ buffers
 
     def _new_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, device=self.device)
-
-    def _compute_for(self, gather_bufs, numel):
-        """Compute buffers: the gather buffers themselves when they hold the compute dtype, else twins."""
-        if self.codec.dtype == self.param_dtype:
-            return gather_bufs
-        return [self._new_buffer(numel, self.param_dtype) for _ in gather_bufs]
 
     def _slot(self, unit: FlatUnit) -> int:
         return self._position[id(unit)] % 2
@@ -262,7 +293,11 @@ class Zero3Engine:
         if unit in self.resident:
             return unit.gather_buf, unit.compute_buf
         s = self._position.get(id(unit), 0) % 2
-        return self._gather_pair[s], self._compute_pair[s]
+        nbytes = unit.wire_numel * unit.wire.element_size()
+        gather = self._gather_pair[s][unit.gather_offset:unit.gather_offset + nbytes].view(unit.codec.dtype)
+        if self._shared_compute:
+            return gather, gather
+        return gather, self._compute_pair[s][unit.compute_offset:unit.compute_offset + unit.padded_numel]
 
     # ------------------------------------------------------------------ gathering
 
@@ -274,28 +309,32 @@ class Zero3Engine:
             source, group = unit.secondary, "secondary"
         else:
             source, group = unit.wire, "dp"
-        unit.pending_gather = self.comm.all_gather(gather[:unit.wire_numel], source, group=group, tag=tag,
+        unit.pending_gather = self.comm.all_gather(gather, source, group=group, tag=tag,
                                                    async_op=self.config.overlap_comm)
 
-    def _ensure_gathered(self, unit: FlatUnit, tag: str) -> None:
-        """Wait for the unit's prefetched gather, or gather now; then decode into the compute buffer."""
-        if unit.pending_gather is None:
-            self._issue_gather(unit, tag)
-        unit.pending_gather.wait()
-        unit.pending_gather = None
-        gather, compute = self._gather_buf(unit)
-        self.codec.decode(gather[:unit.wire_numel], compute[:unit.padded_numel], self.topo.world_size)
-        unit.gathered_version = self.weights_version
-        if unit.secondary is not None and tag == "forward gather" and torch.is_grad_enabled():
-            n = unit.secondary.numel()
-            j = self.comm.group_rank("secondary")
-            unit.secondary.copy_(gather[j * n:(j + 1) * n])
-            unit.secondary_version = self.weights_version
+    def _ensure_gathered(self, units: list[FlatUnit], tag: str) -> None:
+        """Wait for the units' prefetched gathers (issuing the missing ones), then decode each
+        into its compute buffer."""
+        for unit in units:
+            if unit.pending_gather is None:
+                self._issue_gather(unit, tag)
+        for unit in units:
+            unit.pending_gather.wait()
+            unit.pending_gather = None
+            gather, compute = self._gather_buf(unit)
+            unit.codec.decode(gather, compute, self.topo.world_size)
+            unit.gathered_version = self.weights_version
+            if unit.secondary is not None and tag == "forward gather" and torch.is_grad_enabled():
+                n = unit.secondary.numel()
+                j = self.comm.group_rank("secondary")
+                unit.secondary.copy_(gather[j * n:(j + 1) * n])
+                unit.secondary_version = self.weights_version
 
-    def _prefetch(self, unit: FlatUnit | None, tag: str) -> None:
-        if (unit is not None and unit.pending_gather is None and self.config.overlap_comm
-                and unit.padded_numel <= self.config.stage3_prefetch_bucket_size):
-            self._issue_gather(unit, tag)
+    def _prefetch(self, units: list[FlatUnit] | None, tag: str) -> None:
+        for unit in units or ():
+            if (unit.pending_gather is None and self.config.overlap_comm
+                    and unit.padded_numel <= self.config.stage3_prefetch_bucket_size):
+                self._issue_gather(unit, tag)
 
     def _bind(self, unit: FlatUnit, grad: bool) -> None:
         """Point the unit's module attributes at views of its gathered weights."""
@@ -309,7 +348,7 @@ class Zero3Engine:
             flat.requires_grad_(True)
             gated = _WeightGate.apply(flat, self, unit)
         for slot in unit.slots:
-            if gated is not None and slot.trainable:
+            if gated is not None:
                 view = _Narrow.apply(gated, slot.offset, slot.shape, unit)
             else:
                 view = flat.detach()[slot.offset:slot.offset + slot.numel].view(slot.shape)
@@ -321,26 +360,31 @@ class Zero3Engine:
     def _model_pre_forward(self, module, args):
         self._phase = "forward"
         grad = torch.is_grad_enabled()
-        for u in self.resident:  # own buffers: gathered once per weight update
-            if u.gathered_version != self.weights_version:
-                self._ensure_gathered(u, "forward gather")
+        # Own buffers: gathered once per weight update.
+        self._ensure_gathered([u for u in self.resident if u.gathered_version != self.weights_version],
+                              "forward gather")
+        for u in self.resident:
             self._bind(u, grad)
         if self._order_known:
             self._prefetch(self._order[0], "forward gather")
 
-    def _block_pre_forward(self, unit: FlatUnit):
-        if not self._order_known and id(unit) not in self._position:
-            self._position[id(unit)] = len(self._order)
-            self._order.append(unit)
-        self._ensure_gathered(unit, "forward gather")
-        self._bind(unit, torch.is_grad_enabled())
+    def _block_pre_forward(self, group: list[FlatUnit]):
+        if not self._order_known and id(group[0]) not in self._position:
+            for unit in group:
+                self._position[id(unit)] = len(self._order)
+            self._order.append(group)
+        self._ensure_gathered(group, "forward gather")
+        for unit in group:
+            self._bind(unit, torch.is_grad_enabled())
         if self._order_known:
-            pos = self._position[id(unit)]
+            pos = self._position[id(group[0])]
             self._prefetch(self._order[pos + 1] if pos + 1 < len(self._order) else None, "forward gather")
 
-    def _block_post_forward(self, unit: FlatUnit, output):
-        if torch.is_grad_enabled() and unit.trainable:
-            return _wrap_outputs(output, self, [unit])
+    def _block_post_forward(self, group: list[FlatUnit], output):
+        # Wrapped even when the block is frozen: the backward still needs its weights to carry
+        # the gradient to the blocks below.
+        if torch.is_grad_enabled():
+            return _wrap_outputs(output, self, group)
         return output
 
     def _model_post_forward(self, module, args, output):
@@ -379,14 +423,15 @@ class Zero3Engine:
             self._phase = "backward"
             self.micro_batches += 1
         for unit in units:
-            self._set_grad_target(unit)
-            if unit in self.resident:  # its buffer still holds the forward's weights
-                if self._order:
-                    self._prefetch(self._order[-1], "backward gather")
-            else:
-                self._ensure_gathered(unit, "backward gather")
-                pos = self._position[id(unit)]
-                self._prefetch(self._order[pos - 1] if pos > 0 else None, "backward gather")
+            if unit.trainable:
+                self._set_grad_target(unit)
+        if units is self.resident:  # their buffers still hold the forward's weights
+            if self._order:
+                self._prefetch(self._order[-1], "backward gather")
+        else:
+            self._ensure_gathered(units, "backward gather")
+            pos = self._position[id(units[0])]
+            self._prefetch(self._order[pos - 1] if pos > 0 else None, "backward gather")
 
     def _reduce(self, unit: FlatUnit) -> None:
         """All of the unit's gradients are in grad_target: reduce-scatter them into grad_shard."""
@@ -462,7 +507,23 @@ class Zero3Engine:
 
     def _encode_weights(self) -> None:
         for u in self.units.values():
-            self.codec.encode(u.master, u.wire)
+            if u.master is not None:
+                u.codec.encode(u.master, u.wire)
+
+    def master_shard(self, unit: FlatUnit) -> torch.Tensor:
+        """The unit's fp32 shard of this rank (decoded from the codes for weights stored quantized)."""
+        if unit.master is not None:
+            return unit.master
+        out = torch.empty(unit.shard_numel, dtype=torch.float32, device=self.device)
+        unit.codec.decode(unit.wire, out, 1)
+        return out
+
+    def load_master_shard(self, unit: FlatUnit, values: torch.Tensor) -> None:
+        """Overwrite the unit's shard (checkpoint load); call weights_changed() afterwards."""
+        if unit.master is not None:
+            unit.master.copy_(values)
+        else:  # quantizing dequantized codes gives the same codes back: reloading is exact
+            unit.codec.encode(values.to(self.device, torch.float32), unit.wire)
 
     def zero_grad(self) -> None:
         self._finish_reduces()
@@ -476,7 +537,7 @@ class Zero3Engine:
         out = {}
         for u in self.units.values():
             full = torch.empty(u.padded_numel, dtype=torch.float32, device=self.device)
-            self.comm.all_gather(full, u.master, tag="consolidate")
+            self.comm.all_gather(full, self.master_shard(u), tag="consolidate")
             for slot in u.slots:
                 tensor = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
                 for name in slot.alias_names:
@@ -487,7 +548,8 @@ class Zero3Engine:
         """Per-rank model-state memory by kind: master, optimizer states, comm copy, gradient shard."""
         totals: dict[str, int] = {}
         for u in self.units.values():
-            state = {**u.model_state_bytes(), "comm copy": u.wire.numel() * u.wire.element_size()}
+            wire = "quantized frozen weights" if u.stored_quantized else "comm copy"
+            state = {**u.model_state_bytes(), wire: u.wire.numel() * u.wire.element_size()}
             if u.secondary is not None:
                 state["hpZ secondary"] = u.secondary.numel() * u.secondary.element_size()
             for k, v in state.items():

@@ -1,10 +1,11 @@
 """FlatUnit: one unit's parameters as one flat buffer, padded so every rank holds an equal shard.
 
-Inside the flat buffer the parameters are laid out trainable-with-weight-decay first, then
-trainable without decay (biases, norm gains), then frozen ones, then padding. A rank's
-shard therefore splits into at most three contiguous pieces, and the optimizer works on
-each piece as an ordinary tensor with the right weight decay: the update is elementwise,
-so it is exactly what AdamW does to the unsharded parameters.
+A unit is either all trainable or all frozen (the engine puts frozen parameters in units of
+their own). Inside the flat buffer the parameters are laid out with weight decay first, then
+without (biases, norm gains), then padding. A rank's shard therefore splits into at most two
+contiguous pieces, and the optimizer works on each piece as an ordinary tensor with the
+right weight decay: the update is elementwise, so it is exactly what AdamW does to the
+unsharded parameters.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ class ParamSlot:
 class FlatUnit:
     """The parameters of one unit (a transformer block, the embeddings, the norms).
 
-    Per rank it owns: `master` (fp32 shard), `grad_shard` (fp32, reduce-scattered gradients
-    summed over micro-batches) and `optim_params`, the pieces of `master` the optimizer
-    updates. What the all-gather sends is the engine's business (zeropp.quantized).
+    Per rank it owns: `master` (fp32 shard; None once the engine stores a frozen unit as qwZ
+    codes), `grad_shard` (fp32, reduce-scattered gradients summed over micro-batches) and
+    `optim_params`, the pieces of `master` the optimizer updates. What the all-gather sends
+    is the engine's business (zeropp.quantized).
     """
 
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]], list[str]]],
@@ -51,11 +53,9 @@ class FlatUnit:
         self.name = name
         self.world_size, self.rank = world_size, rank
 
-        def kind(entry):
-            p = entry[1]
-            return 0 if is_decayed(p) else 1 if p.requires_grad else 2
-
-        ordered = sorted(params, key=kind)  # stable: model order within each kind
+        if len({p.requires_grad for _, p, _, _ in params}) > 1:
+            raise ValueError(f"unit {name} mixes trainable and frozen parameters; split them into two units")
+        ordered = sorted(params, key=lambda entry: not is_decayed(entry[1]))  # stable: model order within each
         self.slots: list[ParamSlot] = []
         offset = 0
         for qualname, p, aliases, alias_names in ordered:
@@ -97,7 +97,7 @@ class FlatUnit:
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of model state this rank holds for the unit (optimizer states are counted by the engine)."""
-        out = {"master": self.master.numel() * self.master.element_size()}
+        out = {} if self.master is None else {"master": self.master.numel() * self.master.element_size()}
         if self.grad_shard is not None:
             out["gradient shard"] = self.grad_shard.numel() * self.grad_shard.element_size()
         return out

@@ -32,12 +32,14 @@ from zeropp.topology import build_topology  # noqa: E402
 def buffers(engine) -> dict[str, tuple[int, int]]:
     """Name -> (storage pointer, bytes) of every buffer the engine preallocates."""
     out = {}
-    for i, (g, c, r) in enumerate(zip(engine._gather_pair, engine._compute_pair, engine._grad_pair)):
-        for kind, t in (("gather", g), ("compute", c), ("grad", r)):
+    for kind, pair in (("gather", engine._gather_pair), ("compute", engine._compute_pair),
+                       ("grad", engine._grad_pair)):  # no compute pair when it is the gather pair
+        for i, t in enumerate(pair):
             out[f"block {kind} buffer {i}"] = (t.untyped_storage().data_ptr(), t.numel() * t.element_size())
     for u in engine.resident:
         for kind, t in (("gather", u.gather_buf), ("compute", u.compute_buf), ("grad", u.grad_buf)):
-            out[f"{u.name} {kind} buffer"] = (t.untyped_storage().data_ptr(), t.numel() * t.element_size())
+            if t is not None and (kind != "compute" or t is not u.gather_buf):
+                out[f"{u.name} {kind} buffer"] = (t.untyped_storage().data_ptr(), t.numel() * t.element_size())
     return out
 
 
