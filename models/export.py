@@ -1,0 +1,454 @@
+"""Quantized export: a low-bit safetensors directory, and GGUF (Q8_0 / Q4_0) for llama.cpp.
+
+Both formats carry the codes of OUR block quantization, `kernels.quantize(W.reshape(-1),
+bits, block_size, scale_dtype=float16)` of the fp32 weights: the very function, grid and
+scale dtype qwZ trains with (zeropp/quantized.py; every parameter starts a block of its own
+and padding is zero, so qwZ's blocks are the blocks of W.reshape(-1)). Exporting a qwZ-trained
+checkpoint at its bits and block size therefore reproduces bit for bit the weights its training
+forward computed with; any other export is plain round-to-nearest post-training quantization
+(the RTN baseline), by the same code path. See docs/export.md.
+
+Which tensors are quantized: the matrices (2-D: linear and embedding weights). Vectors (norm
+gains, biases) are stored in fp32; qwZ quantizes them too, so with `vectors_on_grid=True` they
+are stored as their fp32 values dequant(quant(v)), which is what a qwZ forward used.
+
+Outputs are written next to the target and renamed into place, so a crash never leaves a
+half-written export under the real name; an existing output is replaced (the old one is moved
+aside first and deleted only once the new one is in place).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from data.tokenizer import SentencePieceTokenizer, Tokenizer, load_tokenizer
+from kernels import BITS, dequantize, num_blocks, packed_bytes, quantize, unpack_codes
+from models.config import ModelConfig
+from models.hf import load_hf_checkpoint, to_hf_state_dict
+from models.transformer import Transformer
+from trainer.checkpoint import consolidated_model, read_state, resolve_checkpoint
+from zeropp.quantized import WEIGHT_SCALE_DTYPE
+
+LOWBIT_FORMAT, LOWBIT_VERSION = "zeropp-lowbit", 1
+LOWBIT_META, LOWBIT_WEIGHTS = "quantization.json", "model.safetensors"
+GGUF_QTYPES = {"Q8_0": 8, "Q4_0": 4}  # GGUF types that hold our codes as they are (one fp16 scale per 32)
+GGUF_BLOCK = 32  # elements per GGUF Q8_0 / Q4_0 block
+
+
+# ---------------------------------------------------------------------------------------------
+# The quantization grid
+
+
+def _fp32_weights(weights, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Every parameter of the model `config` describes, in fp32 on the CPU, by our names.
+
+    `weights` is a Transformer or its state dict; a tied LM head appears once (as the token
+    embedding). Names and shapes are checked against the config.
+    """
+    if isinstance(weights, torch.nn.Module):
+        weights = dict(weights.named_parameters())
+    with torch.device("meta"):
+        expected = dict(Transformer(config).named_parameters())  # shared parameters once
+    extra = {"head.weight"} if config.tie_embeddings else set()  # a state_dict() lists the tied head too
+    missing = [n for n in expected if n not in weights]
+    unexpected = [n for n in weights if n not in expected and n not in extra]
+    if missing or unexpected:
+        raise ValueError(f"weights do not match the {config.arch} model of the config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    for name, want in expected.items():
+        if tuple(weights[name].shape) != tuple(want.shape):
+            raise ValueError(f"weight {name!r} has shape {tuple(weights[name].shape)}, expected {tuple(want.shape)} "
+                             f"from the config")
+    return {name: weights[name].detach().to("cpu", torch.float32) for name in expected}
+
+
+def is_quantized(tensor: torch.Tensor) -> bool:
+    """Matrices (linear and embedding weights) are exported as codes; vectors stay fp32."""
+    return tensor.dim() == 2
+
+
+def on_grid(tensor: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
+    """dequant(quant(tensor)) in fp32: the values a qwZ forward computes with."""
+    q = quantize(tensor.reshape(-1).float(), bits, block_size, scale_dtype=WEIGHT_SCALE_DTYPE)
+    return q.dequantize().view(tensor.shape)
+
+
+def dequantized_state_dict(weights, config: ModelConfig, bits: int, block_size: int,
+                           vectors_on_grid: bool = False) -> dict[str, torch.Tensor]:
+    """The fp32 weights an export at (bits, block_size) represents, by our parameter names."""
+    return {name: on_grid(t, bits, block_size) if is_quantized(t) or vectors_on_grid else t
+            for name, t in _fp32_weights(weights, config).items()}
+
+
+def _check_bits(bits: int, block_size: int) -> None:
+    if bits not in BITS:
+        raise ValueError(f"bits={bits!r}: expected one of {BITS}")
+    if not isinstance(block_size, int) or block_size <= 0 or block_size % 8:
+        raise ValueError(f"block_size={block_size!r}: expected a positive multiple of 8")
+
+
+# ---------------------------------------------------------------------------------------------
+# Atomic outputs and the tokenizer
+
+
+def _replace(tmp: Path, target: Path) -> None:
+    """Put the finished `tmp` in place of `target`. A file is swapped atomically; an existing
+    directory is moved aside first, then deleted, so the target is never a mix of old and new."""
+    if tmp.is_file() or not target.exists():
+        os.replace(tmp, target)
+        return
+    old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+    os.rename(target, old)
+    os.rename(tmp, target)
+    shutil.rmtree(old)
+
+
+def _tokenizer(path) -> Tokenizer:
+    """The tokenizer an export ships with; a missing one is an error naming what was expected."""
+    if path is None:
+        raise ValueError("an export needs the model's tokenizer: pass a SentencePiece .model file, or a directory "
+                         "containing tokenizer.json (Hugging Face) or tokenizer.model (SentencePiece)")
+    return load_tokenizer(path)  # FileNotFoundError naming the path and the expected files
+
+
+def _check_vocab(tokenizer, config: ModelConfig) -> None:
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens, more than the model's "
+                         f"vocab_size={config.vocab_size}: it is not this model's tokenizer")
+
+
+# ---------------------------------------------------------------------------------------------
+# Low-bit safetensors directory
+
+
+def export_lowbit(weights, config: ModelConfig, out_dir, bits: int, block_size: int = 256, tokenizer_dir=None, *,
+                  vectors_on_grid: bool = False) -> Path:
+    """Write a low-bit directory: quantization.json, model.safetensors, the tokenizer files.
+
+    model.safetensors holds, per matrix W, `<name>.codes` (uint8, kernels' dense packing of
+    W.reshape(-1)) and `<name>.scales` (fp16, one per block); vectors as fp32 `<name>`.
+    `tokenizer_dir`: a SentencePiece .model file or a tokenizer directory (required).
+    """
+    out_dir = Path(out_dir)
+    _check_bits(bits, block_size)
+    state = _fp32_weights(weights, config)
+    tokenizer = _tokenizer(tokenizer_dir)
+    _check_vocab(tokenizer, config)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} exists and is not a directory")
+
+    tensors, quantized, plain = {}, {}, {}
+    for name, t in state.items():
+        if is_quantized(t):
+            q = quantize(t.reshape(-1), bits, block_size, scale_dtype=WEIGHT_SCALE_DTYPE)
+            tensors[f"{name}.codes"], tensors[f"{name}.scales"] = q.codes, q.scales
+            quantized[name] = list(t.shape)
+        else:
+            tensors[name] = on_grid(t, bits, block_size) if vectors_on_grid else t.contiguous()
+            plain[name] = list(t.shape)
+    meta = {"format": LOWBIT_FORMAT, "version": LOWBIT_VERSION, "bits": bits, "block_size": block_size,
+            "scale_dtype": "float16", "vectors_on_grid": vectors_on_grid,
+            "model_config": dataclasses.asdict(config), "quantized": quantized, "fp32": plain}
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        save_file(tensors, str(tmp / LOWBIT_WEIGHTS), metadata={"format": "pt"})
+        (tmp / LOWBIT_META).write_text(json.dumps(meta, indent=1) + "\n")
+        tokenizer.save(tmp)
+        _replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def is_lowbit_dir(path) -> bool:
+    return (Path(path) / LOWBIT_META).is_file()
+
+
+def load_lowbit(path) -> tuple[Transformer, dict]:
+    """(fp32 Transformer with the dequantized weights, the export's quantization.json contents)."""
+    path = Path(path)
+    meta_file, weights_file = path / LOWBIT_META, path / LOWBIT_WEIGHTS
+    if not meta_file.is_file():
+        raise FileNotFoundError(f"{meta_file} not found; expected a low-bit export directory")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{meta_file}: invalid JSON ({e})") from e
+    if meta.get("format") != LOWBIT_FORMAT or meta.get("version") != LOWBIT_VERSION:
+        raise ValueError(f"{meta_file}: format {meta.get('format')!r} version {meta.get('version')!r}, "
+                         f"expected {LOWBIT_FORMAT!r} version {LOWBIT_VERSION}")
+    try:
+        bits, block_size = meta["bits"], meta["block_size"]
+        _check_bits(bits, block_size)
+        config = ModelConfig(**meta["model_config"])
+        quantized, plain = meta["quantized"], meta["fp32"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{meta_file}: {type(e).__name__}: {e}") from e
+    if not weights_file.is_file():
+        raise FileNotFoundError(f"{weights_file} not found (listed by {meta_file})")
+
+    def read(f, key, dtype, numel):
+        if key not in f.keys():
+            raise ValueError(f"{weights_file}: tensor {key!r} is missing")
+        t = f.get_tensor(key)
+        if t.dtype != dtype or t.numel() != numel:
+            raise ValueError(f"{weights_file}: tensor {key!r} is {t.dtype} with {t.numel()} elements, expected "
+                             f"{dtype} with {numel}")
+        return t
+
+    state = {}
+    try:
+        with safe_open(weights_file, framework="pt") as f:
+            for name, shape in quantized.items():
+                numel = int(np.prod(shape))
+                codes = read(f, f"{name}.codes", torch.uint8, packed_bytes(numel, bits, block_size))
+                scales = read(f, f"{name}.scales", WEIGHT_SCALE_DTYPE, num_blocks(numel, block_size))
+                state[name] = dequantize(codes, scales, numel, bits, block_size).view(shape)
+            for name, shape in plain.items():
+                state[name] = read(f, name, torch.float32, int(np.prod(shape))).view(shape)
+    except SafetensorError as e:
+        raise ValueError(f"{weights_file}: cannot read safetensors file, it may be truncated or corrupt ({e})") from e
+    state = _fp32_weights(state, config)  # every parameter present, shapes right
+    model = Transformer(config)
+    model.load_state_dict(state, strict=False)  # strict=False: a tied head is absent from `state`
+    return model, meta
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF
+
+
+def gguf_qtype(bits: int) -> str:
+    """The GGUF type that holds `bits`-bit codes as they are: Q8_0 or Q4_0."""
+    for name, b in GGUF_QTYPES.items():
+        if b == bits:
+            return name
+    raise ValueError(f"bits={bits}: GGUF holds our codes only at 8 bits (Q8_0) or 4 bits (Q4_0) - its other types "
+                     f"are not one symmetric fp16 scale per block; use the low-bit safetensors format for {bits} bits")
+
+
+def _llama_row_order(rows: int, n_head: int) -> torch.Tensor:
+    """Row index of the HF q/k weight that llama.cpp's convert_hf_to_gguf `permute` puts at each row.
+
+    HF stores each head's rotary halves [first half | second half]; llama.cpp wants them
+    interleaved (pairs). Whole rows move, so every 32-element GGUF block keeps its scale.
+    """
+    return torch.arange(rows).view(n_head, 2, rows // n_head // 2).transpose(1, 2).reshape(-1)
+
+
+def _gguf_blocks(weight: torch.Tensor, bits: int, block_size: int, row_order=None) -> np.ndarray:
+    """Q8_0 / Q4_0 bytes [rows, cols / 32 * type size] built from our codes and fp16 scales.
+
+    Each 32-element GGUF block lies inside one of our blocks (block_size % 32 == 0) and inside
+    one row (cols % 32 == 0): its scale d is our block's scale, its values our codes.
+    Q8_0: d, then 32 int8 codes q. Q4_0: d, then 16 bytes, byte j = nibble j | nibble j+16 << 4,
+    nibble = q + 8 - exactly our stored 4-bit code, and ggml's x = (nibble - 8) * d.
+    """
+    rows, cols = weight.shape
+    q = quantize(weight.reshape(-1), bits, block_size, scale_dtype=WEIGHT_SCALE_DTYPE)
+    n = rows * cols // GGUF_BLOCK
+    codes = unpack_codes(q.codes, bits)[:rows * cols].view(rows, cols // GGUF_BLOCK, GGUF_BLOCK)
+    scales = q.scales.repeat_interleave(block_size // GGUF_BLOCK)[:n].view(rows, cols // GGUF_BLOCK)
+    if row_order is not None:
+        codes, scales = codes[row_order], scales[row_order]
+    d = scales.contiguous().numpy().view(np.uint8).reshape(rows, cols // GGUF_BLOCK, 2)
+    if bits == 8:
+        qs = (codes.to(torch.int16) - 128).to(torch.int8).numpy().view(np.uint8)
+    else:
+        qs = (codes[..., :GGUF_BLOCK // 2] | (codes[..., GGUF_BLOCK // 2:] << 4)).numpy()
+    return np.concatenate([d, qs], axis=-1).reshape(rows, -1)
+
+
+def _add_gguf_tokenizer(writer: gguf.GGUFWriter, tokenizer_path, vocab_size: int) -> None:
+    """tokenizer.ggml.*: a SentencePiece model as llama.cpp's "llama" vocabulary, a byte-level BPE
+    tokenizer.json as "gpt2", read with gguf-py's vocab classes; padded with unused tokens up to the
+    model's (padded) vocabulary, as convert_hf_to_gguf.py pads it."""
+    tokenizer = _tokenizer(tokenizer_path)
+    path = Path(tokenizer_path)
+    sp_file = path if path.is_file() else path / "tokenizer.model"
+    control = set()  # ids to mark CONTROL beyond what the vocab class says
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        if sp_file.is_file():  # preferred where both exist, as convert_hf_to_gguf.py does for llama
+            tokenizer = SentencePieceTokenizer(sp_file)
+            tokenizer.save(tmp)
+            vocab = gguf.SentencePieceVocab(tmp)
+            sp = vocab.sentencepiece_tokenizer
+            writer.add_tokenizer_model("llama")
+            writer.add_unk_token_id(sp.unk_id())
+            # Our SentencePiece models add no dummy prefix (data/tokenizer.py); llama.cpp adds one unless told.
+            writer.add_add_space_prefix(sp.encode("a", out_type=str)[0].startswith("\u2581"))
+        else:
+            tokenizer.save(tmp)
+            spec = json.loads((tmp / "tokenizer.json").read_text())
+            bpe, pre, decoder = (spec.get(k) or {} for k in ("model", "pre_tokenizer", "decoder"))
+            if (bpe.get("type"), bpe.get("byte_fallback", False), pre.get("type"), pre.get("use_regex", True),
+                    decoder.get("type")) != ("BPE", False, "ByteLevel", True, "ByteLevel"):
+                raise ValueError(
+                    f"{path / 'tokenizer.json'}: GGUF export supports SentencePiece models and GPT-2-style byte-level "
+                    f"BPE tokenizer.json files (llama.cpp 'gpt2', pre-tokenizer 'gpt-2'); this one has model "
+                    f"{bpe.get('type')!r}, pre_tokenizer {pre.get('type')!r}, decoder {decoder.get('type')!r}")
+            vocab = gguf.BpeVocab(tmp)
+            writer.add_tokenizer_model("gpt2")
+            writer.add_tokenizer_pre("gpt-2")
+            writer.add_token_merges(gguf.SpecialVocab(tmp, load_merges=True, special_token_types=()).merges)
+            control = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+        if vocab.vocab_size > vocab_size:
+            raise ValueError(f"tokenizer {path} has {vocab.vocab_size} tokens, more than the model's "
+                             f"vocab_size={vocab_size}: it is not this model's tokenizer")
+        tokens, scores, types = [], [], []
+        for i, (text, score, kind) in enumerate(vocab.all_tokens()):
+            tokens.append(text)
+            scores.append(score)
+            types.append(gguf.TokenType.CONTROL if i in control else kind)
+    for i in range(len(tokens), vocab_size):
+        tokens.append(f"[PAD{i}]")
+        scores.append(-1000.0)
+        types.append(gguf.TokenType.UNUSED)
+    writer.add_token_list(tokens)
+    if vocab.tokenizer_model == "llama":
+        writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_eos_token_id(tokenizer.eos_id)
+    writer.add_pad_token_id(tokenizer.pad_id)
+    if tokenizer.bos_id is not None:
+        writer.add_bos_token_id(tokenizer.bos_id)
+    # Our pretraining documents end with EOS and start with no BOS (data/indexed.py).
+    writer.add_add_bos_token(False)
+    writer.add_add_eos_token(False)
+
+
+def export_gguf(weights, config: ModelConfig, out_path, qtype: str, tokenizer_dir, block_size: int = 256, *,
+                vectors_on_grid: bool = False) -> Path:
+    """Write a llama.cpp GGUF file (LLaMA architecture) whose matrices are Q8_0 / Q4_0 blocks of our codes.
+
+    Norm gains are F32 (on the grid with `vectors_on_grid`). q/k rows are permuted as
+    convert_hf_to_gguf.py does; a tied LM head is left out (llama.cpp then uses token_embd).
+    """
+    out_path = Path(out_path)
+    if qtype not in GGUF_QTYPES:
+        raise ValueError(f"qtype={qtype!r}: expected one of {list(GGUF_QTYPES)}")
+    bits = GGUF_QTYPES[qtype]
+    if config.arch != "llama":
+        raise ValueError(f"GGUF export supports the LLaMA architecture only; this model is arch={config.arch!r}"
+                         + (" (OPT has no llama.cpp architecture)" if config.arch == "opt" else ""))
+    if config.bias:
+        raise ValueError("GGUF export: this LLaMA model has linear biases (attention_bias), which llama.cpp's "
+                         "llama architecture and transformers' GGUF loader do not take")
+    _check_bits(bits, block_size)
+    if block_size % GGUF_BLOCK:
+        raise ValueError(f"block_size={block_size}: GGUF needs a multiple of {GGUF_BLOCK} so that each {qtype} block "
+                         f"has one of our scales (train with zero_quantization_block_size a multiple of 32)")
+    state = _fp32_weights(weights, config)
+    hf_state = to_hf_state_dict(state, config)  # HF names, which gguf-py maps to GGUF names
+    for name, t in hf_state.items():
+        if is_quantized(t) and t.shape[1] % GGUF_BLOCK:
+            raise ValueError(f"GGUF export: tensor {name!r} has rows of {t.shape[1]} elements, not a multiple of "
+                             f"{GGUF_BLOCK} ({qtype} blocks run along a row)")
+    if out_path.is_dir():
+        raise IsADirectoryError(f"{out_path} is a directory; expected the path of the .gguf file to write")
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.n_layer)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.parent / f".{out_path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+    try:
+        writer.add_name(out_path.stem)
+        writer.add_context_length(config.max_seq_len)
+        writer.add_embedding_length(config.d_model)
+        writer.add_block_count(config.n_layer)
+        writer.add_feed_forward_length(config.d_ff)
+        writer.add_head_count(config.n_head)
+        writer.add_head_count_kv(config.n_kv_head)
+        writer.add_rope_dimension_count(config.head_dim)
+        writer.add_rope_freq_base(config.rope_theta)
+        writer.add_layer_norm_rms_eps(config.norm_eps)
+        writer.add_vocab_size(config.vocab_size)
+        writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if bits == 8 else gguf.LlamaFileType.MOSTLY_Q4_0)
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        writer.add_uint32("zeropp.quantization_block_size", block_size)  # provenance; llama.cpp ignores it
+        _add_gguf_tokenizer(writer, tokenizer_dir, config.vocab_size)
+        heads = {"self_attn.q_proj": config.n_head, "self_attn.k_proj": config.n_kv_head}
+        for hf_name, t in hf_state.items():
+            name = names.get_name(hf_name, try_suffixes=(".weight",))
+            if name is None:
+                raise ValueError(f"GGUF export: gguf-py has no llama tensor name for {hf_name!r}")
+            if is_quantized(t):
+                n_head = next((h for key, h in heads.items() if f".{key}." in hf_name), None)
+                order = _llama_row_order(t.shape[0], n_head) if n_head else None
+                writer.add_tensor(name, _gguf_blocks(t, bits, block_size, order),
+                                  raw_dtype=gguf.GGMLQuantizationType[qtype])
+            else:
+                values = on_grid(t, bits, block_size) if vectors_on_grid else t
+                writer.add_tensor(name, values.contiguous().numpy())
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        _replace(tmp, out_path)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return out_path
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources: what the scripts export from or generate with
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """A block-quantization grid that weights were trained (qwZ) or exported on."""
+
+    bits: int
+    block_size: int
+    vectors: bool  # the 1-D tensors are on it too (qwZ quantizes every parameter)
+
+
+@dataclasses.dataclass
+class Source:
+    model: Transformer  # fp32
+    tokenizer: Path | None  # the tokenizer the source names, if any
+    grid: Grid | None  # where the weights came from a quantized forward (qwZ) or export
+    kind: str  # "lowbit", "hf" or "checkpoint"
+
+
+def load_source(path) -> Source:
+    """A low-bit export dir, a Hugging Face dir (config.json) or one of our training checkpoints
+    (a step dir, or a run's checkpoints/ dir for its latest; full or ZeRO-3 sharded)."""
+    path = Path(path)
+    if is_lowbit_dir(path):
+        model, meta = load_lowbit(path)
+        return Source(model, path, Grid(meta["bits"], meta["block_size"], meta["vectors_on_grid"]), "lowbit")
+    if (path / "config.json").is_file():
+        has_tokenizer = (path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file()
+        return Source(load_hf_checkpoint(path), path if has_tokenizer else None, None, "hf")
+    if not ((path / "state.json").is_file() or (path / "latest").is_file()):
+        raise FileNotFoundError(f"{path} is not a low-bit export (quantization.json), a Hugging Face model dir "
+                                f"(config.json) or a training checkpoint (state.json, or a checkpoints/ dir with "
+                                f"a 'latest' pointer)")
+    ckpt = resolve_checkpoint(str(path), ".")
+    state = read_state(ckpt)
+    zero = (state.get("config") or {}).get("zero_optimization") or {}
+    grid = None
+    if zero.get("zero_quantized_weights"):
+        grid = Grid(zero.get("zero_quantized_weights_bits", 8), zero.get("zero_quantization_block_size", 256), True)
+    tokenizer = state.get("tokenizer")
+    return Source(consolidated_model(ckpt), Path(tokenizer) if tokenizer else None, grid, "checkpoint")

@@ -1,0 +1,69 @@
+"""Export a model as low-bit safetensors or GGUF (Q8_0 / Q4_0), from our own block quantization.
+
+    python scripts/export_quantized.py runs/x/checkpoints runs/x/int4 --format safetensors
+    python scripts/export_quantized.py runs/x/checkpoints runs/x/model-q8.gguf --format gguf --bits 8
+    python scripts/export_quantized.py path/to/hf-llama out.gguf --format gguf --bits 4 --block-size 32
+
+CHECKPOINT: one of our training checkpoints (a step dir, or a run's checkpoints/ dir for its
+latest; full or ZeRO-3 sharded), a Hugging Face model dir, or a low-bit export dir. A
+checkpoint trained with qwZ defaults to its bits and block size, and the export then holds
+exactly the weights its training forward computed with; otherwise this is round-to-nearest
+post-training quantization. The tokenizer defaults to the checkpoint's. See docs/export.md.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models.export import export_gguf, export_lowbit, gguf_qtype, load_source  # noqa: E402
+from trainer.checkpoint import CheckpointError  # noqa: E402
+from zeropp.checkpoint import ShardedCheckpointError  # noqa: E402
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint")
+    parser.add_argument("out", help="output directory (safetensors) or .gguf file; an existing one is replaced")
+    parser.add_argument("--format", choices=("safetensors", "gguf"), required=True)
+    parser.add_argument("--bits", type=int, help="8, 6, 4, 3 or 2 (GGUF: 8 or 4); default: the qwZ bits "
+                                                 "the checkpoint was trained with")
+    parser.add_argument("--block-size", type=int, help="elements per scale; default: the checkpoint's qwZ "
+                                                       "block size, else 256")
+    parser.add_argument("--tokenizer", help="a SentencePiece .model or a tokenizer dir; default: the checkpoint's")
+    args = parser.parse_args(argv)
+    try:
+        source = load_source(args.checkpoint)
+        grid = source.grid
+        bits = args.bits or (grid.bits if grid else None)
+        if bits is None:
+            raise ValueError(f"{args.checkpoint} was not trained with qwZ, so there is no bit width to default to: "
+                             "pass --bits")
+        block_size = args.block_size or (grid.block_size if grid else 256)
+        exact = grid is not None and (grid.bits, grid.block_size) == (bits, block_size)
+        tokenizer = args.tokenizer or source.tokenizer
+        if tokenizer is None:
+            raise ValueError(f"{args.checkpoint} names no tokenizer ({source.kind}); pass --tokenizer with a "
+                             "SentencePiece .model file or a directory containing tokenizer.json or tokenizer.model")
+        model = source.model
+        vectors = exact and grid.vectors
+        if args.format == "gguf":
+            out = export_gguf(model, model.config, args.out, gguf_qtype(bits), tokenizer, block_size,
+                              vectors_on_grid=vectors)
+        else:
+            out = export_lowbit(model, model.config, args.out, bits, block_size, tokenizer, vectors_on_grid=vectors)
+    except (ValueError, FileNotFoundError, FileExistsError, IsADirectoryError, CheckpointError,
+            ShardedCheckpointError) as e:
+        sys.exit(f"export_quantized.py: {e}")
+    if not exact:
+        how = "round-to-nearest post-training quantization (RTN baseline)"
+    elif source.kind == "lowbit":
+        how = "exact: the codes of the source export"
+    else:
+        how = "exact: the weights the qwZ training forward computed with"
+    print(f"{out}: {args.format}, {bits} bits, block size {block_size}; {how}")
+
+
+if __name__ == "__main__":
+    main()
