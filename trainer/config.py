@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
+from models.lora import DEFAULT_TARGETS
 from zeropp.config import ZeroConfig
 
 
@@ -89,8 +90,36 @@ class TrainSection:
     # The scheduler's warning signal (Slurm --signal): checkpoint at the end of the current
     # step and exit cleanly. "" disables.
     preempt_signal: str = "SIGUSR1"
-    # At the end, also write the final weights as a Hugging Face directory: <out_dir>/hf.
+    # At the end, also write the final weights as a Hugging Face directory: <out_dir>/hf
+    # (LoRA adapters merged into the weights).
     export_hf: bool = False
+    # Also evaluate before the first step (step 0): the starting point of a fine-tune.
+    eval_at_start: bool = False
+
+
+@dataclass
+class LoraSection:
+    # Rank of the adapters; 0 fine-tunes every weight (no LoRA).
+    r: int = 0
+    alpha: float = 16.0  # the update B @ A is scaled by alpha / r
+    dropout: float = 0.0  # on the adapters' input
+    # Linear layers of the blocks to adapt (all others, embeddings and norms stay frozen): a name
+    # (q_proj) or a suffix of the full name (blocks.0.attn.q_proj). The MLP's are up_proj and
+    # down_proj, plus gate_proj for LLaMA. On the command line: --finetune.lora.targets q_proj,v_proj
+    targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
+
+
+@dataclass
+class FinetuneSection:
+    # A Hugging Face model directory (config.json + safetensors; GPT-2, OPT or LLaMA). When set,
+    # the run fine-tunes it on the SFT data set at data.path (prompt tokens masked out of the
+    # loss) instead of pretraining model.preset; the tokenizer is the directory's own unless
+    # data.tokenizer names another.
+    hf_checkpoint: str | None = None
+    # Record format of data.path (docs/data.md): auto-detected from the first record's keys,
+    # or alpaca (instruction / input / output) or hh (HH-RLHF "chosen" dialogues).
+    data_format: Literal["auto", "alpaca", "hh"] = "auto"
+    lora: LoraSection = field(default_factory=LoraSection)
 
 
 @dataclass
@@ -100,6 +129,7 @@ class Config:
     optim: OptimSection = field(default_factory=OptimSection)
     train: TrainSection = field(default_factory=TrainSection)
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    finetune: FinetuneSection = field(default_factory=FinetuneSection)
     # A checkpoint directory to continue from; "latest": out_dir's latest checkpoint;
     # "auto": the latest if there is one, else start fresh (requeued jobs).
     resume: str | None = None
@@ -128,6 +158,13 @@ def _convert(value: Any, annotation: Any, key: str) -> Any:
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{key}: cannot convert {value!r}")
+    if origin is list:
+        # A YAML list, or on the command line one comma-separated string.
+        if isinstance(value, str):
+            value = [item.strip() for item in value.split(",") if item.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: value {value!r} is not a list (expected a YAML list or comma-separated items)")
+        return [_convert(item, args[0], f"{key}[{i}]") for i, item in enumerate(value)]
     if origin is Literal:
         if value in args:
             return value

@@ -1,8 +1,11 @@
-"""The pretraining loop: model, data, optimizer, schedule, eval, logging and checkpoints.
+"""The training loop: model, data, optimizer, schedule, eval, logging and checkpoints.
 
-Data parallelism is either plain PyTorch DDP (`zero_optimization.stage: 0`, the baseline)
-or our sharded runtime (`stage: 3`, zeropp.engine.Zero3Engine), applied to the same model
-from outside; the loop differs only in who owns backward, clipping and the step.
+One loop for pretraining (a fresh `model.preset` on packed text) and fine-tuning
+(`finetune.hf_checkpoint` on an SFT data set, prompts masked out of the loss, optionally
+with LoRA adapters and the base weights frozen): they differ only in where the model and
+the batches come from. Data parallelism is either plain PyTorch DDP (`zero_optimization.stage:
+0`, the baseline) or our sharded runtime (`stage: 3`, zeropp.engine.Zero3Engine), applied to
+the same model from outside; the loop differs only in who owns backward, clipping and the step.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import resource
+import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -18,15 +22,18 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from data.datasets import ResumableBatchSampler
+from data.datasets import IGNORE_INDEX, ResumableBatchSampler
 from models.config import ModelConfig, flops_per_token
+from models.hf import load_hf_checkpoint, save_hf_checkpoint
+from models.lora import apply_lora, merge_lora
 from models.transformer import Transformer, lm_loss
 from trainer.checkpoint import (
     FULL, SHARDED, export_hf, load_checkpoint, read_full_tensors, read_state, resolve_checkpoint, save_checkpoint,
     write_full_tensors,
 )
-from trainer.config import Config, ConfigError, to_dict
+from trainer.config import Config, ConfigError, LoraSection, to_dict
 from trainer.distributed import DistEnv, all_reduce_mean, barrier, ensure_process_group, init_distributed, shutdown
+from trainer.finetune_data import FinetuneData, prepare_finetuning
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, build_shard_optimizer, lr_at
 from trainer.preemption import PreemptionSignal, signal_number
@@ -40,7 +47,8 @@ from zeropp.topology import build_topology, ranks_per_node_from_env
 @dataclass
 class TrainResult:
     losses: dict[int, float] = field(default_factory=dict)  # step -> training loss
-    val_loss: float = float("nan")
+    val_losses: dict[int, float] = field(default_factory=dict)  # step -> validation loss (0: before training)
+    val_loss: float = float("nan")  # at the end
     checkpoint: Path | None = None
     preempted: bool = False  # stopped early by the scheduler's warning signal
 
@@ -63,6 +71,43 @@ def build_model_config(cfg: Config, vocab_size: int) -> ModelConfig:
     return model_cfg
 
 
+def _changed(section) -> list[str]:
+    """Keys of a config section that differ from their defaults."""
+    default = type(section)()
+    return [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(default, f.name)]
+
+
+def _check_finetune(cfg: Config) -> None:
+    """Keys that only mean something for one of pretraining and fine-tuning are errors in the other."""
+    ft = cfg.finetune
+    if ft.hf_checkpoint is None:
+        stray = [f"finetune.{k}" for k in _changed(ft)]
+        if stray:
+            raise ConfigError(f"{stray[0]} applies to fine-tuning, but finetune.hf_checkpoint is not set; "
+                              f"set it to a Hugging Face model directory or drop {', '.join(stray)}")
+    else:
+        if not Path(ft.hf_checkpoint).is_dir():
+            raise ConfigError(f"finetune.hf_checkpoint {ft.hf_checkpoint!r}: no such directory (expected a Hugging "
+                              f"Face model directory: config.json, model.safetensors and the tokenizer files)")
+        stray = [f"model.{k}" for k in _changed(cfg.model)]
+        stray += [f"data.{k}" for k in _changed(cfg.data) if k in ("json_key", "vocab_size")]
+        if stray:
+            raise ConfigError(f"{stray[0]} applies to pretraining from scratch, but finetune.hf_checkpoint is set: "
+                              f"the model comes from its config.json, the tokenizer from the checkpoint (or "
+                              f"data.tokenizer); drop {', '.join(stray)}")
+    lora = ft.lora
+    if lora.r < 0:
+        raise ConfigError(f"finetune.lora.r must be >= 0 (0: no LoRA), got {lora.r}")
+    if lora.r == 0 and _changed(lora):
+        raise ConfigError(f"finetune.lora.{_changed(lora)[0]} applies to LoRA, but finetune.lora.r is 0 "
+                          f"(every weight is trained); set finetune.lora.r or drop it")
+
+
+def _lora_state(lora: LoraSection) -> dict | None:
+    """What a checkpoint records of the adapters: resuming needs the same ones."""
+    return dataclasses.asdict(lora) if lora.r else None
+
+
 def _check(cfg: Config) -> None:
     t = cfg.train
     for key, value in (("train.steps", t.steps), ("train.micro_batch_size", t.micro_batch_size),
@@ -81,6 +126,7 @@ def _check(cfg: Config) -> None:
             signal_number(t.preempt_signal)
     except ValueError as e:
         raise ConfigError(f"train.preempt_signal: {e}") from None
+    _check_finetune(cfg)
 
 
 def autocast_for(precision: str, device: torch.device):
@@ -103,11 +149,15 @@ class Trainer:
         self.cfg = cfg
         self.env = env or init_distributed()
         torch.manual_seed(cfg.train.seed)
-        self.data: PretrainData = prepare_pretraining(cfg.data, cfg.data.seq_len, cfg.train.seed, self.env.rank)
-        self.model_cfg = build_model_config(cfg, self.data.tokenizer.vocab_size)
-        torch.manual_seed(cfg.train.seed)  # the same initial weights on every rank and world size
-        self.model = Transformer(self.model_cfg).to(self.env.device)
+        if cfg.finetune.hf_checkpoint is None:
+            self.data: PretrainData | FinetuneData = prepare_pretraining(
+                cfg.data, cfg.data.seq_len, cfg.train.seed, self.env.rank)
+        else:
+            self.data = prepare_finetuning(cfg)
+        self.model = self._build_model().to(self.env.device)
+        self.model_cfg: ModelConfig = self.model.config
         self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.n_trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         zero = cfg.zero_optimization
         self.engine: Zero3Engine | None = None
         self.ddp = None
@@ -137,12 +187,43 @@ class Trainer:
         if path is not None:
             self._resume(path)
 
+    def _build_model(self) -> Transformer:
+        """A fresh model of model.preset, or finetune.hf_checkpoint's, with LoRA adapters when
+        finetune.lora.r > 0; identical on every rank and world size (one seed)."""
+        cfg, tokenizer = self.cfg, self.data.tokenizer
+        torch.manual_seed(cfg.train.seed)
+        path = cfg.finetune.hf_checkpoint
+        if path is None:
+            model = Transformer(build_model_config(cfg, tokenizer.vocab_size))
+        else:
+            try:
+                model = load_hf_checkpoint(path)
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"finetune.hf_checkpoint: {e}") from e
+            if tokenizer.vocab_size > model.config.vocab_size:
+                raise ConfigError(f"the tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens, more than the "
+                                  f"vocab_size {model.config.vocab_size} of {path}/config.json: it is not this "
+                                  f"model's tokenizer")
+            if cfg.data.seq_len > model.config.max_seq_len:
+                raise ConfigError(f"data.seq_len {cfg.data.seq_len} exceeds the max_position_embeddings "
+                                  f"{model.config.max_seq_len} of {path}/config.json")
+        lora = cfg.finetune.lora
+        if lora.r:
+            try:
+                apply_lora(model, lora.targets, lora.r, lora.alpha, lora.dropout)
+            except ValueError as e:
+                raise ConfigError(f"finetune.lora: {e}") from e
+        return model
+
     def _resume(self, path: Path) -> None:
         saved = read_state(path)
         ours = dataclasses.asdict(self.model_cfg)
         if saved["model_config"] != ours:
             diff = {k: (saved["model_config"].get(k), v) for k, v in ours.items() if saved["model_config"].get(k) != v}
             raise ConfigError(f"resume: checkpoint {path} was made for another model; (saved, ours): {diff}")
+        if saved.get("lora") != _lora_state(self.cfg.finetune.lora):
+            raise ConfigError(f"resume: checkpoint {path} has LoRA adapters {saved.get('lora')}, this run "
+                              f"{_lora_state(self.cfg.finetune.lora)} (finetune.lora); resume with the same ones")
         fmt, want = saved.get("format", FULL), SHARDED if self.engine else FULL
         if fmt != want:
             raise ConfigError(
@@ -161,32 +242,38 @@ class Trainer:
         t = self.cfg.train
         return t.micro_batch_size * t.grad_accum * self.env.world_size
 
-    def _batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        samples = torch.stack([self.data.dataset[i] for i in indices]).to(self.env.device)
-        return samples[:, :-1], samples[:, 1:]
-
-    def train_step(self, batches, stop: bool = False) -> tuple[float, float, bool]:
+    def train_step(self, batches, stop: bool = False) -> tuple[float, float, bool, int]:
         """One optimizer step over `grad_accum` micro-batches; returns (loss, grad norm, whether
-        any rank asked to `stop`): the flag rides on the loss's all-reduce, no extra collective."""
-        cfg = self.cfg
+        any rank asked to `stop`, input tokens of all ranks).
+
+        The loss is the mean over the target tokens of the whole global batch, however it is
+        split over ranks and micro-batches (fine-tuning examples differ in how many targets they
+        have): each micro-batch's mean weighs by its share of the global target count, which one
+        all-reduce at the start of the step provides; the stop flag and the token count ride on it.
+        """
+        cfg, world, accum = self.cfg, self.env.world_size, self.cfg.train.grad_accum
         lr = lr_at(self.step, cfg.train.steps, cfg.optim)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if self.engine:
             self.engine.ledger.reset()  # the ledger then holds exactly this step's traffic
+        micro_batches = [self.data.batch(next(batches), self.env.device) for _ in range(accum)]
+        counts = torch.tensor([float(stop), sum(tokens.numel() for tokens, _ in micro_batches),
+                               sum((labels != IGNORE_INDEX).sum().item() for _, labels in micro_batches)],
+                              dtype=torch.float64, device=self.env.device)
+        anyone_stops, n_tokens, n_targets = (round(x) for x in (all_reduce_mean(counts) * world).tolist())
         total = torch.zeros((), device=self.env.device)
-        for micro in range(cfg.train.grad_accum):
-            tokens, labels = self._batch(next(batches))
-            last = micro == cfg.train.grad_accum - 1
+        for micro, (tokens, labels) in enumerate(micro_batches):
+            last = micro == accum - 1
             sync = nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
             with sync:
                 with autocast_for(cfg.train.precision, self.env.device):
                     logits = (self.ddp or self.model)(tokens)
-                loss = lm_loss(logits, labels)
+                loss = lm_loss(logits, labels) * ((labels != IGNORE_INDEX).sum().item() / n_targets)
                 if self.engine:
-                    self.engine.backward(loss)  # unscaled: the engine post-divides by world x micro-batches
+                    self.engine.backward(loss * (world * accum))  # the engine post-divides by world x micro-batches
                 else:
-                    (loss / cfg.train.grad_accum).backward()
+                    (loss * world).backward()  # DDP averages over ranks
             total += loss.detach()
         max_norm = cfg.optim.clip_grad if cfg.optim.clip_grad > 0 else float("inf")
         if self.engine:
@@ -199,9 +286,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.consumed_samples += self.global_batch
-        stats = torch.stack([total / cfg.train.grad_accum, torch.tensor(float(stop), device=self.env.device)])
-        loss, anyone_stops = all_reduce_mean(stats).tolist()
-        return loss, grad_norm.item(), anyone_stops > 0
+        loss = all_reduce_mean(total).item() * world
+        return loss, grad_norm.item(), anyone_stops > 0, n_tokens
 
     def comm_scalars(self) -> dict[str, float]:
         """This rank's communication in the last step, from the engine's ledger (MB sent)."""
@@ -213,7 +299,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over the first `eval_batches` micro-batches of the fixed validation split."""
+        """Mean loss per target token over the first `eval_batches` micro-batches of the fixed
+        validation split (all ranks' tokens weigh the same; fine-tuning batches differ in size)."""
         cfg = self.cfg
         self.model.eval()
         per_rank = min(cfg.train.micro_batch_size, max(1, len(self.data.valid_indices) // self.env.world_size))
@@ -222,14 +309,16 @@ class Trainer:
         )
         batches = iter(sampler)
         n = min(cfg.train.eval_batches, max(1, len(self.data.valid_indices) // (per_rank * self.env.world_size)))
-        total = torch.zeros((), device=self.env.device)
+        total = torch.zeros(2, device=self.env.device)  # summed loss, target tokens
         for _ in range(n):
-            tokens, labels = self._batch(next(batches))
+            tokens, labels = self.data.batch(next(batches), self.env.device)
             with autocast_for(cfg.train.precision, self.env.device):
                 logits = self.model(tokens)
-            total += lm_loss(logits, labels)
+            targets = (labels != IGNORE_INDEX).sum()
+            total += torch.stack([lm_loss(logits, labels) * targets, targets.float()])
         self.model.train()
-        return all_reduce_mean(total / n).item()
+        loss_sum, count = all_reduce_mean(total).tolist()  # means over ranks: the ratio of the sums
+        return loss_sum / count
 
     def save(self) -> Path:
         state = {
@@ -239,12 +328,42 @@ class Trainer:
             "model_config": dataclasses.asdict(self.model_cfg),
             "world_size": self.env.world_size,
             "tokenizer": str(self.data.tokenizer.path),
+            "lora": _lora_state(self.cfg.finetune.lora),
         }
         if self.engine:
             write = lambda d: save_shards(self.engine, d)  # noqa: E731
         else:
             write = lambda d: write_full_tensors(d, self.model, self.optimizer, self.env.rank)  # noqa: E731
         return save_checkpoint(self.ckpt_root, self.step, state, self.optimizer, write, self.env.rank)
+
+    def export(self, checkpoint: Path) -> Path:
+        """Write the final weights as a Hugging Face directory, <out_dir>/hf (every rank calls it).
+
+        Without LoRA that is the checkpoint consolidated. With LoRA, the trained model is rebuilt
+        from the full weights (gathered from the shards under ZeRO-3) and its adapters merged
+        into the base weights, so the directory holds a plain model that transformers loads.
+        """
+        out = Path(self.cfg.train.out_dir) / "hf"
+        lora = self.cfg.finetune.lora
+        if not lora.r:
+            if self.env.is_main:
+                export_hf(checkpoint, out)
+        else:
+            weights = self.engine.full_state_dict() if self.engine else self.model.state_dict()
+            if self.env.is_main:
+                with torch.device("meta"):  # no throwaway initialization: every tensor is assigned
+                    model = Transformer(self.model_cfg)
+                    apply_lora(model, lora.targets, lora.r, lora.alpha)
+                model.load_state_dict({k: v.detach().cpu() for k, v in weights.items()}, assign=True)
+                if self.model_cfg.tie_embeddings:  # assign=True replaced the shared Parameter by two
+                    model.head.weight = model.embed.tokens.weight
+                tok = self.data.tokenizer
+                with tempfile.TemporaryDirectory() as tok_dir:
+                    tok.save(tok_dir)
+                    save_hf_checkpoint(merge_lora(model), out, tokenizer_dir=tok_dir, token_ids={
+                        "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id})
+        barrier()
+        return out
 
     def close(self) -> None:
         if self.engine:
@@ -258,10 +377,14 @@ class Trainer:
         log = MetricsLogger(t, self.env.is_main, start_step=self.step)
         preemption = PreemptionSignal(t.preempt_signal)
         if self.env.is_main:
+            name = cfg.finetune.hf_checkpoint or cfg.model.preset
+            trainable = "" if self.n_trainable == self.n_params else \
+                f" ({self.n_trainable / 1e6:.3f}M trainable: LoRA r={cfg.finetune.lora.r})"
             log.info(
-                f"model {cfg.model.preset}: {self.n_params / 1e6:.2f}M parameters | data {self.data.source}: "
+                f"model {name}: {self.n_params / 1e6:.2f}M parameters{trainable} | data {self.data.source}: "
                 f"{len(self.data.train_indices)} train / {len(self.data.valid_indices)} valid samples of "
-                f"{cfg.data.seq_len} tokens | world size {self.env.world_size} | global batch {self.global_batch}"
+                f"{'at most ' if cfg.finetune.hf_checkpoint else ''}{cfg.data.seq_len} tokens | "
+                f"world size {self.env.world_size} | global batch {self.global_batch}"
             )
             log.info(f"runtime: {self.runtime}")
         sampler = ResumableBatchSampler(
@@ -269,37 +392,37 @@ class Trainer:
             consumed_samples=self.consumed_samples,
         )
         batches = iter(sampler)
-        tokens_per_step = self.global_batch * cfg.data.seq_len
-        flops_per_step = flops_per_token(self.model_cfg, cfg.data.seq_len) * tokens_per_step
+        flops_per_input_token = flops_per_token(self.model_cfg, cfg.data.seq_len)
+        if t.eval_at_start and self.step == 0:
+            self._log_validation(log, result)
         self.model.train()
-        window_start, window_steps = time.perf_counter(), 0
+        window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
         while self.step < t.steps:
-            loss, grad_norm, stop = self.train_step(batches, preemption.received)
+            loss, grad_norm, stop, n_tokens = self.train_step(batches, preemption.received)
             result.losses[self.step] = loss
             window_steps += 1
+            window_tokens += n_tokens
             log.advance()
             if self.step % t.log_interval == 0 or self.step == t.steps:
-                elapsed = (time.perf_counter() - window_start) / window_steps
-                tflops = flops_per_step / elapsed / 1e12 / self.env.world_size
+                window = time.perf_counter() - window_start
+                elapsed = window / window_steps
+                tflops = flops_per_input_token * window_tokens / window / 1e12 / self.env.world_size
                 log.scalars(self.step, {
                     "lm loss": loss,
                     "learning rate": lr_at(self.step - 1, t.steps, cfg.optim),
                     "grad norm": grad_norm,
                     "consumed samples": self.consumed_samples,
                     "elapsed time per iteration (ms)": elapsed * 1e3,
-                    "tokens/s": tokens_per_step / elapsed,
+                    "tokens/s": window_tokens / window,
                     "TFLOP/s per rank": tflops,
                     "MFU %": 100 * tflops / t.peak_tflops,
                     "memory (MB)": _memory_mb(self.env.device),
                     **self.comm_scalars(),
                 }, total_steps=t.steps)
-                window_start, window_steps = time.perf_counter(), 0
+                window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
             if self.step % t.eval_interval == 0 or self.step == t.steps:
-                result.val_loss = self.evaluate()
-                log.scalars(self.step, {"validation loss": result.val_loss,
-                                        "validation perplexity": math.exp(min(result.val_loss, 50))},
-                            total_steps=t.steps)
-                window_start, window_steps = time.perf_counter(), 0
+                self._log_validation(log, result)
+                window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
             if t.checkpoint_interval and self.step % t.checkpoint_interval == 0 and self.step != t.steps:
                 path = self.save()
                 log.info(f"saved checkpoint {path}")
@@ -314,11 +437,16 @@ class Trainer:
         if math.isnan(result.val_loss) and not result.preempted:  # resumed at the end: nothing was run
             result.val_loss = self.evaluate()
         if t.export_hf and not result.preempted:
+            hf_dir = self.export(result.checkpoint)
             if self.env.is_main:
-                hf_dir = export_hf(result.checkpoint, Path(t.out_dir) / "hf")
                 print(f"Hugging Face checkpoint: {hf_dir}")
-            barrier()
         return result
+
+    def _log_validation(self, log: MetricsLogger, result: TrainResult) -> None:
+        result.val_loss = result.val_losses[self.step] = self.evaluate()
+        log.scalars(self.step, {"validation loss": result.val_loss,
+                                "validation perplexity": math.exp(min(result.val_loss, 50))},
+                    total_steps=self.cfg.train.steps)
 
 
 def train(cfg: Config) -> TrainResult:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from data.corpus import default_corpus
 from data.datasets import PretrainDataset, split_train_valid
@@ -34,6 +35,11 @@ class PretrainData:
     train_indices: np.ndarray
     valid_indices: np.ndarray
     source: str
+
+    def batch(self, indices: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets of samples `indices`: each sample's first and last seq_len tokens."""
+        samples = torch.stack([self.dataset[i] for i in indices]).to(device)
+        return samples[:, :-1], samples[:, 1:]
 
 
 def _fingerprint(path: Path) -> dict:

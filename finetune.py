@@ -1,0 +1,39 @@
+"""Fine-tune a Hugging Face GPT-2 / OPT / LLaMA checkpoint on an SFT data set (Alpaca or HH).
+
+    python finetune.py --config configs/finetune_alpaca.yaml --finetune.hf_checkpoint path/to/hf_model
+    torchrun --nproc-per-node 4 finetune.py --config configs/finetune_alpaca_lora.yaml \\
+        --finetune.hf_checkpoint path/to/hf_model --zero_optimization.ranks_per_node 2
+    python finetune.py --config configs/finetune_alpaca.yaml --finetune.hf_checkpoint ... --resume latest
+
+The same trainer, checkpoints and config keys as train.py (docs/finetune.md); here
+finetune.hf_checkpoint is required and the run ends by writing <out_dir>/hf, a Hugging Face
+directory with any LoRA adapters merged. --help lists every key.
+"""
+
+import sys
+
+from trainer.config import Config, ConfigError, parse_args
+from trainer.loop import train
+
+
+def defaults() -> Config:
+    """train.py's defaults, except that the result is exported as a Hugging Face directory."""
+    cfg = Config()
+    cfg.train.export_hf = True
+    cfg.train.out_dir = "runs/finetune"
+    return cfg
+
+
+def main(argv: list[str]) -> None:
+    try:
+        cfg = parse_args(argv, defaults())
+        if cfg.finetune.hf_checkpoint is None:
+            raise ConfigError("finetune.py needs --finetune.hf_checkpoint: a Hugging Face model directory "
+                              "(config.json, model.safetensors and the tokenizer files)")
+    except ConfigError as e:
+        sys.exit(f"finetune.py: config error: {e}")
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
