@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from data.tokenizer import load_tokenizer
 from models.config import ModelConfig
 from models.hf import save_hf_checkpoint
+from models.lora import apply_lora, merge_lora
 from models.transformer import Transformer
 from trainer.distributed import barrier
 from zeropp.checkpoint import consolidated_state_dict
@@ -214,9 +215,13 @@ def load_checkpoint(path: Path, optimizer: torch.optim.Optimizer, read_tensors, 
 
 
 def consolidated_model(path: Path) -> Transformer:
-    """The checkpoint's model, built from its config, with the unsharded fp32 weights."""
+    """The checkpoint's model, built from its config, with the unsharded fp32 weights; LoRA
+    adapters, when the run had them, merged into the base weights (a plain model)."""
     state = read_state(path)
     model = Transformer(ModelConfig(**state["model_config"]))
+    lora = state.get("lora")
+    if lora:
+        apply_lora(model, lora["targets"], lora["r"], lora["alpha"])
     if state.get("format", FULL) == SHARDED:
         weights = consolidated_state_dict(path)
     else:
@@ -226,7 +231,7 @@ def consolidated_model(path: Path) -> Transformer:
             if name not in weights:
                 raise CheckpointError(f"checkpoint {path} has no tensor {name} for the model it describes")
             param.copy_(weights[name])
-    return model
+    return merge_lora(model) if lora else model
 
 
 def export_hf(path: Path, out_dir: str | Path, tokenizer: str | Path | None = None) -> Path:

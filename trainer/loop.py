@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import resource
-import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -24,8 +23,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from data.datasets import IGNORE_INDEX, ResumableBatchSampler
 from models.config import ModelConfig, flops_per_token
-from models.hf import load_hf_checkpoint, save_hf_checkpoint
-from models.lora import apply_lora, merge_lora
+from models.hf import load_hf_checkpoint
+from models.lora import apply_lora
 from models.transformer import Transformer, lm_loss
 from trainer.checkpoint import (
     FULL, SHARDED, export_hf, load_checkpoint, read_full_tensors, read_state, resolve_checkpoint, save_checkpoint,
@@ -339,31 +338,11 @@ class Trainer:
         return save_checkpoint(self.ckpt_root, self.step, state, self.optimizer, write, self.env.rank)
 
     def export(self, checkpoint: Path) -> Path:
-        """Write the final weights as a Hugging Face directory, <out_dir>/hf (every rank calls it).
-
-        Without LoRA that is the checkpoint consolidated. With LoRA, the trained model is rebuilt
-        from the full weights (gathered from the shards under ZeRO-3) and its adapters merged
-        into the base weights, so the directory holds a plain model that transformers loads.
-        """
+        """Write the checkpoint as a Hugging Face directory, <out_dir>/hf (every rank calls it);
+        LoRA adapters are merged into the base weights, so transformers loads a plain model."""
         out = Path(self.cfg.train.out_dir) / "hf"
-        lora = self.cfg.finetune.lora
-        if not lora.r:
-            if self.env.is_main:
-                export_hf(checkpoint, out)
-        else:
-            weights = self.engine.full_state_dict() if self.engine else self.model.state_dict()
-            if self.env.is_main:
-                with torch.device("meta"):  # no throwaway initialization: every tensor is assigned
-                    model = Transformer(self.model_cfg)
-                    apply_lora(model, lora.targets, lora.r, lora.alpha)
-                model.load_state_dict({k: v.detach().cpu() for k, v in weights.items()}, assign=True)
-                if self.model_cfg.tie_embeddings:  # assign=True replaced the shared Parameter by two
-                    model.head.weight = model.embed.tokens.weight
-                tok = self.data.tokenizer
-                with tempfile.TemporaryDirectory() as tok_dir:
-                    tok.save(tok_dir)
-                    save_hf_checkpoint(merge_lora(model), out, tokenizer_dir=tok_dir, token_ids={
-                        "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id})
+        if self.env.is_main:
+            export_hf(checkpoint, out)
         barrier()
         return out
 
