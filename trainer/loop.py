@@ -160,6 +160,7 @@ class Trainer:
         zero = cfg.zero_optimization
         self.engine: Zero3Engine | None = None
         self.step_comm: dict[str, dict] = {}  # the engine ledger's totals of the last training step
+        self.step_timings: dict[str, float] = {}  # and the seconds it spent outside compute, by kind
         self.ddp = None
         self._own_group = False
         if zero.stage == 3:
@@ -257,6 +258,7 @@ class Trainer:
             group["lr"] = lr
         if self.engine:
             self.engine.ledger.reset()  # the ledger then holds exactly this step's traffic
+            self.engine.timings.clear()
         micro_batches = [self.data.batch(next(batches), self.env.device) for _ in range(accum)]
         counts = torch.tensor([float(stop), sum(tokens.numel() for tokens, _ in micro_batches),
                                sum((labels != IGNORE_INDEX).sum().item() for _, labels in micro_batches)],
@@ -281,6 +283,7 @@ class Trainer:
             self.engine.step()
             self.engine.zero_grad()
             self.step_comm = self.engine.ledger.totals()  # before any evaluation adds its gathers
+            self.step_timings = dict(self.engine.timings)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
             self.optimizer.step()
@@ -291,12 +294,14 @@ class Trainer:
         return loss, grad_norm.item(), anyone_stops > 0, n_tokens
 
     def comm_scalars(self) -> dict[str, float]:
-        """This rank's communication in the last step, from the engine's ledger (MB sent)."""
+        """This rank's communication in the last step, from the engine's ledger (MB sent), and
+        the time the step waited for it or (de)quantized weights (ms; the rest is compute)."""
         if not self.engine:
             return {}
         totals = self.step_comm
         return {"comm sent (MB)": sum(e["sent"] for e in totals.values()) / 2**20,
-                "cross-node sent (MB)": sum(e["cross_node_sent"] for e in totals.values()) / 2**20}
+                "cross-node sent (MB)": sum(e["cross_node_sent"] for e in totals.values()) / 2**20,
+                **{f"{kind} (ms)": seconds * 1e3 for kind, seconds in sorted(self.step_timings.items())}}
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -28,6 +28,9 @@ of the wire shards.
 from __future__ import annotations
 
 import math
+import time
+from collections import defaultdict
+
 import torch
 import torch.nn as nn
 
@@ -272,6 +275,9 @@ class Zero3Engine:
                 u.master = None  # from now on the codes are the weights
         self.micro_batches = 0
         self._phase = "forward"
+        # Seconds the calling thread spent per kind since the last clear (the trainer clears it
+        # every step): where the time goes besides compute.
+        self.timings: dict[str, float] = defaultdict(float)
 
         self._hooks = [model.register_forward_pre_hook(self._model_pre_forward),
                        model.register_forward_hook(self._model_post_forward)]
@@ -319,10 +325,14 @@ class Zero3Engine:
             if unit.pending_gather is None:
                 self._issue_gather(unit, tag)
         for unit in units:
+            start = time.perf_counter()
             unit.pending_gather.wait()
             unit.pending_gather = None
+            decoding = time.perf_counter()
             gather, compute = self._gather_buf(unit)
             unit.codec.decode(gather, compute, self.topo.world_size)
+            self.timings["waiting for gathers"] += decoding - start
+            self.timings["weight decode"] += time.perf_counter() - decoding
             unit.gathered_version = self.weights_version
             if unit.secondary is not None and tag == "forward gather" and torch.is_grad_enabled():
                 n = unit.secondary.numel()
@@ -409,8 +419,7 @@ class Zero3Engine:
                 self._grad_owner[s] = unit
                 buf = self._grad_pair[s][:unit.padded_numel]
         if previous is not None and previous.pending_reduce is not None:
-            previous.pending_reduce.wait()
-            previous.pending_reduce = None
+            self._wait_reduce(previous)
         if buf is None:
             buf = torch.zeros(unit.padded_numel, dtype=self.param_dtype, device=self.device)
         else:
@@ -437,7 +446,7 @@ class Zero3Engine:
         """All of the unit's gradients are in grad_target: reduce-scatter them into grad_shard."""
         grad = unit.grad_target[:unit.padded_numel]
         if unit.pending_reduce is not None:  # a temporary buffer's earlier reduce (rare path)
-            unit.pending_reduce.wait()
+            self._wait_reduce(unit)
         cfg = self.config
         if cfg.zero_quantized_gradients:
             unit.pending_reduce = self.comm.quantized_reduce_scatter(
@@ -470,11 +479,16 @@ class Zero3Engine:
         """
         loss.backward()
 
+    def _wait_reduce(self, unit: FlatUnit) -> None:
+        start = time.perf_counter()
+        unit.pending_reduce.wait()
+        unit.pending_reduce = None
+        self.timings["waiting for reductions"] += time.perf_counter() - start
+
     def _finish_reduces(self) -> None:
         for u in self.units.values():
             if u.pending_reduce is not None:
-                u.pending_reduce.wait()
-                u.pending_reduce = None
+                self._wait_reduce(u)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Post-divide the summed gradients, then clip them by their global L2 norm (returned)."""
@@ -506,9 +520,11 @@ class Zero3Engine:
         self.weights_version += 1
 
     def _encode_weights(self) -> None:
+        start = time.perf_counter()
         for u in self.units.values():
             if u.master is not None:
                 u.codec.encode(u.master, u.wire)
+        self.timings["weight encode"] += time.perf_counter() - start
 
     def master_shard(self, unit: FlatUnit) -> torch.Tensor:
         """The unit's fp32 shard of this rank (decoded from the codes for weights stored quantized)."""
