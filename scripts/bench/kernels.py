@@ -1,7 +1,8 @@
 """Benchmark: the quantization kernels' torch path against a plain memory copy.
 
-    python scripts/bench/kernels.py --out runs/bench_kernels.json
-    python scripts/bench/kernels.py --quick
+    python scripts/bench/kernels.py --json runs/bench_kernels.json   # (or --out FILE.json) + a .csv beside it
+    python scripts/bench/kernels.py --quick                           # 1M only, a few seconds
+    python scripts/bench/kernels.py --out runs/bench/kernels --update-docs   # JSON, CSV, plot, docs section
 
 For quantize, dequantize, quantize_transposed and dequant_reduce_quant (k=4 chunks that add
 up to `numel` elements) at each size and bit width: best time, GB/s of input read, and the
@@ -10,7 +11,6 @@ full-precision side, which bounds how fast any of them can be on this machine.
 """
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -59,46 +59,148 @@ def _cases(numel, bits, dtype, impl):
     }
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1 << 20, 16 << 20])
-    parser.add_argument("--bits", type=int, nargs="+", default=[8, 4])
-    parser.add_argument("--dtype", choices=DTYPES, default="fp32")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--impl", choices=["torch", "triton"], default="torch")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    parser.add_argument("--quick", action="store_true", help="1M elements, 3 repeats: a few seconds")
-    parser.add_argument("--out", type=Path, help="write the results as JSON")
-    args = parser.parse_args()
-    if args.quick:
-        args.sizes, args.repeats = [1 << 20], 3
-    dtype = DTYPES[args.dtype]
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
+def measure(sizes, bits_list, dtype_name="fp32", repeats=10, impl="torch", progress=print) -> list[dict]:
+    """Rows of {op, numel, bits, seconds, input_gbps, vs_copy} (copy_ first for each size)."""
+    dtype = DTYPES[dtype_name]
     rows = []
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, impl={args.impl}, input {args.dtype}, "
-          f"block {BLOCK}")
-    print(f"{'op':<22}{'numel':>10}{'bits':>5}{'ms':>9}{'in GB/s':>9}{'x copy':>8}")
-    for numel in args.sizes:
+    for numel in sizes:
         src, dst = torch.randn(numel).to(dtype), torch.empty(numel, dtype=dtype)
-        copy_s = _best_time(lambda: dst.copy_(src), args.repeats)
+        copy_s = _best_time(lambda: dst.copy_(src), repeats)
         copy_bytes = numel * src.element_size()
         rows.append(dict(op="copy_", numel=numel, bits=None, seconds=copy_s, input_gbps=copy_bytes / copy_s / 1e9,
                          vs_copy=1.0))
-        print(f"{'copy_':<22}{numel:>10}{'-':>5}{copy_s * 1e3:>9.2f}{copy_bytes / copy_s / 1e9:>9.2f}{1.0:>8.2f}")
-        for bits in args.bits:
-            for op, (fn, nbytes) in _cases(numel, bits, dtype, args.impl).items():
-                s = _best_time(fn, args.repeats)
+        progress(f"{'copy_':<22}{numel:>10}{'-':>5}{copy_s * 1e3:>9.2f}{copy_bytes / copy_s / 1e9:>9.2f}{1.0:>8.2f}")
+        for bits in bits_list:
+            for op, (fn, nbytes) in _cases(numel, bits, dtype, impl).items():
+                s = _best_time(fn, repeats)
                 rows.append(dict(op=op, numel=numel, bits=bits, seconds=s, input_gbps=nbytes / s / 1e9,
                                  vs_copy=s / copy_s))
-                print(f"{op:<22}{numel:>10}{bits:>5}{s * 1e3:>9.2f}{nbytes / s / 1e9:>9.2f}{s / copy_s:>8.2f}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(dict(torch=torch.__version__, threads=torch.get_num_threads(),
-                                            impl=args.impl, dtype=args.dtype, block_size=BLOCK, rows=rows), indent=1))
-        print(f"wrote {args.out}")
+                progress(f"{op:<22}{numel:>10}{bits:>5}{s * 1e3:>9.2f}{nbytes / s / 1e9:>9.2f}{s / copy_s:>8.2f}")
+    return rows
+
+
+def add_args(parser) -> None:
+    parser.add_argument("--sizes", type=int, nargs="+", default=None, help="elements (default 1M 16M; quick 1M)")
+    parser.add_argument("--bits", type=int, nargs="+", default=[8, 4])
+    parser.add_argument("--dtype", choices=DTYPES, default="fp32")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls, best kept (default 10; quick 5)")
+    parser.add_argument("--impl", choices=["torch", "triton"], default="torch")
+    parser.add_argument("--threads", type=int, nargs="+",
+                        help="torch thread counts to measure (default: 1 and torch's choice; on a busy machine "
+                             "1 thread is the steadier figure)")
+    parser.add_argument("--json", type=Path, help="write the results as JSON to this file (and a .csv beside it)")
+
+
+def run(args, progress=print) -> dict:
+    """The benchmark as the suite runs it: a dict with `rows` (JSON-serialisable)."""
+    quick = getattr(args, "quick", False)
+    sizes = args.sizes or ([1 << 20] if quick else [1 << 20, 16 << 20])
+    repeats = args.repeats or (5 if quick else 10)
+    default = torch.get_num_threads()
+    threads = args.threads or sorted({1, default})
+    rows = []
+    try:
+        for t in threads:
+            torch.set_num_threads(t)
+            progress(f"  kernels: torch {torch.__version__}, {t} thread(s), impl={args.impl}, input {args.dtype}, "
+                     f"block {BLOCK}")
+            progress(f"  {'op':<22}{'numel':>10}{'bits':>5}{'ms':>9}{'in GB/s':>9}{'x copy':>8}")
+            for r in measure(sizes, args.bits, args.dtype, repeats, args.impl, progress=lambda s: progress("  " + s)):
+                rows.append(dict(r, threads=t, ms=r["seconds"] * 1e3, ok=True))
+    finally:
+        torch.set_num_threads(default)
+    return dict(benchmark="kernels", torch=torch.__version__, threads=threads, impl=args.impl, dtype=args.dtype,
+                block_size=BLOCK, repeats=repeats, sizes=sizes, rows=rows)
+
+
+def _size(numel: int) -> str:
+    return f"{numel >> 20}M" if numel >= 1 << 20 and numel % (1 << 20) == 0 else str(numel)
+
+
+_OPS = ["copy_", "quantize", "quantize_transposed", "dequantize", "dequant_reduce_quant"]
+
+
+def _groups(result: dict) -> list[tuple[int, int]]:
+    return [(n, t) for n in result["sizes"] for t in result["threads"]]
+
+
+def plots(result: dict, out_dir: Path) -> list[Path]:
+    from scripts.bench import suite
+
+    rows = [r for r in result.get("rows", []) if r["op"] != "copy_"]
+    if not rows:
+        return []
+    plt = suite.pyplot()
+    labels = sorted({(r["op"], r["bits"]) for r in rows}, key=lambda k: (_OPS.index(k[0]), -k[1]))
+    groups = _groups(result)
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(groups)
+    for i, (numel, t) in enumerate(groups):
+        ys = [next((r["vs_copy"] for r in rows if (r["op"], r["bits"]) == k and (r["numel"], r["threads"]) ==
+                    (numel, t)), 0) for k in labels]
+        ax.bar([x + i * width for x in range(len(labels))], ys, width, label=f"{_size(numel)} elements, {t} thread(s)")
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xticks([x + width * (len(groups) - 1) / 2 for x in range(len(labels))])
+    ax.set_xticklabels([f"{op}\n{bits} bit" for op, bits in labels], fontsize=7)
+    ax.set_ylabel("time / copy_ of as many fp32 elements")
+    ax.set_title(f"quantization kernels ({result['impl']}), block {result['block_size']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return [suite.save_fig(fig, out_dir, "kernels")]
+
+
+def markdown(result: dict, images: dict) -> str:
+    from scripts.bench import suite
+
+    lines = ["## 5. Quantization kernels vs memory-copy bandwidth", "",
+             f"`scripts/bench/kernels.py`: the {result['impl']} path, {result['dtype']} input, block "
+             f"{result['block_size']}, best of {result['repeats']} calls, with 1 and all torch threads. "
+             "\"x copy\" = time / `copy_` of the same number of full-precision elements with as many threads (a "
+             "pass over the full-precision side bounds how fast any of them can be); GB/s counts the input read "
+             "(fp32 for the quantizers, codes + scales for the others). `dequant_reduce_quant` sums k = 4 tensors "
+             "of numel / 4 elements. See [kernels.md](kernels.md). On a busy machine the multi-threaded columns are "
+             "unreliable (OpenMP threads wait for each other when the cores are oversubscribed: a copy_ can take "
+             "100x its quiet time); the 1-thread columns are the steady ones.", ""]
+    groups = _groups(result)
+    cols = [("op", "op", "{}"), ("bits", "bits", "{}")]
+    for numel, t in groups:
+        tag = f"{_size(numel)}, {t} thr"
+        cols += [(f"ms@{numel}@{t}", f"{tag}: ms", "{:.3f}"), (f"gbps@{numel}@{t}", f"{tag}: GB/s", "{:.1f}"),
+                 (f"x@{numel}@{t}", f"{tag}: x copy", "{:.2f}")]
+    table = {}
+    for r in result.get("rows", []):
+        key = (r["op"], r["bits"])
+        row = table.setdefault(key, {"op": r["op"], "bits": r["bits"] if r["bits"] is not None else "-"})
+        row[f"ms@{r['numel']}@{r['threads']}"] = r["ms"]
+        row[f"gbps@{r['numel']}@{r['threads']}"] = r["input_gbps"]
+        row[f"x@{r['numel']}@{r['threads']}"] = r["vs_copy"]
+    rows = [table[k] for k in sorted(table, key=lambda k: (_OPS.index(k[0]), -(k[1] or 99)))]
+    lines += suite.md_table(rows, cols)
+    lines.append("")
+    if "kernels" in images:
+        lines += [f"![kernels]({images['kernels']})", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    from scripts.bench import suite
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(parser)
+    suite.add_common_args(parser)
+    args = parser.parse_args(argv)
+    if args.out is not None and args.out.suffix == ".json":   # the old form: --out FILE.json
+        args.json, args.out = args.out, None
+    if args.json is None:
+        return suite.run_standalone("kernels", run, plots, markdown, args)
+    result = run(args)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    suite.write_results(result, args.json.parent, args.json.stem)
+    if args.json.name != args.json.stem + ".json":
+        (args.json.parent / (args.json.stem + ".json")).rename(args.json)
+    print(f"wrote {args.json} and {args.json.with_suffix('.csv')}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
