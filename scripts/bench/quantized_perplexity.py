@@ -32,7 +32,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -45,6 +44,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from scripts.bench import suite  # noqa: E402
 
 DATA = "../shared/data/tinyshakespeare.txt"
 SECTION = "## Perplexity of quantized exports"
@@ -145,18 +146,6 @@ def evaluate(model, data, micro_batch_size: int, trainer_batches: int) -> dict:
             sub_n += labels.numel()
     return {"nll": nll / n, "ppl": math.exp(min(nll / n, 50)), "tokens": int(n),
             "trainer_subset_nll": sub_nll / max(sub_n, 1)}
-
-
-def machine() -> dict:
-    cpu = platform.processor() or "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
 
 
 def _pct(x: float, ref: float) -> str:
@@ -342,7 +331,7 @@ def main(argv=None) -> None:
     ev = lambda model: evaluate(model, data, args.micro_batch_size, trainer_batches)  # noqa: E731
     base_model = load_source(base_ckpt).model
     n_params = sum(p.numel() for p in base_model.parameters())
-    res = {"date": datetime.date.today().isoformat(), "machine": machine(), "block_size": args.block_size,
+    res = {"date": datetime.date.today().isoformat(), "machine": suite.machine_info(), "block_size": args.block_size,
            "settings": {k: v for k, v in vars(args).items() if k not in ("out", "update_docs", "docs_only")},
            "model": {"preset": args.preset, "n_params": n_params, "config": base_model.config.__dict__},
            "command": command.strip(), "eval_split": "train.py's validation split (data.valid_fraction 0.05, seed 1234), every sample",

@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from models.transformer import lm_loss
 from tests.spawn import run_ranks
-from tests.zeropp.test_engine import BATCH, adamw_factory, batches, make_model
+from tests.zeropp.test_engine import adamw_factory, batches, make_model, train_step
 from zeropp.checkpoint import ShardedCheckpointError, consolidated_state_dict, load_shards, save_shards
 from zeropp.config import ZeroConfig
 from zeropp.engine import Zero3Engine
@@ -16,18 +15,7 @@ FP32 = ZeroConfig(stage=3, communication_data_type="fp32")
 
 def _train(engine, rank, world, samples):
     """Steps over `samples` (each the global batch); returns the mean loss of each step."""
-    per_rank = BATCH // world
-    losses = []
-    for sample in samples:
-        mine = sample[rank * per_rank:(rank + 1) * per_rank]
-        loss = lm_loss(engine(mine[:, :-1]), mine[:, 1:])
-        engine.backward(loss)
-        engine.clip_grad_norm(1.0)
-        engine.step()
-        engine.zero_grad()
-        t = loss.detach().clone()
-        torch.distributed.all_reduce(t)
-        losses.append(t.item() / world)
+    losses = [train_step(engine, sample, rank, world) for sample in samples]
     return losses
 
 

@@ -36,6 +36,22 @@ def adamw_factory(pieces):
     return build_shard_optimizer(pieces, OPTIM)
 
 
+def train_step(engine, sample, rank, world, after_forward=None) -> float:
+    """One step on this rank's share of the global batch `sample`; the loss averaged over ranks."""
+    per_rank = BATCH // world
+    mine = sample[rank * per_rank:(rank + 1) * per_rank]
+    loss = lm_loss(engine(mine[:, :-1]), mine[:, 1:])
+    if after_forward:
+        after_forward()
+    engine.backward(loss)
+    engine.clip_grad_norm(1.0)
+    engine.step()
+    engine.zero_grad()
+    t = loss.detach().clone()
+    torch.distributed.all_reduce(t)
+    return t.item() / world
+
+
 def reference(preset: str, steps: int, clip: float = 1.0):
     model = make_model(preset)
     opt = build_optimizer(model, OPTIM)

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from kernels import dequantize, quantize
 from models.transformer import lm_loss
 from tests.spawn import run_ranks
-from tests.zeropp.test_engine import BATCH, adamw_factory, batches, make_model, reference
+from tests.zeropp.test_engine import adamw_factory, batches, make_model, reference, train_step
 from zeropp.checkpoint import load_shards, save_shards
 from zeropp.comm import Comm
 from zeropp.config import ZeroConfig
@@ -132,19 +132,13 @@ def test_ledger_zeropp_cuts_cross_node_bytes_to_under_028_of_zero3():
 def _train(rank, world, cfg_kwargs, steps, secondary=None):
     engine = Zero3Engine(make_model("gpt2-tiny"), adamw_factory, ZeroConfig(stage=3, **cfg_kwargs),
                          topo=build_topology(ranks_per_node=2, secondary_size=secondary))
-    per_rank = BATCH // world
-    losses, forward_weights = [], None
-    for sample in batches(steps):
-        mine = sample[rank * per_rank:(rank + 1) * per_rank]
-        loss = lm_loss(engine(mine[:, :-1]), mine[:, 1:])
-        forward_weights = engine.model.blocks[0].attn.q_proj.weight.detach().clone()
-        engine.backward(loss)
-        engine.clip_grad_norm(1.0)
-        engine.step()
-        engine.zero_grad()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+    used = {}
+
+    def keep_forward_weights():
+        used["q"] = engine.model.blocks[0].attn.q_proj.weight.detach().clone()
+
+    losses = [train_step(engine, sample, rank, world, keep_forward_weights) for sample in batches(steps)]
+    forward_weights = used["q"]
     state = engine.full_state_dict()
     engine.close()
     return losses, forward_weights, state
@@ -155,7 +149,6 @@ def _hpz_with_reload(rank, world, directory, steps, save_at, rewind_from):
     step `save_at` and replay: the replayed losses must be the reference's again."""
     cfg = ZeroConfig(stage=3, communication_data_type="fp32", zero_hpz_partition_size=2)
     engine = Zero3Engine(make_model("gpt2-tiny"), adamw_factory, cfg, topo=build_topology(ranks_per_node=2))
-    per_rank = BATCH // world
     data = batches(steps)
     losses, step = {}, 0
     while step < steps:
@@ -169,15 +162,7 @@ def _hpz_with_reload(rank, world, directory, steps, save_at, rewind_from):
         if step == rewind_from and step in losses:
             load_shards(engine, directory)
             step = save_at
-        mine = data[step][rank * per_rank:(rank + 1) * per_rank]
-        loss = lm_loss(engine(mine[:, :-1]), mine[:, 1:])
-        engine.backward(loss)
-        engine.clip_grad_norm(1.0)
-        engine.step()
-        engine.zero_grad()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses[step] = t.item() / world
+        losses[step] = train_step(engine, data[step], rank, world)
         step += 1
     stale_after_step = all(u.secondary_version < engine.weights_version for u in engine.blocks)
     state = engine.full_state_dict()
@@ -254,18 +239,7 @@ def _frozen_quantized(rank, world, directory):
     cfg = ZeroConfig(stage=3, communication_data_type="fp32", zero_quantized_nontrainable_weights=True,
                      zero_quantization_block_size=BLOCK, zero_hpz_partition_size=2)
     engine = Zero3Engine(_lora_style_model(), adamw_factory, cfg, topo=build_topology(ranks_per_node=2))
-    per_rank = BATCH // world
-    losses = []
-    for sample in batches(6):
-        mine = sample[rank * per_rank:(rank + 1) * per_rank]
-        loss = lm_loss(engine(mine[:, :-1]), mine[:, 1:])
-        engine.backward(loss)
-        engine.clip_grad_norm(1.0)
-        engine.step()
-        engine.zero_grad()
-        t = loss.detach().clone()
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+    losses = [train_step(engine, sample, rank, world) for sample in batches(6)]
     frozen = {n: u.master is None for n, u in engine.units.items()}
     trainable_padded = sum(u.padded_numel for u in engine.units.values() if u.trainable)
     gradient_bytes = engine.ledger.totals()["gradient reduce"]["sent"]
