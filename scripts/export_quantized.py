@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.export import export_gguf, export_lowbit, gguf_qtype, load_source  # noqa: E402
-from trainer.checkpoint import CheckpointError  # noqa: E402
+from models.export import export_gguf, export_lowbit, gguf_qtype  # noqa: E402
+from trainer.checkpoint import CheckpointError, load_source  # noqa: E402
 from zeropp.checkpoint import ShardedCheckpointError  # noqa: E402
 
 

@@ -19,9 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from data.tokenizer import load_tokenizer  # noqa: E402
-from models.export import load_source  # noqa: E402
 from models.generate import generate  # noqa: E402
-from trainer.checkpoint import CheckpointError  # noqa: E402
+from trainer.checkpoint import CheckpointError, load_source  # noqa: E402
 from zeropp.checkpoint import ShardedCheckpointError  # noqa: E402
 
 

@@ -321,7 +321,8 @@ def main(argv=None) -> None:
         assert "exact" in text and f"{b} bits, block size {args.block_size}" in text, text
 
     # 4. evaluation on the validation split train.py uses
-    from models.export import load_lowbit, load_source
+    from models.export import load_lowbit
+    from trainer.checkpoint import load_source
     from trainer.config import DataSection
     from trainer.pretrain_data import prepare_pretraining
 

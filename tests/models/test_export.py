@@ -22,11 +22,11 @@ from data.corpus import default_corpus
 from data.tokenizer import load_tokenizer, train_sentencepiece
 from models import export
 from models.config import ModelConfig
-from models.export import (dequantized_state_dict, export_gguf, export_lowbit, gguf_qtype, load_lowbit,
-                           load_source)
+from models.export import dequantized_state_dict, export_gguf, export_lowbit, gguf_qtype, load_lowbit
 from models.hf import load_hf_checkpoint
 from models.transformer import Transformer, lm_loss
 from tests.spawn import run_ranks
+from trainer.checkpoint import load_source
 
 TOKENS, VOCAB = 400, 416  # the model's vocabulary is padded past the tokenizer's, as train.py pads it
 N_HEAD, N_KV_HEAD = 4, 2
