@@ -52,8 +52,10 @@ def train_step(engine, sample, rank, world, after_forward=None) -> float:
     return t.item() / world
 
 
-def reference(preset: str, steps: int, clip: float = 1.0):
-    model = make_model(preset)
+def reference(model: str | nn.Module, steps: int, clip: float = 1.0):
+    """The single-process run the engine must match: a preset's model, or a given (e.g. partly
+    frozen) model, trained in place on the same batches."""
+    model = make_model(model) if isinstance(model, str) else model
     opt = build_optimizer(model, OPTIM)
     losses = []
     for sample in batches(steps):
@@ -189,13 +191,8 @@ def test_two_engines_in_one_process_frozen_params_and_state_memory():
     model = make_model("llama-tiny")
     for p in model.blocks[0].parameters():
         p.requires_grad_(False)
-    opt = build_optimizer(model, OPTIM)
-    for sample in batches(5):
-        lm_loss(model(sample[:, :-1]), sample[:, 1:]).backward()
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    assert max((llama_state[k] - v).abs().max().item() for k, v in model.state_dict().items()) < 1e-5
+    _, ref_llama = reference(model, 5)
+    assert max((llama_state[k] - v).abs().max().item() for k, v in ref_llama.items()) < 1e-5
     # per-rank model state: fp32 master 4 + Adam 8 + fp32 comm copy 4 + fp32 grad 4 bytes per
     # element of the N/world-element shard; padding keeps it within 5% of the formula
     n_params = sum(p.numel() for p in make_model("gpt2-tiny").parameters())

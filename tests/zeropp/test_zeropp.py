@@ -5,7 +5,8 @@ import torch
 import torch.distributed as dist
 
 from kernels import dequantize, quantize
-from models.transformer import lm_loss
+from models.config import ModelConfig
+from models.transformer import Transformer, lm_loss
 from tests.spawn import run_ranks
 from tests.zeropp.test_engine import adamw_factory, batches, make_model, reference, train_step
 from zeropp.checkpoint import load_shards, save_shards
@@ -226,8 +227,6 @@ def _lora_style_model():
     frozen except block 1's MLP; norms train. Block 0 is frozen but sits below trainable norms,
     so the backward must re-gather it (into the buffer block 2 used last)."""
     torch.manual_seed(0)
-    from models.config import ModelConfig
-    from models.transformer import Transformer
     model = Transformer(ModelConfig.from_preset("llama-tiny", vocab_size=96, n_layer=3))
     for name, p in model.named_parameters():
         if p.dim() >= 2 and not name.startswith("blocks.1.mlp."):
@@ -269,17 +268,7 @@ def test_frozen_weights_stored_quantized_train_like_their_quantized_grid(tmp_pat
                 q = quantize(p.reshape(-1), 8, BLOCK, scale_dtype=torch.float16)
                 p.copy_(dequantize(q.codes, q.scales, p.numel(), 8, BLOCK).view_as(p))
     grid = {k: v.clone() for k, v in model.state_dict().items()}
-    from trainer.optim import build_optimizer
-    from tests.zeropp.test_engine import OPTIM
-    opt = build_optimizer(model, OPTIM)
-    ref_losses = []
-    for sample in batches(6):
-        loss = lm_loss(model(sample[:, :-1]), sample[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        ref_losses.append(loss.item())
+    ref_losses, _ = reference(model, 6)
 
     results = run_ranks(_frozen_quantized, 4, args=(tmp_path / "ckpt",), ranks_per_node=2)
     losses, state, frozen, trainable_padded, gradient_bytes, memory, _ = results[0]
