@@ -244,10 +244,11 @@ class Zero3Engine:
         # units side by side; a resident unit has buffers of its own.
         self._shared_compute = all(u.codec.dtype == self.param_dtype for u in self.blocks)
         gather_bytes = compute_numel = grad_numel = 0
+        offsets = {}  # unit -> (byte offset in a gather buffer, element offset in a compute buffer)
         for group in self.block_groups:
             gather_at = compute_at = 0
             for u in group:
-                u.gather_offset, u.compute_offset = gather_at, compute_at
+                offsets[u] = gather_at, compute_at
                 gather_at += _aligned(u.wire_numel * u.wire.element_size())
                 compute_at += u.padded_numel
                 if u.trainable:
@@ -258,11 +259,22 @@ class Zero3Engine:
             [self._new_buffer(compute_numel, self.param_dtype) for _ in range(2)]
         self._grad_pair = [self._new_buffer(grad_numel, self.param_dtype) for _ in range(2)]
         self._grad_owner: list[FlatUnit | None] = [None, None]
+        # Each unit's (gather, compute) views, per slot: a block's in the shared pair, a
+        # resident unit's of its own (the same in both slots).
+        for u, (gather_at, compute_at) in offsets.items():
+            u.buffers = []
+            for s in range(2):
+                gather = self._gather_pair[s][gather_at:gather_at + u.wire_numel * u.wire.element_size()] \
+                    .view(u.codec.dtype)
+                compute = gather if self._shared_compute else \
+                    self._compute_pair[s][compute_at:compute_at + u.padded_numel]
+                u.buffers.append((gather, compute))
         for u in self.resident:
             u.gather_buf = self._new_buffer(u.wire_numel, u.codec.dtype)
             u.compute_buf = u.gather_buf if u.codec.dtype == self.param_dtype else \
                 self._new_buffer(u.padded_numel, self.param_dtype)
             u.grad_buf = self._new_buffer(u.padded_numel, self.param_dtype) if u.trainable else None
+            u.buffers = [(u.gather_buf, u.compute_buf)] * 2
         for u in self.units.values():
             self._bind(u, grad=False)  # parameters exist (as views) from the start
 
@@ -296,14 +308,7 @@ class Zero3Engine:
 
     def _gather_buf(self, unit):
         """(gather, compute) buffers of the unit; a block not yet run gets slot 0 as a placeholder."""
-        if unit in self.resident:
-            return unit.gather_buf, unit.compute_buf
-        s = self._position.get(id(unit), 0) % 2
-        nbytes = unit.wire_numel * unit.wire.element_size()
-        gather = self._gather_pair[s][unit.gather_offset:unit.gather_offset + nbytes].view(unit.codec.dtype)
-        if self._shared_compute:
-            return gather, gather
-        return gather, self._compute_pair[s][unit.compute_offset:unit.compute_offset + unit.padded_numel]
+        return unit.buffers[self._position.get(id(unit), 0) % 2]
 
     # ------------------------------------------------------------------ gathering
 
