@@ -144,13 +144,18 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
-    """Average a tensor over all ranks (identity for one process)."""
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over all ranks (identity for one process)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         value = value.clone()
         dist.all_reduce(value)
-        value /= dist.get_world_size()
     return value
+
+
+def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
+    """Average a tensor over all ranks (identity for one process)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return all_reduce_sum(value) / world if world > 1 else value
 
 
 def shutdown() -> None:

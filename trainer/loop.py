@@ -31,7 +31,8 @@ from trainer.checkpoint import (
     write_full_tensors,
 )
 from trainer.config import Config, ConfigError, LoraSection, to_dict
-from trainer.distributed import DistEnv, all_reduce_mean, barrier, ensure_process_group, init_distributed, shutdown
+from trainer.distributed import (DistEnv, all_reduce_sum, barrier, ensure_process_group,
+                                 init_distributed, shutdown)
 from trainer.finetune_data import FinetuneData, prepare_finetuning
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, build_shard_optimizer, lr_at
@@ -260,10 +261,10 @@ class Trainer:
             self.engine.ledger.reset()  # the ledger then holds exactly this step's traffic
             self.engine.timings.clear()
         micro_batches = [self.data.batch(next(batches), self.env.device) for _ in range(accum)]
-        counts = torch.tensor([float(stop), sum(tokens.numel() for tokens, _ in micro_batches),
-                               sum((labels != IGNORE_INDEX).sum().item() for _, labels in micro_batches)],
+        targets = torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in micro_batches]).tolist()  # one sync
+        counts = torch.tensor([float(stop), sum(tokens.numel() for tokens, _ in micro_batches), sum(targets)],
                               dtype=torch.float64, device=self.env.device)
-        anyone_stops, n_tokens, n_targets = (round(x) for x in (all_reduce_mean(counts) * world).tolist())
+        anyone_stops, n_tokens, n_targets = (round(x) for x in all_reduce_sum(counts).tolist())
         total = torch.zeros((), device=self.env.device)
         for micro, (tokens, labels) in enumerate(micro_batches):
             last = micro == accum - 1
@@ -271,7 +272,7 @@ class Trainer:
             with sync:
                 with autocast_for(cfg.train.precision, self.env.device):
                     logits = (self.ddp or self.model)(tokens)
-                loss = lm_loss(logits, labels) * ((labels != IGNORE_INDEX).sum().item() / n_targets)
+                loss = lm_loss(logits, labels) * (targets[micro] / n_targets)
                 if self.engine:
                     self.engine.backward(loss * (world * accum))  # the engine post-divides by world x micro-batches
                 else:
@@ -290,7 +291,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.consumed_samples += self.global_batch
-        loss = all_reduce_mean(total).item() * world
+        loss = all_reduce_sum(total).item()
         return loss, grad_norm.item(), anyone_stops > 0, n_tokens
 
     def comm_scalars(self) -> dict[str, float]:
@@ -323,7 +324,7 @@ class Trainer:
             targets = (labels != IGNORE_INDEX).sum()
             total += torch.stack([lm_loss(logits, labels) * targets, targets.float()])
         self.model.train()
-        loss_sum, count = all_reduce_mean(total).tolist()  # means over ranks: the ratio of the sums
+        loss_sum, count = all_reduce_sum(total).tolist()
         return loss_sum / count
 
     def save(self) -> Path:
