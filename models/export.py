@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import tempfile
 import uuid
@@ -36,7 +35,7 @@ from safetensors.torch import save_file
 from data.tokenizer import SentencePieceTokenizer, Tokenizer, load_tokenizer
 from kernels import BITS, dequantize, num_blocks, packed_bytes, quantize, unpack_codes
 from models.config import ModelConfig
-from models.hf import to_hf_state_dict
+from models.hf import replace_output, to_hf_state_dict
 from models.transformer import Transformer
 from zeropp.quantized import WEIGHT_SCALE_DTYPE
 
@@ -102,18 +101,6 @@ def _check_bits(bits: int, block_size: int) -> None:
 # Atomic outputs and the tokenizer
 
 
-def _replace(tmp: Path, target: Path) -> None:
-    """Put the finished `tmp` in place of `target`. A file is swapped atomically; an existing
-    directory is moved aside first, then deleted, so the target is never a mix of old and new."""
-    if tmp.is_file() or not target.exists():
-        os.replace(tmp, target)
-        return
-    old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-    os.rename(target, old)
-    os.rename(tmp, target)
-    shutil.rmtree(old)
-
-
 def _tokenizer(path) -> Tokenizer:
     """The tokenizer an export ships with; a missing one is an error naming what was expected."""
     if path is None:
@@ -168,7 +155,7 @@ def export_lowbit(weights, config: ModelConfig, out_dir, bits: int, block_size: 
         save_file(tensors, str(tmp / LOWBIT_WEIGHTS), metadata={"format": "pt"})
         (tmp / LOWBIT_META).write_text(json.dumps(meta, indent=1) + "\n")
         tokenizer.save(tmp)
-        _replace(tmp, out_dir)
+        replace_output(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -400,7 +387,7 @@ def export_gguf(weights, config: ModelConfig, out_path, qtype: str, tokenizer_di
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        _replace(tmp, out_path)
+        replace_output(tmp, out_path)
     except BaseException:
         writer.close()
         tmp.unlink(missing_ok=True)

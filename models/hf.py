@@ -409,6 +409,18 @@ def _copy_tokenizer(tokenizer_dir: Path, directory: Path):
         shutil.copy2(file, directory / file.name)
 
 
+def replace_output(tmp: Path, target: Path) -> None:
+    """Put the finished `tmp` in place of `target`. A file is swapped atomically; an existing
+    directory is moved aside first, then deleted, so the target is never a mix of old and new."""
+    if tmp.is_file() or not target.exists():
+        os.replace(tmp, target)
+        return
+    old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+    os.rename(target, old)
+    os.rename(tmp, target)
+    shutil.rmtree(old)
+
+
 def save_hf_checkpoint(model: Transformer, path, max_shard_size: int | None = None, tokenizer_dir=None,
                        token_ids: dict | None = None):
     """Write `model` as a Hugging Face dir (config.json + safetensors) that transformers loads.
@@ -434,13 +446,7 @@ def save_hf_checkpoint(model: Transformer, path, max_shard_size: int | None = No
         _write_weights(hf_state, tmp, max_shard_size)
         if tokenizer_dir is not None:
             _copy_tokenizer(Path(tokenizer_dir), tmp)
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(path, old)
-            os.rename(tmp, path)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, path)
+        replace_output(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
