@@ -104,13 +104,15 @@ def resolve(args) -> dict:
             (1 if quick else 2), "timeout": args.timeout}
 
 
-def _reusable(reuse: dict | None, key: str, setting: str, micro_batch: int) -> dict | None:
-    """A row of the ablation run in the same suite with the very same job (our ZeRO-3 bf16 / ZeRO++)."""
+def _reusable(reuse: dict | None, key: str, setting: str, plan: dict) -> dict | None:
+    """A row of the ablation run in the same suite with the very same job (our ZeRO-3 bf16 / ZeRO++),
+    timed the same way (steps, warm-up)."""
     ab_key = {"zeropp": "zeropp", "zero3-bf16": "zero3"}.get(key)
     if not reuse or not ab_key:
         return None
     for r in reuse.get("rows", []):
-        if r.get("ok") and r["key"] == ab_key and r.get("rate") == setting and r["micro_batch"] == micro_batch:
+        if (r.get("ok") and r["key"] == ab_key and r.get("rate") == setting and r["micro_batch"] == plan["micro_batch"]
+                and r.get("steps") == plan["steps"] and r.get("warmup") == plan["warmup"]):
             return r
     return None
 
@@ -145,7 +147,7 @@ def run(args, progress=print) -> dict:
                         progress(f"  peers [{done}/{total}] {label} @ {setting}: DeepSpeed not installed")
                         continue
                     t0 = time.monotonic()
-                    prior = _reusable(reuse, key, setting, plan["micro_batch"])
+                    prior = _reusable(reuse, key, setting, plan)
                     if prior:
                         row = {**prior, **base, "reused_from": "ablation"}
                     else:
