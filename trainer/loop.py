@@ -41,7 +41,7 @@ from trainer.pretrain_data import PretrainData, prepare_pretraining
 from zeropp.checkpoint import load_shards, save_shards
 from zeropp.config import ZeroConfigError
 from zeropp.engine import Zero3Engine
-from zeropp.topology import build_topology, ranks_per_node_from_env
+from zeropp.topology import ranks_per_node_from_env
 
 
 @dataclass
@@ -166,12 +166,10 @@ class Trainer:
         self._own_group = False
         if zero.stage == 3:
             self._own_group = ensure_process_group(self.env.device)
-            secondary = zero.zero_hpz_partition_size if zero.zero_hpz_partition_size > 1 else None
-            topo = build_topology(ranks_per_node=zero.ranks_per_node, secondary_size=secondary)
             self.engine = Zero3Engine(self.model, lambda pieces: build_shard_optimizer(pieces, cfg.optim), zero,
-                                      topo=topo, device=self.env.device)
+                                      device=self.env.device)
             self.optimizer = self.engine.optimizer
-            self.runtime = f"{zero.describe()} | topology: {topo.describe()}"
+            self.runtime = f"{zero.describe()} | topology: {self.engine.topo.describe()}"
         else:
             self.optimizer = build_optimizer(self.model, cfg.optim)
             if self.env.world_size > 1:

@@ -182,12 +182,14 @@ class Zero3Engine:
         self.config = config or ZeroConfig(stage=3)
         self.comm_dtype, self.param_dtype = self.config.comm_dtype, self.config.compute_dtype
         self.device = device or torch.device("cpu")
-        self.topo = topo or build_topology()
+        cfg = self.config
+        # By default the layout the config asks for: its ranks per node, hpZ's secondary group size.
+        self.topo = topo or build_topology(ranks_per_node=cfg.ranks_per_node, secondary_size=(
+            cfg.zero_hpz_partition_size if cfg.zero_hpz_partition_size > 1 else None))
         self.comm = comm or Comm(self.topo)
         self.ledger = self.comm.ledger
         world, rank = self.topo.world_size, self.topo.rank
 
-        cfg = self.config
         self.units: dict[str, FlatUnit] = {}
         for name, params in partition_units(model).items():
             frozen = name.endswith(FROZEN_SUFFIX)

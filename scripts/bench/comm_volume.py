@@ -137,15 +137,12 @@ def one_step(rank: int, world: int, zero_kwargs: dict, m: dict, physical_if: str
     from trainer.optim import build_shard_optimizer
     from zeropp.config import ZeroConfig
     from zeropp.engine import Zero3Engine
-    from zeropp.topology import build_topology
 
     torch.manual_seed(0)
     cfg = ZeroConfig(stage=3, ranks_per_node=RANKS_PER_NODE, **zero_kwargs)
-    secondary = cfg.zero_hpz_partition_size if cfg.zero_hpz_partition_size > 1 else None   # as trainer/loop.py
     model = Transformer(model_config(m))
     n_params = sum(p.numel() for p in model.parameters())
-    engine = Zero3Engine(model, lambda pieces: build_shard_optimizer(pieces, OptimSection()), cfg,
-                         topo=build_topology(ranks_per_node=RANKS_PER_NODE, secondary_size=secondary))
+    engine = Zero3Engine(model, lambda pieces: build_shard_optimizer(pieces, OptimSection()), cfg)
     stats = None
     if physical_if:
         stats = _instrument(engine.comm, physical_if, _fence_cost(physical_if))
