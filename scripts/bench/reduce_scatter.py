@@ -7,7 +7,6 @@ baseline uses the faster exact ring from zeropp.comm. Prints seconds per call an
 """
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -16,12 +15,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
+from tests.spawn import run_ranks  # noqa: E402
 from zeropp.comm import Comm  # noqa: E402
+from zeropp.config import DTYPES  # noqa: E402
 from zeropp.topology import build_topology  # noqa: E402
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _timed(fn, repeats):
@@ -34,10 +32,7 @@ def _timed(fn, repeats):
     return (time.perf_counter() - start) / repeats
 
 
-def worker(rank, world, port, numel, dtype, repeats, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def worker(rank, world, numel, dtype, repeats):
     comm = Comm(build_topology())
     full = torch.randn(numel).to(dtype)
     out = torch.empty(numel // world, dtype=torch.float32)
@@ -48,31 +43,18 @@ def worker(rank, world, port, numel, dtype, repeats, results):
         "all_reduce": _timed(lambda: dist.all_reduce(full.clone()), repeats),
     }
     comm.close()
-    if rank == 0:
-        results.put(times)
-    dist.destroy_process_group()
+    return times
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--numel", type=int, default=4_000_000)
-    parser.add_argument("--dtype", choices=DTYPES, default="fp32")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     numel = -(-args.numel // args.ranks) * args.ranks
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    from tests.spawn import free_port
-
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, args.ranks, port, numel, DTYPES[args.dtype], args.repeats, results))
-             for r in range(args.ranks)]
-    for p in procs:
-        p.start()
-    times = results.get(timeout=600)
-    for p in procs:
-        p.join()
+    times = run_ranks(worker, args.ranks, args=(numel, DTYPES[args.dtype], args.repeats), timeout=600)[0]
     ring = times["ring reduce_scatter (zeropp)"]
     print(f"{args.ranks} ranks, {numel} x {args.dtype}, gloo")
     for name, t in times.items():
