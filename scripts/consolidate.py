@@ -8,12 +8,8 @@ is written atomically; the tokenizer defaults to the one the run recorded.
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from trainer.checkpoint import CheckpointError, export_hf, resolve_checkpoint  # noqa: E402
-from zeropp.checkpoint import ShardedCheckpointError  # noqa: E402
+from trainer.checkpoint import CheckpointError, export_hf, resolve_checkpoint
 
 
 def main(argv=None) -> None:
@@ -25,7 +21,7 @@ def main(argv=None) -> None:
     try:
         path = resolve_checkpoint(args.checkpoint, ".")
         print(export_hf(path, args.out_dir, args.tokenizer))
-    except (CheckpointError, ShardedCheckpointError, FileNotFoundError) as e:
+    except (CheckpointError, FileNotFoundError) as e:
         sys.exit(f"consolidate.py: {e}")
 
 

@@ -13,13 +13,9 @@ post-training quantization. The tokenizer defaults to the checkpoint's. See docs
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from models.export import export_gguf, export_lowbit, gguf_qtype  # noqa: E402
-from trainer.checkpoint import CheckpointError, load_source  # noqa: E402
-from zeropp.checkpoint import ShardedCheckpointError  # noqa: E402
+from export import export_gguf, export_lowbit, gguf_qtype, load_source
+from trainer.checkpoint import CheckpointError
 
 
 def main(argv=None) -> None:
@@ -53,8 +49,7 @@ def main(argv=None) -> None:
                               vectors_on_grid=vectors)
         else:
             out = export_lowbit(model, model.config, args.out, bits, block_size, tokenizer, vectors_on_grid=vectors)
-    except (ValueError, FileNotFoundError, FileExistsError, IsADirectoryError, CheckpointError,
-            ShardedCheckpointError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, IsADirectoryError, CheckpointError) as e:
         sys.exit(f"export_quantized.py: {e}")
     if not exact:
         how = "round-to-nearest post-training quantization (RTN baseline)"

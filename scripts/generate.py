@@ -12,16 +12,13 @@ pretraining documents start without one.
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from data.tokenizer import load_tokenizer  # noqa: E402
-from models.generate import generate  # noqa: E402
-from trainer.checkpoint import CheckpointError, load_source  # noqa: E402
-from zeropp.checkpoint import ShardedCheckpointError  # noqa: E402
+from data.tokenizer import load_tokenizer
+from export import load_source
+from models.generate import generate
+from trainer.checkpoint import CheckpointError
 
 
 class TokenizerVocab(torch.nn.Module):
@@ -67,7 +64,7 @@ def main(argv=None) -> None:
         new = generate(model, [prompt], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                        top_p=args.top_p, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
                        generator=torch.Generator(device).manual_seed(args.seed))[0]
-    except (ValueError, FileNotFoundError, CheckpointError, ShardedCheckpointError) as e:
+    except (ValueError, FileNotFoundError, CheckpointError) as e:
         sys.exit(f"generate.py: {e}")
     print(tokenizer.decode(prompt + new))  # the prompt's text too: a continuation alone may decode differently
 

@@ -16,11 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere, like Megatron's tools/
-
-from data.indexed import tokenize_to_indexed  # noqa: E402
-from data.sources import documents_as_text, require_file  # noqa: E402
-from data.tokenizer import load_tokenizer, train_sentencepiece  # noqa: E402
+from data.indexed import tokenize_to_indexed
+from data.sources import documents_as_text, require_file
+from data.tokenizer import load_tokenizer, train_sentencepiece
 
 
 def parse_args(argv=None) -> argparse.Namespace:

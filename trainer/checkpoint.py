@@ -6,9 +6,8 @@ Layout of ``<out_dir>/checkpoints``::
         state.json              step, data position, config, optimizer hyper-parameters,
                                 "format": "full" or "zero3-sharded"
         rng_rank00000.json      each rank's RNG state
-        model.safetensors       full: parameters and persistent buffers, by module name
-        optimizer.safetensors   full: per-parameter optimizer state, "<param>.<state>"
-        manifest.json, shards_rank*.safetensors   zero3-sharded: see zeropp/checkpoint.py
+        model.safetensors, optimizer.safetensors  full (DDP) \  the runtime's tensors (Runtime.save):
+        manifest.json, shards_rank*.safetensors  zero3-sharded /  see zeropp/checkpoint.py
     latest                      the name of the newest complete checkpoint
 
 A checkpoint is assembled in a hidden temporary directory and renamed into place only
@@ -18,7 +17,6 @@ an interrupted save never leaves a half-written checkpoint under a real name.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -26,24 +24,16 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from data.tokenizer import load_tokenizer
 from models.config import ModelConfig
-from models.export import is_lowbit_dir, load_lowbit
-from models.hf import load_hf_checkpoint, save_hf_checkpoint
+from models.hf import save_hf_checkpoint
 from models.lora import apply_lora, merge_lora
 from models.transformer import Transformer
 from trainer.distributed import barrier
-from zeropp.checkpoint import consolidated_state_dict
+from zeropp.checkpoint import FULL, SHARDED, CheckpointError, consolidated_state_dict, read_safetensors
 
 LATEST = "latest"
-FULL, SHARDED = "full", "zero3-sharded"  # state.json "format": DDP's unsharded form, or zeropp's shards
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be read or does not fit the run; the message says why."""
 
 
 def _write_json(path: Path, obj) -> None:
@@ -73,23 +63,6 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
-
-
-def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters (each shared one once, under its first name) and persistent buffers."""
-    tensors = {name: p.detach() for name, p in model.named_parameters()}
-    persistent = {name for name, _ in model.state_dict(keep_vars=True).items()}
-    tensors.update({name: b.detach() for name, b in model.named_buffers() if name in persistent})
-    return {name: t.contiguous().cpu() for name, t in tensors.items()}
-
-
-def optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    names = {p: name for name, p in model.named_parameters()}
-    out = {}
-    for p, state in optimizer.state.items():
-        for key, value in state.items():
-            out[f"{names[p]}.{key}"] = value.detach().contiguous().cpu()
-    return out
 
 
 def save_checkpoint(ckpt_root: str | Path, step: int, state: dict, optimizer: torch.optim.Optimizer,
@@ -125,13 +98,6 @@ def save_checkpoint(ckpt_root: str | Path, step: int, state: dict, optimizer: to
     return final
 
 
-def write_full_tensors(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int) -> None:
-    """The unsharded form (DDP): rank 0 writes the model and the optimizer state."""
-    if rank == 0:
-        save_file(model_tensors(model), str(directory / "model.safetensors"))
-        save_file(optimizer_tensors(model, optimizer), str(directory / "optimizer.safetensors"))
-
-
 def resolve_checkpoint(resume: str, out_dir: str | Path) -> Path | None:
     """`resume` is a checkpoint directory, "latest" for the newest one under out_dir, or
     "auto": the newest one if there is one, else None (start fresh; for requeued jobs)."""
@@ -151,55 +117,12 @@ def resolve_checkpoint(resume: str, out_dir: str | Path) -> Path | None:
     return path
 
 
-def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint file missing: {path}")
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint file {path} cannot be read (truncated or corrupt?): {e}") from None
-
-
 def read_state(path: Path) -> dict:
     """The checkpoint's state.json: check it against the run before loading any tensor."""
     try:
         return json.loads((path / "state.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"checkpoint {path}: state.json cannot be read: {e}") from None
-
-
-def read_full_tensors(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load the unsharded form into the model and its optimizer."""
-    weights = _load_safetensors(path / "model.safetensors")
-    expected = model_tensors(model)
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{path / 'model.safetensors'} does not match the model: "
-            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
-        )
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    with torch.no_grad():
-        for name, tensor in weights.items():
-            target = params.get(name, buffers.get(name))
-            if target.shape != tensor.shape:
-                raise CheckpointError(
-                    f"{path / 'model.safetensors'}: tensor {name} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(target.shape)}"
-                )
-            target.copy_(tensor)
-
-    by_param: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in _load_safetensors(path / "optimizer.safetensors").items():
-        name, state_key = key.rsplit(".", 1)
-        if name not in params:
-            raise CheckpointError(f"{path / 'optimizer.safetensors'}: state {key} names no parameter of the model")
-        by_param.setdefault(name, {})[state_key] = tensor
-    for name, entries in by_param.items():
-        optimizer.state[params[name]] = {k: v.to(params[name].device) for k, v in entries.items()}
 
 
 def load_checkpoint(path: Path, optimizer: torch.optim.Optimizer, read_tensors, rank: int = 0) -> dict:
@@ -227,7 +150,7 @@ def consolidated_model(path: Path) -> Transformer:
     if state.get("format", FULL) == SHARDED:
         weights = consolidated_state_dict(path)
     else:
-        weights = _load_safetensors(path / "model.safetensors")
+        weights = read_safetensors(path / "model.safetensors")
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name not in weights:
@@ -253,48 +176,3 @@ def export_hf(path: Path, out_dir: str | Path, tokenizer: str | Path | None = No
             token_ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
         save_hf_checkpoint(model, out_dir, tokenizer_dir=tok_dir if tokenizer else None, token_ids=token_ids)
     return Path(out_dir)
-
-
-# ---------------------------------------------------------------------------------------------
-# Sources: any model location the scripts export from or generate with
-
-
-@dataclasses.dataclass(frozen=True)
-class Grid:
-    """A block-quantization grid that weights were trained (qwZ) or exported on."""
-
-    bits: int
-    block_size: int
-    vectors: bool  # the 1-D tensors are on it too (qwZ quantizes every parameter)
-
-
-@dataclasses.dataclass
-class Source:
-    model: Transformer  # fp32
-    tokenizer: Path | None  # the tokenizer the source names, if any
-    grid: Grid | None  # where the weights came from a quantized forward (qwZ) or export
-    kind: str  # "lowbit", "hf" or "checkpoint"
-
-
-def load_source(path) -> Source:
-    """A low-bit export dir, a Hugging Face dir (config.json) or one of our training checkpoints
-    (a step dir, or a run's checkpoints/ dir for its latest; full or ZeRO-3 sharded)."""
-    path = Path(path)
-    if is_lowbit_dir(path):
-        model, meta = load_lowbit(path)
-        return Source(model, path, Grid(meta["bits"], meta["block_size"], meta["vectors_on_grid"]), "lowbit")
-    if (path / "config.json").is_file():
-        has_tokenizer = (path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file()
-        return Source(load_hf_checkpoint(path), path if has_tokenizer else None, None, "hf")
-    if not ((path / "state.json").is_file() or (path / "latest").is_file()):
-        raise FileNotFoundError(f"{path} is not a low-bit export (quantization.json), a Hugging Face model dir "
-                                f"(config.json) or a training checkpoint (state.json, or a checkpoints/ dir with "
-                                f"a 'latest' pointer)")
-    ckpt = resolve_checkpoint(str(path), ".")
-    state = read_state(ckpt)
-    zero = (state.get("config") or {}).get("zero_optimization") or {}
-    grid = None
-    if zero.get("zero_quantized_weights"):
-        grid = Grid(zero.get("zero_quantized_weights_bits", 8), zero.get("zero_quantization_block_size", 256), True)
-    tokenizer = state.get("tokenizer")
-    return Source(consolidated_model(ckpt), Path(tokenizer) if tokenizer else None, grid, "checkpoint")

@@ -130,15 +130,6 @@ def _backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def ensure_process_group(device: torch.device) -> bool:
-    """Make a group of one when no launcher made a group (the sharded runtime talks through
-    collectives even on one process); True if it was made here (then `shutdown()` it)."""
-    if dist.is_initialized():
-        return False
-    dist.init_process_group(_backend(device), store=dist.HashStore(), rank=0, world_size=1)
-    return True
-
-
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -156,8 +147,3 @@ def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
     """Average a tensor over all ranks (identity for one process)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     return all_reduce_sum(value) / world if world > 1 else value
-
-
-def shutdown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()

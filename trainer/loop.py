@@ -3,9 +3,9 @@
 One loop for pretraining (a fresh `model.preset` on packed text) and fine-tuning
 (`finetune.hf_checkpoint` on an SFT data set, prompts masked out of the loss, optionally
 with LoRA adapters and the base weights frozen): they differ only in where the model and
-the batches come from. Data parallelism is either plain PyTorch DDP (`zero_optimization.stage:
-0`, the baseline) or our sharded runtime (`stage: 3`, zeropp.engine.Zero3Engine), applied to
-the same model from outside; the loop differs only in who owns backward, clipping and the step.
+the batches come from. Data parallelism is a runtime (zeropp.runtime.Runtime: plain DDP for
+`zero_optimization.stage: 0`, our ZeRO-3 / ZeRO++ engine for `stage: 3`) applied to the model
+from outside; the loop calls only the runtime interface and never asks which one it drives.
 """
 
 from __future__ import annotations
@@ -19,29 +19,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from data.datasets import IGNORE_INDEX, ResumableBatchSampler
 from models.config import ModelConfig, flops_per_token
 from models.hf import load_hf_checkpoint
 from models.lora import apply_lora
 from models.transformer import Transformer, lm_loss
-from trainer.checkpoint import (
-    FULL, SHARDED, export_hf, load_checkpoint, read_full_tensors, read_state, resolve_checkpoint, save_checkpoint,
-    write_full_tensors,
-)
+from trainer.checkpoint import FULL, export_hf, load_checkpoint, read_state, resolve_checkpoint, save_checkpoint
 from trainer.config import Config, ConfigError, LoraSection, to_dict
-from trainer.distributed import (DistEnv, all_reduce_sum, barrier, ensure_process_group,
-                                 init_distributed, shutdown)
+from trainer.distributed import DistEnv, all_reduce_sum, barrier, init_distributed
 from trainer.finetune_data import FinetuneData, prepare_finetuning
 from trainer.metrics import MetricsLogger
-from trainer.optim import build_optimizer, build_shard_optimizer, lr_at
+from trainer.optim import build_optimizer, lr_at
 from trainer.preemption import PreemptionSignal, signal_number
 from trainer.pretrain_data import PretrainData, prepare_pretraining
-from zeropp.checkpoint import load_shards, save_shards
+from zeropp import build_runtime
 from zeropp.config import ZeroConfigError
-from zeropp.engine import Zero3Engine
-from zeropp.topology import ranks_per_node_from_env
 
 
 @dataclass
@@ -144,7 +137,9 @@ def _memory_mb(device: torch.device) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, env: DistEnv | None = None):
+    def __init__(self, cfg: Config, env: DistEnv | None = None, build_runtime=build_runtime):
+        """build_runtime(model, cfg.zero_optimization, device) -> zeropp.runtime.Runtime; the
+        benchmarks pass their own to train the same model and data under FSDP2 or DeepSpeed."""
         _check(cfg)
         self.cfg = cfg
         self.env = env or init_distributed()
@@ -158,28 +153,12 @@ class Trainer:
         self.model_cfg: ModelConfig = self.model.config
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.n_trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        zero = cfg.zero_optimization
-        self.engine: Zero3Engine | None = None
-        self.step_comm: dict[str, dict] = {}  # the engine ledger's totals of the last training step
+        self.runtime = build_runtime(self.model, cfg.zero_optimization, self.env.device)
+        # The loss is the mean over the global batch's target tokens: gradients are summed over ranks.
+        self.runtime.set_gradient_divide_factor(1.0)
+        self.optimizer = self.runtime.attach_optimizer(build_optimizer(self.runtime.module, cfg.optim))
+        self.step_comm: dict[str, dict] = {}  # the runtime ledger's totals of the last training step
         self.step_timings: dict[str, float] = {}  # and the seconds it spent outside compute, by kind
-        self.ddp = None
-        self._own_group = False
-        if zero.stage == 3:
-            self._own_group = ensure_process_group(self.env.device)
-            self.engine = Zero3Engine(self.model, lambda pieces: build_shard_optimizer(pieces, cfg.optim), zero,
-                                      device=self.env.device)
-            self.optimizer = self.engine.optimizer
-            self.runtime = f"{zero.describe()} | topology: {self.engine.topo.describe()}"
-        else:
-            self.optimizer = build_optimizer(self.model, cfg.optim)
-            if self.env.world_size > 1:
-                device_ids = [self.env.device] if self.env.device.type == "cuda" else None
-                # find_unused_parameters also keeps DDP from rebuilding its buckets after the first
-                # step; a rebuild changes the summation order, so a resumed run would not be bit-exact.
-                self.ddp = DistributedDataParallel(self.model, device_ids=device_ids, find_unused_parameters=True)
-            rpn = min(zero.ranks_per_node or ranks_per_node_from_env(self.env.world_size), self.env.world_size)
-            nodes = self.env.world_size // rpn
-            self.runtime = f"{zero.describe()} | topology: {nodes} node(s) x {rpn} rank(s) per node"
         self.step = 0
         self.consumed_samples = 0
         self.ckpt_root = Path(cfg.train.out_dir) / "checkpoints"
@@ -224,16 +203,12 @@ class Trainer:
         if saved.get("lora") != _lora_state(self.cfg.finetune.lora):
             raise ConfigError(f"resume: checkpoint {path} has LoRA adapters {saved.get('lora')}, this run "
                               f"{_lora_state(self.cfg.finetune.lora)} (finetune.lora); resume with the same ones")
-        fmt, want = saved.get("format", FULL), SHARDED if self.engine else FULL
+        fmt, want = saved.get("format", FULL), self.runtime.checkpoint_format
         if fmt != want:
             raise ConfigError(
                 f"resume: checkpoint {path} is {fmt!r} but zero_optimization.stage {self.cfg.zero_optimization.stage} "
                 f"needs {want!r}; resume with the stage it was written with, or convert it with scripts/consolidate.py")
-        if self.engine:
-            read = lambda d: load_shards(self.engine, d)  # noqa: E731
-        else:
-            read = lambda d: read_full_tensors(d, self.model, self.optimizer)  # noqa: E731
-        state = load_checkpoint(path, self.optimizer, read, self.env.rank)
+        state = load_checkpoint(path, self.optimizer, lambda d: self.runtime.load(d, self.optimizer), self.env.rank)
         self.step = state["step"]
         self.consumed_samples = state["consumed_samples"]
 
@@ -251,13 +226,12 @@ class Trainer:
         have): each micro-batch's mean weighs by its share of the global target count, which one
         all-reduce at the start of the step provides; the stop flag and the token count ride on it.
         """
-        cfg, world, accum = self.cfg, self.env.world_size, self.cfg.train.grad_accum
+        cfg, accum, runtime = self.cfg, self.cfg.train.grad_accum, self.runtime
         lr = lr_at(self.step, cfg.train.steps, cfg.optim)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if self.engine:
-            self.engine.ledger.reset()  # the ledger then holds exactly this step's traffic
-            self.engine.timings.clear()
+        runtime.ledger.reset()  # the ledger then holds exactly this step's traffic
+        runtime.timings.clear()
         micro_batches = [self.data.batch(next(batches), self.env.device) for _ in range(accum)]
         targets = torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in micro_batches]).tolist()  # one sync
         counts = torch.tensor([float(stop), sum(tokens.numel() for tokens, _ in micro_batches), sum(targets)],
@@ -265,39 +239,28 @@ class Trainer:
         anyone_stops, n_tokens, n_targets = (round(x) for x in all_reduce_sum(counts).tolist())
         total = torch.zeros((), device=self.env.device)
         for micro, (tokens, labels) in enumerate(micro_batches):
-            last = micro == accum - 1
-            sync = nullcontext() if (self.ddp is None or last) else self.ddp.no_sync()
-            with sync:
+            with nullcontext() if micro == accum - 1 else runtime.no_sync():
                 with autocast_for(cfg.train.precision, self.env.device):
-                    logits = (self.ddp or self.model)(tokens)
+                    logits = runtime(tokens)
                 loss = lm_loss(logits, labels) * (targets[micro] / n_targets)
-                if self.engine:
-                    self.engine.backward(loss * (world * accum))  # the engine post-divides by world x micro-batches
-                else:
-                    (loss * world).backward()  # DDP averages over ranks
+                runtime.backward(loss)
             total += loss.detach()
-        max_norm = cfg.optim.clip_grad if cfg.optim.clip_grad > 0 else float("inf")
-        if self.engine:
-            grad_norm = self.engine.clip_grad_norm(max_norm)
-            self.engine.step()
-            self.engine.zero_grad()
-            self.step_comm = self.engine.ledger.totals()  # before any evaluation adds its gathers
-            self.step_timings = dict(self.engine.timings)
-        else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = runtime.clip_grad_norm_(cfg.optim.clip_grad if cfg.optim.clip_grad > 0 else float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_comm = runtime.ledger.totals()  # before any evaluation adds its gathers
+        self.step_timings = dict(runtime.timings)
         self.step += 1
         self.consumed_samples += self.global_batch
         loss = all_reduce_sum(total).item()
         return loss, grad_norm.item(), anyone_stops > 0, n_tokens
 
     def comm_scalars(self) -> dict[str, float]:
-        """This rank's communication in the last step, from the engine's ledger (MB sent), and
+        """This rank's communication in the last step, from the runtime's ledger (MB sent), and
         the time the step waited for it or (de)quantized weights (ms; the rest is compute)."""
-        if not self.engine:
-            return {}
         totals = self.step_comm
+        if not totals:
+            return {}
         return {"comm sent (MB)": sum(e["sent"] for e in totals.values()) / 2**20,
                 "cross-node sent (MB)": sum(e["cross_node_sent"] for e in totals.values()) / 2**20,
                 **{f"{kind} (ms)": seconds * 1e3 for kind, seconds in sorted(self.step_timings.items())}}
@@ -327,7 +290,7 @@ class Trainer:
 
     def save(self) -> Path:
         state = {
-            "format": SHARDED if self.engine else FULL,
+            "format": self.runtime.checkpoint_format,
             "consumed_samples": self.consumed_samples,
             "config": to_dict(self.cfg),
             "model_config": dataclasses.asdict(self.model_cfg),
@@ -335,11 +298,8 @@ class Trainer:
             "tokenizer": str(self.data.tokenizer.path),
             "lora": _lora_state(self.cfg.finetune.lora),
         }
-        if self.engine:
-            write = lambda d: save_shards(self.engine, d)  # noqa: E731
-        else:
-            write = lambda d: write_full_tensors(d, self.model, self.optimizer, self.env.rank)  # noqa: E731
-        return save_checkpoint(self.ckpt_root, self.step, state, self.optimizer, write, self.env.rank)
+        return save_checkpoint(self.ckpt_root, self.step, state, self.optimizer,
+                               lambda d: self.runtime.save(d, self.optimizer), self.env.rank)
 
     def export(self, checkpoint: Path) -> Path:
         """Write the checkpoint as a Hugging Face directory, <out_dir>/hf (every rank calls it);
@@ -351,10 +311,7 @@ class Trainer:
         return out
 
     def close(self) -> None:
-        if self.engine:
-            self.engine.close()
-        if self._own_group:
-            shutdown()
+        self.runtime.close()
 
     def run(self) -> TrainResult:
         cfg, t = self.cfg, self.cfg.train
@@ -371,7 +328,7 @@ class Trainer:
                 f"{'at most ' if cfg.finetune.hf_checkpoint else ''}{cfg.data.seq_len} tokens | "
                 f"world size {self.env.world_size} | global batch {self.global_batch}"
             )
-            log.info(f"runtime: {self.runtime}")
+            log.info(f"runtime: {self.runtime.describe()}")
         sampler = ResumableBatchSampler(
             self.data.train_indices, t.micro_batch_size, self.env.rank, self.env.world_size, t.seed,
             consumed_samples=self.consumed_samples,
@@ -414,8 +371,8 @@ class Trainer:
             if stop and self.step != t.steps:
                 result.preempted = True
                 break
-        if self.engine and self.step_comm:
-            log.info(cross_node_report(self.step_comm, self.engine.zero3_cross_node_bytes(),
+        if self.step_comm:
+            log.info(cross_node_report(self.step_comm, self.runtime.zero3_cross_node_bytes(),
                                        self.cfg.zero_optimization.describe()))
         result.checkpoint = self.save()
         preemption.close()  # after the save: a second warning must not kill the rank mid-save

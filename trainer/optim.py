@@ -7,21 +7,20 @@ import math
 import torch
 
 from trainer.config import OptimSection
-from zeropp.flat import is_decayed
+
+
+def is_decayed(p: torch.Tensor) -> bool:
+    """Matrices (embeddings, linear weights) get weight decay; biases and norm gains do not. A
+    sharded runtime's parameter is a 1-D piece: its `unsharded_shape` says what it is a piece of."""
+    return len(getattr(p, "unsharded_shape", p.shape)) >= 2
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimSection) -> torch.optim.AdamW:
-    # Parameters shared by two modules (tied embeddings) appear once in parameters().
-    return build_shard_optimizer([(p, is_decayed(p)) for p in model.parameters() if p.requires_grad], cfg)
-
-
-def build_shard_optimizer(pieces: list[tuple[torch.Tensor, bool]], cfg: OptimSection) -> torch.optim.AdamW:
-    """AdamW over (tensor, decayed) pairs: whole parameters, or a sharded runtime's shard pieces."""
-    return _adamw([{"params": [p for p, decay in pieces if decay], "weight_decay": cfg.weight_decay},
-                   {"params": [p for p, decay in pieces if not decay], "weight_decay": 0.0}], cfg)
-
-
-def _adamw(groups: list[dict], cfg: OptimSection) -> torch.optim.AdamW:
+    """AdamW over the model's trainable parameters (after wrapping: what this rank steps).
+    Parameters shared by two modules (tied embeddings) appear once in parameters()."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if is_decayed(p)], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if not is_decayed(p)], "weight_decay": 0.0}]
     return torch.optim.AdamW(
         groups,
         lr=cfg.lr,

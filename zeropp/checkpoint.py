@@ -1,12 +1,18 @@
-"""Sharded checkpoints of a ZeRO-3 engine: each rank writes only what it owns.
+"""The tensors of a runtime's checkpoint: ZeRO-3's shards, or DDP's full tensors.
 
-Inside a checkpoint directory (the trainer makes it atomic: temp dir + rename)::
+Inside a checkpoint directory (the trainer makes it atomic: temp dir + rename), format
+"zero3-sharded", each rank writes only what it owns::
 
     manifest.json                 world size, and every unit's layout: its parameters
-                                  (name, shape, offset in the flat buffer, trainable, decayed)
+                                  (name, shape, offset in the flat buffer, trainable)
     shards_rank00003.safetensors  rank 3's part of each unit: "<unit>.master" (fp32 shard),
                                   "<unit>.<state>" for each optimizer state (exp_avg, ...),
-                                  shard-long, zero where the shard holds no trainable element
+                                  shard-long, zero where the shard holds no trainable element;
+                                  "reducer.<unit>.<key>": the gradient reducer's state of
+                                  this rank (qgZ's error feedback), restored on the same world size
+
+Format "full" (DDP): rank 0 writes model.safetensors (parameters and persistent buffers by
+module name) and optimizer.safetensors ("<param>.<state>").
 
 Loading maps every parameter from the layout it was saved in (its offset in the manifest)
 to the loading run's layout, reading just the ranges of the old shard files that overlap
@@ -17,43 +23,47 @@ size (resharding) and with another alignment (ZeRO-3 <-> qwZ); consolidation rea
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
-from zeropp.flat import FlatUnit
+from zeropp.unit import Unit
 
 MANIFEST = "manifest.json"
 FORMAT = "zeropp-zero3-v1"
+FULL, SHARDED = "full", "zero3-sharded"  # state.json "format": DDP's unsharded form, or ZeRO-3's shards
+REDUCER = "reducer."
 
 
-class ShardedCheckpointError(RuntimeError):
-    """A sharded checkpoint that cannot be read, or was written for another model."""
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read, or was written for another model; the message says why."""
 
 
 def shard_file(directory: Path, rank: int) -> Path:
     return Path(directory) / f"shards_rank{rank:05d}.safetensors"
 
 
-def unit_layout(unit: FlatUnit) -> dict:
+def unit_layout(unit: Unit) -> dict:
     return {
         "numel": unit.numel,
         "shard_numel": unit.shard_numel,
         "params": [{"name": s.name, "shape": list(s.shape), "offset": s.offset, "trainable": s.trainable,
-                    "decay": s.decay, "aliases": s.alias_names} for s in unit.slots],
+                    "aliases": s.alias_names} for s in unit.slots],
     }
 
 
-def _piece_states(engine, unit: FlatUnit):
-    """(start offset in the shard, optimizer state dict) for each of the unit's shard pieces."""
-    for piece, _ in unit.optim_params:
-        offset = piece.data_ptr() - unit.master.data_ptr()
-        yield offset // unit.master.element_size(), piece, engine.optimizer.state.get(piece, {})
+def _piece_states(unit: Unit, optimizer):
+    """(start offset in the shard, piece, optimizer state dict) for each of the unit's pieces."""
+    for _, piece, _ in unit.params:
+        if piece.numel():
+            offset = (piece.data_ptr() - unit.master.data_ptr()) // unit.master.element_size()
+            yield offset, piece, optimizer.state.get(piece, {})
 
 
-def save_shards(engine, directory: str | Path) -> None:
+def save_shards(engine, directory: str | Path, optimizer) -> None:
     """Write this rank's shards (every rank calls it); rank 0 also writes the manifest.
 
     Every trainable unit gets every optimizer state in every file, zero where this rank's
@@ -62,27 +72,27 @@ def save_shards(engine, directory: str | Path) -> None:
     directory = Path(directory)
     scalars = {}  # e.g. AdamW's step count: the same for every piece
     shaped = {}
-    for state in engine.optimizer.state.values():
+    for state in optimizer.state.values():
         for key, value in state.items():
             (scalars if value.dim() == 0 else shaped).setdefault(key, value)
-    tensors = {}
+    tensors = {REDUCER + k: v.detach().cpu() for k, v in engine.reducer.state_dict().items()}
     for name, unit in engine.units.items():
-        tensors[f"{name}.master"] = engine.master_shard(unit).detach().cpu()
+        tensors[f"{name}.master"] = unit.master_shard().detach().cpu()
         if not unit.trainable:
             continue
         for key, value in scalars.items():
             tensors[f"{name}.{key}"] = value.detach().cpu().clone()
         for key, value in shaped.items():
             tensors[f"{name}.{key}"] = torch.zeros(unit.shard_numel, dtype=value.dtype)
-        for start, piece, state in _piece_states(engine, unit):
+        for start, piece, state in _piece_states(unit, optimizer):
             for key, value in state.items():
                 if value.dim() == 0:
                     tensors[f"{name}.{key}"] = value.detach().cpu().clone()
                 else:
                     tensors[f"{name}.{key}"][start:start + piece.numel()] = value.detach().cpu()
-    save_file(tensors, str(shard_file(directory, engine.topo.rank)))
-    if engine.topo.rank == 0:
-        manifest = {"format": FORMAT, "world_size": engine.topo.world_size,
+    save_file(tensors, str(shard_file(directory, engine.mesh.rank)))
+    if engine.mesh.rank == 0:
+        manifest = {"format": FORMAT, "world_size": engine.mesh.world_size,
                     "units": {name: unit_layout(u) for name, u in engine.units.items()}}
         (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
@@ -92,30 +102,32 @@ def read_manifest(directory: str | Path) -> dict:
     try:
         manifest = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ShardedCheckpointError(f"{path} cannot be read: {e}") from None
+        raise CheckpointError(f"{path} cannot be read: {e}") from None
     if manifest.get("format") != FORMAT:
-        raise ShardedCheckpointError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
     return manifest
 
 
-def check_manifest(manifest: dict, units: dict[str, FlatUnit], where: Path) -> None:
+def check_manifest(manifest: dict, units: dict[str, Unit], where: Path) -> None:
     """Raise if the checkpoint's units or their parameters differ from the model's."""
     saved, ours = set(manifest["units"]), set(units)
     if saved != ours:
-        raise ShardedCheckpointError(
+        raise CheckpointError(
             f"{where}: the checkpoint's units {sorted(saved - ours)[:4]} are not in the model and the model's "
             f"{sorted(ours - saved)[:4]} are not in the checkpoint: it was written for another model")
     for name, unit in units.items():
-        # Offsets may differ (alignment); everything else about a parameter must match.
-        want = [{k: v for k, v in p.items() if k != "offset"} for p in unit_layout(unit)["params"]]
-        have = [{k: v for k, v in p.items() if k != "offset"} for p in manifest["units"][name]["params"]]
+        # Offsets may differ (alignment, or the order of checkpoints written before units were laid
+        # out in model order): everything else about a parameter must match.
+        key = lambda p: {k: v for k, v in p.items() if k not in ("offset", "decay")}  # noqa: E731
+        want = sorted((key(p) for p in unit_layout(unit)["params"]), key=lambda p: p["name"])
+        have = sorted((key(p) for p in manifest["units"][name]["params"]), key=lambda p: p["name"])
         for a, b in zip(want, have):
             if a != b:
                 diff = ", ".join(f"{k}: checkpoint {b.get(k)!r}, model {a[k]!r}" for k in a if a[k] != b.get(k))
-                raise ShardedCheckpointError(
+                raise CheckpointError(
                     f"{where} was written for another model: unit {name}, parameter {a['name']}: {diff}")
         if len(want) != len(have):
-            raise ShardedCheckpointError(
+            raise CheckpointError(
                 f"{where} was written for another model: unit {name} has {len(have)} parameters in the "
                 f"checkpoint, {len(want)} in the model")
 
@@ -127,20 +139,20 @@ class _ShardReader:
         self.directory, self.manifest = directory, manifest
         self.files = {}
 
-    def _file(self, rank: int):
+    def file(self, rank: int):
         if rank not in self.files:
             path = shard_file(self.directory, rank)
             if not path.is_file():
-                raise ShardedCheckpointError(f"checkpoint shard missing: {path}")
+                raise CheckpointError(f"checkpoint shard missing: {path}")
             try:
                 self.files[rank] = safe_open(str(path), framework="pt")
             except (SafetensorError, OSError) as e:
-                raise ShardedCheckpointError(f"checkpoint shard {path} cannot be read (truncated?): {e}") from None
+                raise CheckpointError(f"checkpoint shard {path} cannot be read (truncated?): {e}") from None
         return self.files[rank]
 
     def states(self, unit: str) -> dict[str, bool]:
         """The unit's optimizer-state keys (rank 0's file names them all) -> is it a scalar."""
-        f = self._file(0)
+        f = self.file(0)
         keys = [k for k in f.keys() if k.startswith(unit + ".")]
         # state names have no dots: "blocks.1.exp_avg" is unit blocks.1's, "blocks.1.frozen.master" is not
         return {k[len(unit) + 1:]: len(f.get_slice(k).get_shape()) == 0
@@ -149,7 +161,7 @@ class _ShardReader:
     def scalar(self, unit: str, key: str) -> torch.Tensor:
         # A fresh tensor per call: safetensors may hand out views of one memory map, and the
         # optimizer updates each piece's step count in place.
-        return self._file(0).get_tensor(f"{unit}.{key}").clone()
+        return self.file(0).get_tensor(f"{unit}.{key}").clone()
 
     def read(self, unit: str, key: str, lo: int, hi: int, dtype=torch.float32) -> torch.Tensor:
         """Elements [lo, hi) of the unit's flat `key` tensor; beyond the saved padding: zeros."""
@@ -159,33 +171,40 @@ class _ShardReader:
         for rank in range(first, last + 1):
             a, b = max(lo, rank * old), min(hi, (rank + 1) * old)
             if b > a:
-                out[a - lo:b - lo] = self._file(rank).get_slice(f"{unit}.{key}")[a - rank * old:b - rank * old]
+                out[a - lo:b - lo] = self.file(rank).get_slice(f"{unit}.{key}")[a - rank * old:b - rank * old]
         return out
 
 
-def load_shards(engine, directory: str | Path) -> None:
-    """Restore master weights and optimizer states, resharding when the world size differs."""
+def load_shards(engine, directory: str | Path, optimizer) -> None:
+    """Restore master weights, optimizer states and (on the same world size) the reducer's state,
+    resharding weights and optimizer states when the world size differs."""
     directory = Path(directory)
     manifest = read_manifest(directory)
     check_manifest(manifest, engine.units, directory)
     reader = _ShardReader(directory, manifest)
     for name, unit in engine.units.items():
         saved_offset = {p["name"]: p["offset"] for p in manifest["units"][name]["params"]}
-        with torch.no_grad():
-            engine.load_master_shard(unit, _read_shard(reader, unit, saved_offset, "master", unit.slots))
+        unit.load_master_shard(_read_shard(reader, unit, saved_offset, "master", unit.slots))
         states = reader.states(name)
         trainable = [s for s in unit.slots if s.trainable]
         full = {key: _read_shard(reader, unit, saved_offset, key, trainable)
                 for key, scalar in states.items() if not scalar}
-        for start, piece, _ in _piece_states(engine, unit):
+        for start, piece, _ in _piece_states(unit, optimizer):
             state = {key: reader.scalar(name, key) if scalar else full[key][start:start + piece.numel()].clone()
                      for key, scalar in sorted(states.items())}
             if state:
-                engine.optimizer.state[piece] = {k: v.to(piece.device) for k, v in state.items()}
-    engine.weights_changed()
+                optimizer.state[piece] = {k: v.to(piece.device) for k, v in state.items()}
+    if manifest["world_size"] == engine.mesh.world_size:
+        mine = reader.file(engine.mesh.rank)
+        engine.reducer.load_state_dict({k[len(REDUCER):]: mine.get_tensor(k).to(engine.device)
+                                        for k in mine.keys() if k.startswith(REDUCER)})
+    elif any(k.startswith(REDUCER) for k in reader.file(0).keys()):
+        warnings.warn(f"{directory}: the gradient reducer's state (error feedback) was saved on "
+                      f"{manifest['world_size']} ranks and cannot be split over {engine.mesh.world_size}; "
+                      f"it starts from zero")
 
 
-def _read_shard(reader: _ShardReader, unit: FlatUnit, saved_offset: dict[str, int], key: str, slots) -> torch.Tensor:
+def _read_shard(reader: _ShardReader, unit: Unit, saved_offset: dict[str, int], key: str, slots) -> torch.Tensor:
     """The unit's `key` over this rank's shard in this run's layout, each parameter read from
     where the checkpoint's layout put it."""
     lo, hi = unit.shard_start, unit.shard_start + unit.shard_numel
@@ -212,3 +231,69 @@ def consolidated_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
             for alias in p["aliases"]:
                 out[alias] = tensor
     return out
+
+
+# ---------------------------------------------------------------------------- the full format (DDP)
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters (each shared one once, under its first name) and persistent buffers."""
+    tensors = {name: p.detach() for name, p in model.named_parameters()}
+    persistent = {name for name, _ in model.state_dict(keep_vars=True).items()}
+    tensors.update({name: b.detach() for name, b in model.named_buffers() if name in persistent})
+    return {name: t.contiguous().cpu() for name, t in tensors.items()}
+
+
+def save_full(directory: Path, model: torch.nn.Module, optimizer, rank: int) -> None:
+    """Rank 0 writes the model and the optimizer state, unsharded."""
+    if rank != 0:
+        return
+    names = {p: name for name, p in model.named_parameters()}
+    states = {f"{names[p]}.{key}": value.detach().contiguous().cpu()
+              for p, state in optimizer.state.items() for key, value in state.items()}
+    save_file(model_tensors(model), str(Path(directory) / "model.safetensors"))
+    save_file(states, str(Path(directory) / "optimizer.safetensors"))
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file missing: {path}")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint file {path} cannot be read (truncated or corrupt?): {e}") from None
+
+
+def load_full(directory: Path, model: torch.nn.Module, optimizer) -> None:
+    """Load the unsharded form into the model and its optimizer."""
+    path = Path(directory)
+    weights = read_safetensors(path / "model.safetensors")
+    expected = model_tensors(model)
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path / 'model.safetensors'} does not match the model: "
+            f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+        )
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            target = params.get(name, buffers.get(name))
+            if target.shape != tensor.shape:
+                raise CheckpointError(
+                    f"{path / 'model.safetensors'}: tensor {name} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+
+    by_param: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in read_safetensors(path / "optimizer.safetensors").items():
+        name, state_key = key.rsplit(".", 1)
+        if name not in params:
+            raise CheckpointError(f"{path / 'optimizer.safetensors'}: state {key} names no parameter of "
+                                         f"the model")
+        by_param.setdefault(name, {})[state_key] = tensor
+    for name, entries in by_param.items():
+        optimizer.state[params[name]] = {k: v.to(params[name].device) for k, v in entries.items()}

@@ -1,7 +1,7 @@
 """Every collective of the runtime goes through here, so each byte is accounted for.
 
-`Comm` wraps the collectives the runtime needs (all-gather, reduce-scatter, all-to-all,
-all-reduce) over the groups of a `Topology`, returns async handles, and records each call
+`Comm` wraps the collectives the runtime needs (all-gather, reduce-scatter, quantized
+all-to-all reduce, all-reduce) over the groups of the `Mesh`, looked up by name, returns async handles, and records each call
 in a `CommLedger`: operation, group, dtype, the bytes this rank sends and receives, and how
 many of those cross a node boundary.
 
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from kernels import dequant_reduce, dequant_reduce_quant, quantize_transposed
-from zeropp.topology import Topology
+from zeropp.topology import Mesh
 
 
 @dataclass
@@ -72,11 +72,6 @@ class CommLedger:
                 for tag, e in sorted(self.entries.items())
             }
 
-    def cross_node_bytes(self) -> int:
-        """Bytes this rank sent across node boundaries (what a slow inter-node link carries)."""
-        with self._lock:
-            return sum(e.cross_node_sent for e in self.entries.values())
-
 
 class _FutureWork:
     """An async handle for work run on the communication thread."""
@@ -106,87 +101,37 @@ class _DoneWork:
 
 
 class Comm:
-    """Collectives over the groups of a Topology, each recorded in the ledger.
+    """Collectives over the groups of a Mesh, each recorded in the ledger.
 
-    `group` is one of "dp", "intra_node", "inter_node", "secondary"; `tag` names what the
-    bytes are for in the ledger.
+    `group` is a mesh group name ("dp", "intra_node", "inter_node", "secondary"); `tag` names
+    what the bytes are for in the ledger.
     """
 
-    GROUPS = ("dp", "intra_node", "inter_node", "secondary")
-
-    def __init__(self, topo: Topology, ledger: CommLedger | None = None):
-        self.topo = topo
+    def __init__(self, mesh: Mesh, ledger: CommLedger | None = None):
+        self.mesh = mesh
         self.ledger = ledger if ledger is not None else CommLedger()
-        self.backend = dist.get_backend(topo.dp)
-        self._members = {name: self._group_members(name) for name in self.GROUPS}
-        self._ring_groups = {}
-        self._executor = None
-        if self.backend == "gloo":
-            # The ring runs on its own thread; its p2p traffic gets its own process groups so
-            # it never interleaves with collectives issued by the main thread.
-            self._ring_groups = {name: self._new_clone(name) for name in self.GROUPS}
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeropp-comm")
+        self.backend = dist.get_backend(mesh.group("dp"))
+        # gloo: the ring and qgZ run on their own thread, over the mesh's twin groups
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeropp-comm") \
+            if self.backend == "gloo" else None
 
-    # ------------------------------------------------------------------ group bookkeeping
-
-    def _group_members(self, name: str) -> list[int]:
-        """DP ranks of this rank's group `name`, in group-rank order."""
-        t = self.topo
-        if name == "dp":
-            return list(range(t.world_size))
-        if name == "intra_node":
-            return [t.node * t.ranks_per_node + i for i in range(t.ranks_per_node)]
-        if name == "inter_node":
-            return [n * t.ranks_per_node + t.local_rank for n in range(t.num_nodes)]
-        block = t.rank // t.secondary_size
-        return [block * t.secondary_size + i for i in range(t.secondary_size)]
-
-    def _new_clone(self, name: str):
-        """A second process group with the same members as `name` (collective over the world)."""
-        t = self.topo
-        mine = None
-        if name == "dp":
-            return dist.new_group(t.dp_ranks)
-        if name == "intra_node":
-            blocks = [[n * t.ranks_per_node + i for i in range(t.ranks_per_node)] for n in range(t.num_nodes)]
-        elif name == "inter_node":
-            blocks = [[n * t.ranks_per_node + l for n in range(t.num_nodes)] for l in range(t.ranks_per_node)]
-        else:
-            blocks = [[b * t.secondary_size + i for i in range(t.secondary_size)]
-                      for b in range(t.world_size // t.secondary_size)]
-        for members in blocks:
-            group = dist.new_group([t.dp_ranks[m] for m in members])
-            if t.rank in members:
-                mine = group
-        return mine
-
-    def group(self, name: str):
-        return getattr(self.topo, name)
-
-    def size(self, name: str) -> int:
-        return len(self._members[name])
-
-    def group_rank(self, name: str) -> int:
-        return self._members[name].index(self.topo.rank)
-
-    def _cross(self, name: str) -> list[bool]:
-        """For each member of group `name`: is it on another node than this rank?"""
-        node = self.topo.node
-        return [self.topo.node_of(m) != node for m in self._members[name]]
+    def _cross(self, name: str) -> int:
+        """How many members of group `name` sit on another node than this rank."""
+        return sum(self.mesh.crosses_node(name))
 
     # ------------------------------------------------------------------ collectives
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, group: str = "dp", tag: str = "all-gather",
                    async_op: bool = False):
         """`out` (1-D, n x shard) receives every member's shard, in group-rank order."""
-        n = self.size(group)
+        n = self.mesh.size(group)
         nbytes = shard.numel() * shard.element_size()
-        cross = sum(self._cross(group))
+        cross = self._cross(group)
         self.ledger.record(tag, shard.dtype, (n - 1) * nbytes, (n - 1) * nbytes, cross * nbytes, cross * nbytes)
         if n == 1:
             out.copy_(shard)
             return _DoneWork() if async_op else None
-        return dist.all_gather_single(out, shard, group=self.group(group), async_op=async_op)
+        return dist.all_gather_single(out, shard, group=self.mesh.group(group), async_op=async_op)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, group: str = "dp", tag: str = "reduce-scatter",
                        async_op: bool = False, accumulate: bool = False,
@@ -195,9 +140,9 @@ class Comm:
 
         `full` is 1-D in the wire dtype; `out` may be of another dtype (an fp32 accumulator).
         """
-        n = self.size(group)
+        n = self.mesh.size(group)
         nbytes = full.numel() // n * full.element_size()  # one chunk, in the wire dtype
-        cross = sum(self._cross(group))
+        cross = self._cross(group)
         self.ledger.record(tag, full.dtype, (n - 1) * nbytes, (n - 1) * nbytes, cross * nbytes, cross * nbytes)
         if n == 1:
             out.add_(full) if accumulate else out.copy_(full)
@@ -212,9 +157,9 @@ class Comm:
 
     def _native_reduce_scatter(self, out, full, group, async_op, accumulate):
         if not accumulate and out.dtype == full.dtype:
-            return dist.reduce_scatter_single(out, full, group=self.group(group), async_op=async_op)
-        result = torch.empty(full.numel() // self.size(group), dtype=full.dtype, device=full.device)
-        work = dist.reduce_scatter_single(result, full, group=self.group(group), async_op=True)
+            return dist.reduce_scatter_single(out, full, group=self.mesh.group(group), async_op=async_op)
+        result = torch.empty(full.numel() // self.mesh.size(group), dtype=full.dtype, device=full.device)
+        work = dist.reduce_scatter_single(result, full, group=self.mesh.group(group), async_op=True)
 
         def finish():
             work.wait()
@@ -231,11 +176,11 @@ class Comm:
         Partial sums are kept in `accumulate_dtype` and only rounded to the wire dtype for
         sending, so a bf16 wire loses no more than one rounding per hop.
         """
-        members = self._members[group]
-        n, r = len(members), self.group_rank(group)
-        pg = self._ring_groups[group]
-        to_rank = self.topo.dp_ranks[members[(r + 1) % n]]
-        from_rank = self.topo.dp_ranks[members[(r - 1) % n]]
+        members, mesh = self.mesh.members(group), self.mesh
+        n, r = len(members), mesh.group_rank(group)
+        pg = mesh.group(group, thread=True)
+        to_rank = mesh.global_ranks[members[(r + 1) % n]]
+        from_rank = mesh.global_ranks[members[(r - 1) % n]]
         chunks = full.view(n, -1)
         partial = chunks[(r - 1) % n].to(accumulate_dtype)
         send = partial.to(full.dtype)
@@ -272,11 +217,19 @@ class Comm:
         future.result()
         return None
 
+    def quantized_layout(self, hops: int) -> tuple[int, int]:
+        """(nodes, ranks per node) qgZ's first all-to-all is laid out over: one all-to-all over
+        everybody, (1, world), for one hop or where there is one node or one rank per node."""
+        m = self.mesh
+        if hops == 1 or m.num_nodes == 1 or m.ranks_per_node == 1:
+            return 1, m.world_size
+        return m.num_nodes, m.ranks_per_node
+
     def _qgz(self, out, full, bits, block_size, hops, stages, tag):
-        t = self.topo
-        world, nodes, local = t.world_size, t.num_nodes, t.ranks_per_node
-        if hops == 1 or nodes == 1 or local == 1:
-            nodes, local, hops = 1, world, 1  # one all-to-all over everybody
+        world = self.mesh.world_size
+        nodes, local = self.quantized_layout(hops)
+        if nodes == 1:
+            hops = 1
         sub = full.numel() // world // stages
         pending = []
         for s in range(stages):
@@ -300,15 +253,15 @@ class Comm:
     def _exchange(self, codes, scales, group, tag, async_op):
         """All-to-all of equal chunks of codes and of scales (on the caller's thread's groups)."""
         recv_codes, recv_scales = torch.empty_like(codes), torch.empty_like(scales)
-        pg = self._ring_groups.get(group) or self.group(group)
+        pg = self.mesh.group(group, thread=self._executor is not None)
         works = [self._record_a2a(recv, sent, group, tag, pg, async_op)
                  for recv, sent in ((recv_codes, codes), (recv_scales, scales))]
         return (recv_codes, recv_scales, works) if async_op else (recv_codes, recv_scales)
 
     def _record_a2a(self, out, inp, group, tag, pg, async_op):
-        n = self.size(group)
+        n = self.mesh.size(group)
         chunk = inp.numel() // n * inp.element_size()
-        cross = sum(self._cross(group))
+        cross = self._cross(group)
         self.ledger.record(tag, inp.dtype, (n - 1) * chunk, (n - 1) * chunk, cross * chunk, cross * chunk)
         if n == 1:
             out.copy_(inp)
@@ -316,22 +269,16 @@ class Comm:
         work = dist.all_to_all_single(out, inp, group=pg, async_op=async_op)
         return work if async_op else _DoneWork()
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: str, tag: str = "all-to-all",
-                   async_op: bool = False):
-        """Chunk j of `inp` goes to member j; chunk j of `out` comes from member j (equal chunks)."""
-        work = self._record_a2a(out, inp, group, tag, self.group(group), async_op)
-        return work if async_op else None
-
     def all_reduce(self, tensor: torch.Tensor, group: str = "dp", tag: str = "all-reduce", async_op: bool = False):
-        n = self.size(group)
+        n = self.mesh.size(group)
         nbytes = tensor.numel() * tensor.element_size()
-        cross = sum(self._cross(group))
+        cross = self._cross(group)
         volume = 2 * (n - 1) * nbytes // n  # ring all-reduce: reduce-scatter + all-gather
         cross_volume = 2 * cross * nbytes // n
         self.ledger.record(tag, tensor.dtype, volume, volume, cross_volume, cross_volume)
         if n == 1:
             return _DoneWork() if async_op else None
-        return dist.all_reduce(tensor, group=self.group(group), async_op=async_op)
+        return dist.all_reduce(tensor, group=self.mesh.group(group), async_op=async_op)
 
     def close(self) -> None:
         if self._executor is not None:

@@ -13,8 +13,9 @@ from typing import Literal
 
 import torch
 
+from kernels import BITS
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-QUANT_BITS = (8, 6, 4, 3, 2)
 
 
 class ZeroConfigError(ValueError):
@@ -56,6 +57,9 @@ class ZeroConfig:
     zero_quantized_gradients_bits: int = 4
     zero_quantized_gradients_hops: int = 0  # 0: automatic (2 on several nodes), 1 or 2
     zero_quantized_gradients_stages: int = 1
+    # Error feedback for qgZ: each rank adds its last step's local quantization error to the next
+    # step's gradient (costs one fp32 copy of the model per rank; saved in checkpoints).
+    zero_quantized_gradients_error_feedback: bool = False
     # Elements per quantization block (one scale each), for weights and gradients. Blocks never
     # straddle two parameters; a multiple of 32 keeps qwZ weights exportable to GGUF exactly.
     zero_quantization_block_size: int = 256
@@ -110,9 +114,9 @@ class ZeroConfig:
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ZeroConfigError(f"zero_optimization.ranks_per_node must be >= 1, got {self.ranks_per_node}")
         for key in ("zero_quantized_weights_bits", "zero_quantized_gradients_bits"):
-            if getattr(self, key) not in QUANT_BITS:
+            if getattr(self, key) not in BITS:
                 raise ZeroConfigError(f"zero_optimization.{key}={getattr(self, key)}: supported bit widths are "
-                                      f"{list(QUANT_BITS)}")
+                                      f"{list(BITS)}")
         if self.zero_quantization_block_size < 8 or self.zero_quantization_block_size % 8:
             raise ZeroConfigError(f"zero_optimization.zero_quantization_block_size="
                                   f"{self.zero_quantization_block_size}: must be a positive multiple of 8")
@@ -122,6 +126,9 @@ class ZeroConfig:
         if self.zero_quantized_gradients_hops not in (0, 1, 2):
             raise ZeroConfigError(f"zero_optimization.zero_quantized_gradients_hops="
                                   f"{self.zero_quantized_gradients_hops}: use 0 (automatic), 1 or 2")
+        if self.zero_quantized_gradients_error_feedback and not self.zero_quantized_gradients:
+            raise ZeroConfigError("zero_optimization.zero_quantized_gradients_error_feedback applies to qgZ; set "
+                                  "zero_quantized_gradients: true or drop it")
         if self.zero_quantized_gradients_stages < 1:
             raise ZeroConfigError(f"zero_optimization.zero_quantized_gradients_stages="
                                   f"{self.zero_quantized_gradients_stages}: must be >= 1")

@@ -1,41 +1,54 @@
-"""Where each data-parallel rank lives, and the process groups the runtime talks over.
+"""The mesh: where each rank lives, and every process group the runtime talks over, made once.
 
-Ranks are laid out node-major: data-parallel rank r sits on node r // ranks_per_node as
-local rank r % ranks_per_node (what torchrun and Slurm produce). The groups are built from
-a data-parallel group rather than the global world, so that a tensor-parallel split of the
-world (TP x DP) can hand this module only its DP ranks.
+The world is split into tensor-parallel groups of `tp` consecutive ranks (tp 1: no tensor
+parallelism) and data-parallel groups of the ranks with the same tp index. Data-parallel
+rank r sits on node r // ranks_per_node as local rank r % ranks_per_node (node-major, what
+torchrun and Slurm produce; counted in DP ranks, i.e. per tp index).
 
-Groups:
-  dp          all data-parallel ranks
-  intra_node  the ranks of this rank's node
-  inter_node  the ranks with this rank's local rank, one per node
-  secondary   a block of `secondary_size` consecutive ranks (hpZ's secondary partition;
+Groups, looked up by name (`mesh.group(name)`, `mesh.members(name)`):
+  dp          the data-parallel ranks of this rank's tp index
+  intra_node  the DP ranks of this rank's node
+  inter_node  the DP ranks with this rank's local rank, one per node
+  secondary   a block of `secondary_size` consecutive DP ranks (hpZ's secondary partition;
               by default a node)
+  tp          the tensor-parallel ranks of this rank (one rank when tp is 1)
+On gloo, every group also has a twin (`mesh.group(name, thread=True)`) for the communication
+thread's point-to-point traffic, so it never interleaves with the main thread's collectives.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+GROUPS = ("dp", "intra_node", "inter_node", "secondary", "tp")
+
 
 class TopologyError(ValueError):
-    """A node layout that cannot be built; the message names the numbers involved."""
+    """A layout that cannot be built; the message names the numbers involved."""
+
+
+def ranks_per_node_from_env(world_size: int) -> int:
+    """The launcher's ranks per node: LOCAL_WORLD_SIZE (torchrun) or SLURM_NTASKS_PER_NODE."""
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        value = os.environ.get(var)
+        if value and value.isdigit():
+            return int(value)
+    return world_size
 
 
 @dataclass
-class Topology:
-    rank: int  # this rank's index in the data-parallel group
+class Mesh:
+    rank: int  # this rank's index among the data-parallel ranks
     world_size: int  # data-parallel world size
-    ranks_per_node: int
+    ranks_per_node: int  # data-parallel ranks per node
     secondary_size: int
-    dp_ranks: list[int]  # global ranks of the data-parallel group, in DP order
-    dp: object = None
-    intra_node: object = None
-    inter_node: object = None
-    secondary: object = None
+    tp_size: int
+    global_ranks: list[int]  # the global rank of each DP rank of this rank's dp group
+    _members: dict[str, list[int]] = field(default_factory=dict)  # name -> DP ranks (tp: global ranks)
+    _groups: dict[tuple[str, bool], object] = field(default_factory=dict)  # (name, thread) -> process group
 
     @property
     def num_nodes(self) -> int:
@@ -52,62 +65,82 @@ class Topology:
     def node_of(self, dp_rank: int) -> int:
         return dp_rank // self.ranks_per_node
 
+    def group(self, name: str, thread: bool = False):
+        """The process group `name`; thread=True: its twin for the communication thread."""
+        return self._groups[name, thread and (name, True) in self._groups]
+
+    def members(self, name: str) -> list[int]:
+        """DP ranks of this rank's group `name`, in group-rank order."""
+        return self._members[name]
+
+    def size(self, name: str) -> int:
+        return len(self._members[name])
+
+    def group_rank(self, name: str) -> int:
+        return self._members[name].index(self.rank)
+
+    def crosses_node(self, name: str) -> list[bool]:
+        """For each member of group `name`: is it on another node than this rank?"""
+        return [self.node_of(m) != self.node for m in self._members[name]]
+
     def describe(self) -> str:
+        tp = f", tensor parallel {self.tp_size}" if self.tp_size > 1 else ""
         return (f"{self.num_nodes} node(s) x {self.ranks_per_node} rank(s) per node, "
-                f"secondary partition of {self.secondary_size}")
+                f"secondary partition of {self.secondary_size}{tp}")
 
 
-def ranks_per_node_from_env(world_size: int) -> int:
-    """The launcher's ranks per node: LOCAL_WORLD_SIZE (torchrun) or SLURM_NTASKS_PER_NODE."""
-    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        value = os.environ.get(var)
-        if value and value.isdigit():
-            return int(value)
-    return world_size
+def _blocks(name: str, world: int, rpn: int, sec: int) -> list[list[int]]:
+    """Every group `name` of a DP world, as lists of DP ranks."""
+    nodes = world // rpn
+    if name == "dp":
+        return [list(range(world))]
+    if name == "intra_node":
+        return [[n * rpn + i for i in range(rpn)] for n in range(nodes)]
+    if name == "inter_node":
+        return [[n * rpn + local for n in range(nodes)] for local in range(rpn)]
+    return [[b * sec + i for i in range(sec)] for b in range(world // sec)]
 
 
-def build_topology(ranks_per_node: int | None = None, secondary_size: int | None = None,
-                   dp_group=None) -> Topology:
-    """Create the process groups; every rank of the world must call this in the same order.
+def build_mesh(ranks_per_node: int | None = None, secondary_size: int | None = None, tp: int = 1,
+               thread_groups: bool | None = None) -> Mesh:
+    """Create every process group; all ranks of the world must call this in the same order.
 
-    ranks_per_node: None takes the launcher's value; set it to emulate nodes on one machine.
-    secondary_size: None means one node.
+    ranks_per_node: DP ranks per node; None takes the launcher's (its ranks per node / tp).
+    secondary_size: hpZ's group size in DP ranks; None means one node.
+    thread_groups: twins for the communication thread; by default on gloo (see zeropp.comm).
     """
-    if dp_group is None:
-        dp_group = dist.group.WORLD
-    world_size = dist.get_world_size(dp_group)
-    rank = dist.get_rank(dp_group)
-    dp_ranks = dist.get_process_group_ranks(dp_group)
-    rpn = ranks_per_node or ranks_per_node_from_env(world_size)
-    rpn = min(rpn, world_size)
-    if world_size % rpn:
-        raise TopologyError(
-            f"ranks_per_node={rpn} does not divide the data-parallel world size {world_size}"
-        )
+    world, me = dist.get_world_size(), dist.get_rank()
+    if tp < 1 or world % tp:
+        raise TopologyError(f"tensor parallel size {tp} does not divide the world size {world}")
+    dp_world, tp_index = world // tp, me % tp
+    rpn = ranks_per_node or max(1, ranks_per_node_from_env(world) // tp)
+    rpn = min(rpn, dp_world)
+    if dp_world % rpn:
+        raise TopologyError(f"ranks_per_node={rpn} does not divide the data-parallel world size {dp_world}")
     sec = secondary_size or rpn
-    if sec < 1 or world_size % sec:
-        raise TopologyError(
-            f"secondary partition size {sec} (zero_hpz_partition_size) must divide the "
-            f"data-parallel world size {world_size}"
-        )
-    topo = Topology(rank, world_size, rpn, sec, dp_ranks, dp=dp_group)
-    # new_group is collective over the whole world: every rank creates every group.
-    for node in range(world_size // rpn):
-        members = [dp_ranks[node * rpn + i] for i in range(rpn)]
-        group = dist.new_group(members)
-        if topo.node == node:
-            topo.intra_node = group
-    for local in range(rpn):
-        members = [dp_ranks[node * rpn + local] for node in range(world_size // rpn)]
-        group = dist.new_group(members)
-        if topo.local_rank == local:
-            topo.inter_node = group
-    if sec == rpn:
-        topo.secondary = topo.intra_node
-    else:
-        for block in range(world_size // sec):
-            members = [dp_ranks[block * sec + i] for i in range(sec)]
-            group = dist.new_group(members)
-            if rank // sec == block:
-                topo.secondary = group
-    return topo
+    if sec < 1 or dp_world % sec:
+        raise TopologyError(f"secondary partition size {sec} (zero_hpz_partition_size) must divide the "
+                            f"data-parallel world size {dp_world}")
+    if thread_groups is None:
+        thread_groups = dist.get_backend() == "gloo"
+    mesh = Mesh(me // tp, dp_world, rpn, sec, tp, [r * tp + tp_index for r in range(dp_world)])
+    mesh._members["tp"] = [mesh.rank * tp + t for t in range(tp)]
+    # new_group is collective over the whole world: every rank creates every group of every tp index.
+    for thread in (False, True) if thread_groups else (False,):
+        if tp > 1:
+            for d in range(dp_world):
+                group = dist.new_group([d * tp + t for t in range(tp)])
+                if d == mesh.rank:
+                    mesh._groups["tp", thread] = group
+        for name in GROUPS[:-1]:
+            if name == "secondary" and sec == rpn:  # one node: the intra-node group itself
+                mesh._groups[name, thread], mesh._members[name] = mesh._groups["intra_node", thread], \
+                    mesh._members["intra_node"]
+                continue
+            for t in range(tp):
+                for block in _blocks(name, dp_world, rpn, sec):
+                    group = dist.group.WORLD if (tp == 1 and name == "dp" and not thread) else \
+                        dist.new_group([d * tp + t for d in block])
+                    if t == tp_index and mesh.rank in block:
+                        mesh._groups[name, thread], mesh._members[name] = group, block
+    return mesh

@@ -23,11 +23,8 @@ import runpy
 import signal
 import sys
 import time
-from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parents[2]))  # appended: sys.path[0] becomes the script's dir
-
-from trainer.preemption import signal_number  # noqa: E402  (no torch: the wrapper starts fast)
+from trainer.preemption import signal_number  # no torch: the wrapper starts fast
 
 
 def _record(code: int) -> None:

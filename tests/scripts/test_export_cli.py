@@ -10,9 +10,9 @@ import gguf
 import pytest
 import torch
 
-from models.export import load_lowbit
+from export import load_lowbit
 from scripts.export_quantized import main
-from tests.models.test_export import grid
+from tests.export.test_export import grid
 from trainer.checkpoint import consolidated_model, export_hf, resolve_checkpoint
 from trainer.config import parse_args
 from trainer.loop import train

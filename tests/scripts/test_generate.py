@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from data.tokenizer import load_tokenizer
-from models.export import export_lowbit
+from export import export_lowbit
 from models.generate import generate
 from models.transformer import Transformer
 from scripts.generate import TokenizerVocab, main
-from tests.models.test_export import grid
+from tests.export.test_export import grid
 from tests.scripts.test_export_cli import qwz_checkpoints
 from trainer.checkpoint import consolidated_model, export_hf, read_state, resolve_checkpoint
 

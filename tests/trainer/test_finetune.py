@@ -23,7 +23,7 @@ from data.datasets import ResumableBatchSampler
 from data.tokenizer import load_tokenizer
 from models.hf import load_hf_checkpoint
 from models.lora import apply_lora
-from tests.spawn import free_port, run_ranks
+from trainer.spawn import free_port, run_ranks
 from trainer.config import ConfigError, from_dict, parse_args
 from trainer.loop import Trainer, train
 from trainer.pretrain_data import DataError

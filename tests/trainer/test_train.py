@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from data.tokenizer import load_tokenizer
-from tests.spawn import free_port, run_ranks
+from trainer.spawn import free_port, run_ranks
 from trainer.checkpoint import CheckpointError, consolidated_model
 from trainer.config import ConfigError, parse_args
 from trainer.loop import Trainer, train

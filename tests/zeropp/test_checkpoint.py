@@ -3,51 +3,49 @@
 import pytest
 import torch
 
-from tests.spawn import run_ranks
-from tests.zeropp.test_engine import adamw_factory, batches, make_model, train_step
-from zeropp.checkpoint import ShardedCheckpointError, consolidated_state_dict, load_shards, save_shards
+from tests.zeropp.test_engine import batches, make_engine, make_model, train_step
+from trainer.spawn import run_ranks
+from zeropp.checkpoint import CheckpointError, consolidated_state_dict
 from zeropp.config import ZeroConfig
-from zeropp.engine import Zero3Engine
-from zeropp.topology import build_topology
 
 FP32 = ZeroConfig(stage=3, communication_data_type="fp32")
 
 
-def _train(engine, rank, world, samples):
+def _train(engine, optimizer, rank, world, samples):
     """Steps over `samples` (each the global batch); returns the mean loss of each step."""
-    losses = [train_step(engine, sample, rank, world) for sample in samples]
+    losses = [train_step(engine, optimizer, sample, rank, world) for sample in samples]
     return losses
 
 
 def _save_then_continue(rank, world, directory):
-    engine = Zero3Engine(make_model("gpt2-tiny"), adamw_factory, FP32, topo=build_topology(ranks_per_node=2))
+    engine, optimizer = make_engine(make_model("gpt2-tiny"), FP32, ranks_per_node=2)
     data = batches(8)
-    _train(engine, rank, world, data[:4])
+    _train(engine, optimizer, rank, world, data[:4])
     if rank == 0:
         directory.mkdir()
     torch.distributed.barrier()
-    save_shards(engine, directory)
+    engine.save(directory, optimizer)
     torch.distributed.barrier()
-    later = _train(engine, rank, world, data[4:])
+    later = _train(engine, optimizer, rank, world, data[4:])
     state = engine.full_state_dict()
     engine.close()
     return later, state
 
 
 def _resume(rank, world, directory, preset):
-    engine = Zero3Engine(make_model(preset), adamw_factory, FP32, topo=build_topology())
-    load_shards(engine, directory)
-    later = _train(engine, rank, world, batches(8)[4:])
+    engine, optimizer = make_engine(make_model(preset), FP32)
+    engine.load(directory, optimizer)
+    later = _train(engine, optimizer, rank, world, batches(8)[4:])
     state = engine.full_state_dict()
     engine.close()
     return later, state
 
 
 def _load_other_model(rank, world, directory):
-    engine = Zero3Engine(make_model("llama-tiny"), adamw_factory, FP32, topo=build_topology())
+    engine, optimizer = make_engine(make_model("llama-tiny"), FP32)
     try:
-        load_shards(engine, directory)
-    except ShardedCheckpointError as e:
+        engine.load(directory, optimizer)
+    except CheckpointError as e:
         return str(e)
     finally:
         engine.close()
@@ -77,8 +75,8 @@ def test_resume_same_world_is_exact_and_reshard_4_to_2_continues(tmp_path):
     assert "another model" in message, message
     shard = ckpt / "shards_rank00003.safetensors"
     shard.write_bytes(shard.read_bytes()[:100])
-    with pytest.raises(ShardedCheckpointError, match="shards_rank00003"):
+    with pytest.raises(CheckpointError, match="shards_rank00003"):
         consolidated_state_dict(ckpt)
     shard.unlink()
-    with pytest.raises(ShardedCheckpointError, match="missing.*shards_rank00003"):
+    with pytest.raises(CheckpointError, match="missing.*shards_rank00003"):
         consolidated_state_dict(ckpt)

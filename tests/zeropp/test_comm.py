@@ -2,13 +2,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.spawn import run_ranks
+from trainer.spawn import run_ranks
 from zeropp.comm import Comm
-from zeropp.topology import TopologyError, build_topology
+from zeropp.topology import TopologyError, build_mesh
 
 
 def _collectives(rank, world, ranks_per_node, dtype):
-    topo = build_topology(ranks_per_node=ranks_per_node)
+    topo = build_mesh(ranks_per_node=ranks_per_node)
     comm = Comm(topo)
     n = 5  # shard numel: deliberately not a power of two
     g = torch.Generator().manual_seed(100 + rank)
@@ -26,14 +26,15 @@ def _collectives(rank, world, ranks_per_node, dtype):
     comm.reduce_scatter(mine, full, tag="reduce", async_op=True).wait()
     err = (mine.double() - reference.view(world, n)[rank]).abs().max().item()
 
-    # intra-node all-to-all: chunk j goes to local rank j
+    # the mesh's groups: intra-node and inter-node talk to exactly their members
+    members = {name: topo.members(name) for name in ("intra_node", "inter_node")}
+    for name, ranks in members.items():
+        seen = torch.zeros(len(ranks), dtype=torch.float32)
+        comm.all_gather(seen, torch.tensor([float(rank)]), group=name, tag=name)
+        assert seen.tolist() == [float(r) for r in ranks], (name, seen, ranks)
     L = topo.ranks_per_node
-    inp = torch.arange(L * 2, dtype=torch.float32) + 100 * rank
-    res = torch.empty_like(inp)
-    comm.all_to_all(res, inp, group="intra_node", tag="a2a")
-    senders = [topo.node * L + j for j in range(L)]
-    assert torch.equal(res, torch.cat([torch.arange(2 * topo.local_rank, 2 * topo.local_rank + 2) + 100 * s
-                                       for s in senders]).float())
+    assert members["intra_node"] == [topo.node * L + j for j in range(L)]
+    assert members["inter_node"] == [n * L + topo.local_rank for n in range(world // L)]
     comm.close()
     return err, comm.ledger.totals(), (topo.node, topo.local_rank)
 
@@ -51,7 +52,8 @@ def test_collectives_and_ledger(world, ranks_per_node):
         assert ledger["gather"]["cross_node_received"] == other_node_ranks * shard_bytes
         assert ledger["reduce"]["sent"] == (world - 1) * shard_bytes
         assert ledger["reduce"]["cross_node_sent"] == other_node_ranks * shard_bytes
-        assert ledger["a2a"]["cross_node_sent"] == 0  # intra-node never crosses
+        assert ledger["intra_node"]["cross_node_sent"] == 0  # intra-node never crosses
+        assert ledger["inter_node"]["cross_node_sent"] == ledger["inter_node"]["sent"]  # inter-node always does
         assert nodes * ranks_per_node == world
 
 
@@ -64,11 +66,29 @@ def test_bf16_wire_reduce_scatter_accumulates_in_fp32():
 
 def _bad_layout(rank, world):
     with pytest.raises(TopologyError, match="does not divide"):
-        build_topology(ranks_per_node=2)
+        build_mesh(ranks_per_node=2)
     with pytest.raises(TopologyError, match="zero_hpz_partition_size"):
-        build_topology(ranks_per_node=3, secondary_size=2)
+        build_mesh(ranks_per_node=3, secondary_size=2)
     return True
 
 
 def test_layout_that_does_not_divide_is_an_error():
     assert run_ranks(_bad_layout, 3, ranks_per_node=3) == [True] * 3
+
+
+def _tp_by_dp(rank, world):
+    mesh = build_mesh(ranks_per_node=1, tp=2)
+    comm = Comm(mesh)
+    seen = torch.zeros(mesh.world_size)
+    comm.all_gather(seen, torch.tensor([float(rank)]), tag="dp")
+    comm.close()
+    return mesh.rank, mesh.world_size, mesh.members("tp"), seen.tolist()
+
+
+def test_mesh_splits_tensor_parallel_from_data_parallel():
+    """tp=2 on 4 ranks: tp groups of consecutive ranks, dp groups of the ranks with the same tp
+    index, and the runtime's collectives stay inside this rank's dp group."""
+    results = run_ranks(_tp_by_dp, 4, ranks_per_node=4)
+    assert [r[:2] for r in results] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert [r[2] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r[3] for r in results] == [[0.0, 2.0], [1.0, 3.0], [0.0, 2.0], [1.0, 3.0]]

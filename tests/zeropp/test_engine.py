@@ -6,12 +6,12 @@ import torch.nn as nn
 
 from models.config import ModelConfig
 from models.transformer import Transformer, lm_loss
-from tests.spawn import run_ranks
+from trainer.spawn import run_ranks
 from trainer.config import OptimSection
-from trainer.optim import build_optimizer, build_shard_optimizer
+from trainer.optim import build_optimizer
 from zeropp.config import ZeroConfig
 from zeropp.engine import UnsupportedModelError, Zero3Engine, partition_units
-from zeropp.topology import build_topology
+from zeropp.topology import build_mesh
 
 SEQ = 16
 BATCH = 12  # divisible by 1, 2, 3 and 4 ranks
@@ -32,11 +32,13 @@ def batches(steps: int, vocab: int = 96):
     return torch.randint(0, vocab, (steps, BATCH, SEQ + 1), generator=g)
 
 
-def adamw_factory(pieces):
-    return build_shard_optimizer(pieces, OPTIM)
+def make_engine(model: nn.Module, config: ZeroConfig, **mesh) -> tuple[Zero3Engine, torch.optim.Optimizer]:
+    """The engine on `model` and the trainer's AdamW over its (sharded) parameters."""
+    engine = Zero3Engine(model, config, mesh=build_mesh(**mesh))
+    return engine, build_optimizer(engine.module, OPTIM)
 
 
-def train_step(engine, sample, rank, world, after_forward=None) -> float:
+def train_step(engine, optimizer, sample, rank, world, after_forward=None) -> float:
     """One step on this rank's share of the global batch `sample`; the loss averaged over ranks."""
     per_rank = BATCH // world
     mine = sample[rank * per_rank:(rank + 1) * per_rank]
@@ -44,9 +46,9 @@ def train_step(engine, sample, rank, world, after_forward=None) -> float:
     if after_forward:
         after_forward()
     engine.backward(loss)
-    engine.clip_grad_norm(1.0)
-    engine.step()
-    engine.zero_grad()
+    engine.clip_grad_norm_(1.0)
+    optimizer.step()
+    optimizer.zero_grad()
     t = loss.detach().clone()
     torch.distributed.all_reduce(t)
     return t.item() / world
@@ -69,21 +71,21 @@ def reference(model: str | nn.Module, steps: int, clip: float = 1.0):
 
 
 def _zero_run(rank, world, preset, steps, ranks_per_node, accum, clip):
-    topo = build_topology(ranks_per_node=ranks_per_node)
-    engine = Zero3Engine(make_model(preset), adamw_factory,
-                         ZeroConfig(stage=3, communication_data_type="fp32"), topo=topo)
+    engine, optimizer = make_engine(make_model(preset), ZeroConfig(stage=3, communication_data_type="fp32"),
+                                    ranks_per_node=ranks_per_node)
     per_rank = BATCH // world
     losses = []
     for sample in batches(steps):
         mine = sample[rank * per_rank:(rank + 1) * per_rank]
         total = 0.0
         for micro in mine.chunk(accum):
-            loss = lm_loss(engine(micro[:, :-1]), micro[:, 1:])
-            engine.backward(loss)  # unscaled: the engine divides by world x micro-batches
-            total += loss.item() / accum
-        engine.clip_grad_norm(clip)
-        engine.step()
-        engine.zero_grad()
+            loss = lm_loss(engine(micro[:, :-1]), micro[:, 1:]) / accum  # the engine divides by world
+            engine.backward(loss)
+            total += loss.item()
+        if clip is not None:
+            engine.clip_grad_norm_(clip)
+        optimizer.step()
+        optimizer.zero_grad()
         t = torch.tensor(total)
         torch.distributed.all_reduce(t)
         losses.append(t.item() / world)
@@ -122,12 +124,9 @@ def test_unsupported_structure_is_a_clear_error():
 
 
 def _one_step_ledger(rank, world):
-    topo = build_topology(ranks_per_node=2)
-    engine = Zero3Engine(make_model("gpt2-tiny"), adamw_factory, ZeroConfig(stage=3, communication_data_type="bf16"), topo=topo)
-    sample = batches(1)[0][rank * 3:(rank + 1) * 3]
-    engine.backward(lm_loss(engine(sample[:, :-1]), sample[:, 1:]))
-    engine.clip_grad_norm(1.0)
-    engine.step()
+    engine, optimizer = make_engine(make_model("gpt2-tiny"), ZeroConfig(stage=3, communication_data_type="bf16"),
+                                    ranks_per_node=2)
+    train_step(engine, optimizer, batches(1)[0], rank, world)
     totals = engine.ledger.totals()
     sizes = {name: u.padded_numel for name, u in engine.units.items()}
     engine.close()
@@ -153,25 +152,26 @@ def test_ledger_one_step_on_two_nodes_of_two():
 
 
 def _two_engines_frozen_and_memory(rank, world):
-    topo = build_topology()
+    mesh = build_mesh()  # one mesh, shared by both engines
     fp32 = ZeroConfig(stage=3, communication_data_type="fp32")
-    gpt = Zero3Engine(make_model("gpt2-tiny"), adamw_factory, fp32, topo=topo)
+    gpt = Zero3Engine(make_model("gpt2-tiny"), fp32, mesh=mesh)
     frozen_model = make_model("llama-tiny")
     for p in frozen_model.blocks[0].parameters():
         p.requires_grad_(False)
     frozen_before = {k: v.clone() for k, v in frozen_model.blocks[0].state_dict().items()}
-    llama = Zero3Engine(frozen_model, adamw_factory, fp32, topo=topo)
+    llama = Zero3Engine(frozen_model, fp32, mesh=mesh)
+    optimizers = {e: build_optimizer(e.module, OPTIM) for e in (gpt, llama)}
     per_rank = BATCH // world
     for sample in batches(5):  # the two engines interleave their steps
         mine = sample[rank * per_rank:(rank + 1) * per_rank]
         for engine in (gpt, llama):
             engine.backward(lm_loss(engine(mine[:, :-1]), mine[:, 1:]))
-        for engine in (gpt, llama):
-            engine.clip_grad_norm(1.0)
-            engine.step()
-            engine.zero_grad()
+        for engine, optimizer in optimizers.items():
+            engine.clip_grad_norm_(1.0)
+            optimizer.step()
+            optimizer.zero_grad()
     states = [gpt.full_state_dict(), llama.full_state_dict()]
-    memory = gpt.model_state_bytes()
+    memory = gpt.model_state_bytes(optimizers[gpt])
     shard = sum(u.shard_numel for u in gpt.units.values())
     for engine in (gpt, llama):
         engine.close()

@@ -7,13 +7,12 @@ import torch.distributed as dist
 from kernels import dequantize, quantize
 from models.config import ModelConfig
 from models.transformer import Transformer, lm_loss
-from tests.spawn import run_ranks
-from tests.zeropp.test_engine import adamw_factory, batches, make_model, reference, train_step
-from zeropp.checkpoint import load_shards, save_shards
+from tests.zeropp.test_engine import batches, make_engine, make_model, reference, train_step
+from trainer.spawn import run_ranks
 from zeropp.comm import Comm
 from zeropp.config import ZeroConfig
-from zeropp.engine import Zero3Engine
-from zeropp.topology import build_topology
+from zeropp.topology import build_mesh
+from zeropp.unit import Phase, Source
 
 BLOCK = 64
 
@@ -46,7 +45,7 @@ MODES = [(1, 1), (2, 1), (2, 2)]  # (hops, stages): 1 hop, 2 hops, 2 hops pipeli
 
 
 def _qgz(rank, world, ranks_per_node):
-    topo = build_topology(ranks_per_node=ranks_per_node)
+    topo = build_mesh(ranks_per_node=ranks_per_node)
     comm = Comm(topo)
     chunk = BLOCK * 2 * 4  # a multiple of block x stages
     inputs = _inputs(world, chunk)
@@ -101,13 +100,9 @@ def test_qgz_reduce_scatter_is_the_sum_within_the_quantization_bound(nodes, rank
 
 
 def _one_step(rank, world, cfg_kwargs):
-    engine = Zero3Engine(make_model("gpt2-tiny"), adamw_factory, ZeroConfig(stage=3, **cfg_kwargs),
-                         topo=build_topology(ranks_per_node=2,
-                                             secondary_size=cfg_kwargs.get("zero_hpz_partition_size") or None))
-    sample = batches(1)[0][rank * 3:(rank + 1) * 3]
-    engine.backward(lm_loss(engine(sample[:, :-1]), sample[:, 1:]))
-    engine.clip_grad_norm(1.0)
-    engine.step()
+    engine, optimizer = make_engine(make_model("gpt2-tiny"), ZeroConfig(stage=3, **cfg_kwargs), ranks_per_node=2,
+                                    secondary_size=cfg_kwargs.get("zero_hpz_partition_size") or None)
+    train_step(engine, optimizer, batches(1)[0], rank, world)
     totals, baseline = engine.ledger.totals(), engine.zero3_cross_node_bytes()
     engine.close()
     return totals, baseline
@@ -131,14 +126,14 @@ def test_ledger_zeropp_cuts_cross_node_bytes_to_under_028_of_zero3():
 
 
 def _train(rank, world, cfg_kwargs, steps, secondary=None):
-    engine = Zero3Engine(make_model("gpt2-tiny"), adamw_factory, ZeroConfig(stage=3, **cfg_kwargs),
-                         topo=build_topology(ranks_per_node=2, secondary_size=secondary))
+    engine, optimizer = make_engine(make_model("gpt2-tiny"), ZeroConfig(stage=3, **cfg_kwargs), ranks_per_node=2,
+                                    secondary_size=secondary)
     used = {}
 
     def keep_forward_weights():
-        used["q"] = engine.model.blocks[0].attn.q_proj.weight.detach().clone()
+        used["q"] = engine.module.blocks[0].attn.q_proj.weight.detach().clone()
 
-    losses = [train_step(engine, sample, rank, world, keep_forward_weights) for sample in batches(steps)]
+    losses = [train_step(engine, optimizer, sample, rank, world, keep_forward_weights) for sample in batches(steps)]
     forward_weights = used["q"]
     state = engine.full_state_dict()
     engine.close()
@@ -149,7 +144,7 @@ def _hpz_with_reload(rank, world, directory, steps, save_at, rewind_from):
     """hpZ alone in fp32 for `steps` steps; at step `rewind_from` go back to the checkpoint of
     step `save_at` and replay: the replayed losses must be the reference's again."""
     cfg = ZeroConfig(stage=3, communication_data_type="fp32", zero_hpz_partition_size=2)
-    engine = Zero3Engine(make_model("gpt2-tiny"), adamw_factory, cfg, topo=build_topology(ranks_per_node=2))
+    engine, optimizer = make_engine(make_model("gpt2-tiny"), cfg, ranks_per_node=2)
     data = batches(steps)
     losses, step = {}, 0
     while step < steps:
@@ -158,14 +153,14 @@ def _hpz_with_reload(rank, world, directory, steps, save_at, rewind_from):
             if rank == 0:
                 directory.mkdir()
             dist.barrier()
-            save_shards(engine, directory)
+            engine.save(directory, optimizer)
             dist.barrier()
         if step == rewind_from and step in losses:
-            load_shards(engine, directory)
+            engine.load(directory, optimizer)
             step = save_at
-        losses[step] = train_step(engine, data[step], rank, world)
+        losses[step] = train_step(engine, optimizer, data[step], rank, world)
         step += 1
-    stale_after_step = all(u.secondary_version < engine.weights_version for u in engine.blocks)
+    stale_after_step = _secondaries_stale(engine)
     state = engine.full_state_dict()
     engine.close()
     return [losses[i] for i in range(steps)], state, stale_after_step
@@ -199,20 +194,28 @@ def test_qwz_forward_uses_exactly_the_quantized_weights_and_zeropp_trains():
     assert torch.equal(used, dequantize(q.codes, q.scales, w.numel(), 8, BLOCK).view_as(w))
 
 
+def _secondaries_stale(engine) -> bool:
+    """Would the next backward gather every block from the primary shards? (The next forward
+    first re-encodes what changed: refresh().)"""
+    for u in engine.units.values():
+        u.refresh()
+    return all(u.source(Phase.BACKWARD) is Source.PRIMARY for u in engine.blocks)
+
+
 def _reload_invalidates(rank, world, directory):
     cfg = ZeroConfig(stage=3, zero_hpz_partition_size=2)
-    engine = Zero3Engine(make_model("gpt2-tiny"), adamw_factory, cfg, topo=build_topology(ranks_per_node=2))
+    engine, optimizer = make_engine(make_model("gpt2-tiny"), cfg, ranks_per_node=2)
     sample = batches(1)[0][rank * 3:(rank + 1) * 3]
     loss = lm_loss(engine(sample[:, :-1]), sample[:, 1:])
-    fresh = all(u.secondary_version == engine.weights_version for u in engine.blocks)
+    fresh = all(u.source(Phase.BACKWARD) is Source.SECONDARY for u in engine.blocks)
     engine.backward(loss)
     if rank == 0:
         directory.mkdir()
     dist.barrier()
-    save_shards(engine, directory)
+    engine.save(directory, optimizer)
     dist.barrier()
-    load_shards(engine, directory)
-    stale = all(u.secondary_version < engine.weights_version for u in engine.blocks)
+    engine.load(directory, optimizer)
+    stale = _secondaries_stale(engine)
     engine.close()
     return fresh, stale
 
@@ -237,20 +240,22 @@ def _lora_style_model():
 def _frozen_quantized(rank, world, directory):
     cfg = ZeroConfig(stage=3, communication_data_type="fp32", zero_quantized_nontrainable_weights=True,
                      zero_quantization_block_size=BLOCK, zero_hpz_partition_size=2)
-    engine = Zero3Engine(_lora_style_model(), adamw_factory, cfg, topo=build_topology(ranks_per_node=2))
-    losses = [train_step(engine, sample, rank, world) for sample in batches(6)]
+    engine, optimizer = make_engine(_lora_style_model(), cfg, ranks_per_node=2)
+    losses = [train_step(engine, optimizer, sample, rank, world) for sample in batches(6)]
     frozen = {n: u.master is None for n, u in engine.units.items()}
     trainable_padded = sum(u.padded_numel for u in engine.units.values() if u.trainable)
     gradient_bytes = engine.ledger.totals()["gradient reduce"]["sent"]
-    memory = engine.model_state_bytes()
+    memory = engine.model_state_bytes(optimizer)
     state = engine.full_state_dict()
     if rank == 0:
         directory.mkdir()
     dist.barrier()
-    save_shards(engine, directory)
+    engine.save(directory, optimizer)
     dist.barrier()
-    reloaded = Zero3Engine(_lora_style_model(), adamw_factory, cfg, topo=build_topology(ranks_per_node=2))
-    load_shards(reloaded, directory)
+    reloaded, reloaded_optimizer = make_engine(_lora_style_model(), cfg, ranks_per_node=2)
+    reloaded.load(directory, reloaded_optimizer)
+    for u in [*engine.units.values(), *reloaded.units.values()]:
+        u.refresh()  # what the next forward does first: encode the masters that changed
     same_codes = all(torch.equal(u.wire, reloaded.units[n].wire) for n, u in engine.units.items())
     for e in (engine, reloaded):
         e.close()

@@ -1,4 +1,4 @@
-"""The one helper that runs a test function on several gloo ranks in fresh processes.
+"""The one helper that runs a function on several gloo ranks in fresh processes (tests and benchmarks).
 
     results = run_ranks(fn, world_size=4, ranks_per_node=2, args=(...))
 

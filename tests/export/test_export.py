@@ -1,4 +1,4 @@
-"""Quantized export (models/export.py) against independent references.
+"""Quantized export (export/quantized.py) against independent references.
 
 The reference grid is kernels.quantize/dequantize applied to each weight directly; GGUF files
 are read back with gguf-py's reader and dequantizer and loaded by transformers; the qwZ claim
@@ -20,13 +20,11 @@ from safetensors.torch import load_file, save_file
 import kernels
 from data.corpus import default_corpus
 from data.tokenizer import load_tokenizer, train_sentencepiece
-from models import export
+from export import dequantized_state_dict, export_gguf, export_lowbit, gguf_qtype, load_lowbit, load_source, quantized
 from models.config import ModelConfig
-from models.export import dequantized_state_dict, export_gguf, export_lowbit, gguf_qtype, load_lowbit
 from models.hf import load_hf_checkpoint
 from models.transformer import Transformer, lm_loss
-from tests.spawn import run_ranks
-from trainer.checkpoint import load_source
+from trainer.spawn import run_ranks
 
 TOKENS, VOCAB = 400, 416  # the model's vocabulary is padded past the tokenizer's, as train.py pads it
 N_HEAD, N_KV_HEAD = 4, 2
@@ -379,7 +377,7 @@ def test_a_failed_export_leaves_the_old_output_intact(model, tokenizer_dir, tmp_
         Path(filename).write_bytes(b"\0" * 100)
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(export, "save_file", save_half)
+    monkeypatch.setattr(quantized, "save_file", save_half)
     with pytest.raises(OSError, match="No space left"):
         export_lowbit(model, model.config, tmp_path / "out", 4, 64, tokenizer_dir)
 
@@ -421,22 +419,20 @@ def _qwz_forward(rank, world):
     """One ZeRO++ (qwZ) step on 2 ranks, then a forward: the weights it used and the fp32 masters."""
     from zeropp.config import ZeroConfig
     from zeropp.engine import Zero3Engine
-    from zeropp.topology import build_topology
 
     torch.manual_seed(0)
     zero = ZeroConfig(stage=3, zero_quantized_weights=True, zero_quantized_weights_bits=QWZ_BITS,
                       zero_quantization_block_size=QWZ_BLOCK)
-    engine = Zero3Engine(Transformer(qwz_config()),
-                         lambda pieces: torch.optim.AdamW([p for p, _ in pieces], lr=1e-2), zero,
-                         topo=build_topology())
+    engine = Zero3Engine(Transformer(qwz_config()), zero)
+    optimizer = torch.optim.AdamW(engine.module.parameters(), lr=1e-2)
     tokens = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(rank))
     engine.backward(lm_loss(engine(tokens[:, :-1]), tokens[:, 1:]))
-    engine.clip_grad_norm(1.0)
-    engine.step()
-    engine.zero_grad()
+    engine.clip_grad_norm_(1.0)
+    optimizer.step()
+    optimizer.zero_grad()
     masters = engine.full_state_dict()
-    engine(tokens[:, :-1])
-    used = {name: operator.attrgetter(name)(engine.model).detach().clone() for name in masters}
+    engine(tokens[:, :-1])  # a forward binds the gathered (quantized) weights to the modules
+    used = {name: operator.attrgetter(name)(engine.module).detach().clone() for name in masters}
     engine.close()
     return used, masters
 

@@ -1,0 +1,16 @@
+"""Models leaving training: quantized export (low-bit safetensors, GGUF) and the loaders the scripts
+read any model location with.
+
+A package of its own because it joins every layer below it: the model (models/), the tokenizer
+(data/), our block quantization (kernels/), qwZ's scale dtype (zeropp/) and training checkpoints
+(trainer/). models/ stays importable with torch alone.
+"""
+
+from export.quantized import (dequantized_state_dict, export_gguf, export_lowbit, gguf_qtype, is_lowbit_dir,
+                              load_lowbit)
+from export.sources import Grid, Source, load_source
+
+__all__ = [
+    "dequantized_state_dict", "export_gguf", "export_lowbit", "gguf_qtype", "is_lowbit_dir", "load_lowbit",
+    "Grid", "Source", "load_source",
+]

@@ -1,0 +1,106 @@
+"""One interface for every data-parallel runtime: what the trainer calls, whatever it drives.
+
+The trainer builds a runtime from the config (`build_runtime`: plain DDP for
+`zero_optimization.stage: 0`, our ZeRO-3 / ZeRO++ engine for `stage: 3`; the benchmarks add
+FSDP2 and DeepSpeed) and from then on uses only this:
+
+    runtime = build_runtime(model, cfg.zero_optimization, device)
+    optimizer = runtime.attach_optimizer(build_optimizer(runtime.module, cfg.optim))
+    runtime.set_gradient_divide_factor(1.0)     # the loss is already the global mean
+    for micro-batch:
+        with (nullcontext() if last else runtime.no_sync()):
+            runtime.backward(loss_fn(runtime(tokens)))
+    norm = runtime.clip_grad_norm_(max_norm)    # the global norm, over every rank's gradients
+    optimizer.step(); optimizer.zero_grad()
+    runtime.save(directory, optimizer) / runtime.load(directory, optimizer)
+
+After wrapping, `runtime.module.parameters()` are what this rank's optimizer steps: the
+full tensors under DDP, this rank's shards under ZeRO-3 (see docs/architecture.md). Their
+gradients are the mean over ranks (the sum divided by the gradient divide factor) once
+`backward` returns, whether or not anyone clips.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.nn as nn
+
+from zeropp.comm import CommLedger
+from zeropp.topology import Mesh
+
+
+class Timings(defaultdict):
+    """Seconds the calling thread spent per kind (waiting for gathers, weight encode, ...) since
+    the last clear(): where a step's time goes besides compute."""
+
+    def __init__(self):
+        super().__init__(float)
+
+    @contextmanager
+    def timer(self, kind: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self[kind] += time.perf_counter() - start
+
+
+class Runtime:
+    """The part of a runtime the trainer sees. Subclasses set `module`, `mesh`, `ledger`."""
+
+    module: nn.Module  # the model; parameters() are what this rank's optimizer steps
+    mesh: Mesh
+    ledger: CommLedger  # bytes of every collective since the last reset()
+    checkpoint_format: str  # state.json "format" of the tensors `save` writes
+    timings: Timings
+
+    def __call__(self, *args, **kwargs):
+        """The training forward (through the wrapper that hooks gradient synchronization)."""
+        return self.module(*args, **kwargs)
+
+    def no_sync(self):
+        """Context for the micro-batches before the last one of a step: gradients may stay local."""
+        return nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Reduced gradients are the sum over ranks divided by `factor` (default: the data-parallel
+        world size, the mean; 1 when the loss is already normalized over the global batch)."""
+        raise NotImplementedError
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer the trainer steps (the given one, unless the runtime steps its own way)."""
+        return optimizer
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradients by their global L2 norm over all ranks; returns the norm before clipping."""
+        raise NotImplementedError
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter, unsharded, under all its names (every rank calls it, every rank gets it)."""
+        raise NotImplementedError
+
+    def save(self, directory, optimizer: torch.optim.Optimizer) -> None:
+        """Write this rank's part of the model and optimizer state into `directory` (every rank calls it)."""
+        raise NotImplementedError
+
+    def load(self, directory, optimizer: torch.optim.Optimizer) -> None:
+        """Restore what `save` wrote (every rank calls it)."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def zero3_cross_node_bytes(self) -> dict[str, int]:
+        """Cross-node bytes a rank sends in one step under plain ZeRO-3 (bf16) for this model and
+        node layout, by collective: the baseline the step's ledger is reported against."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass

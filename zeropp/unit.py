@@ -1,0 +1,283 @@
+"""A unit: the parameters of one transformer block (or the embeddings, or the norms) as one
+flat buffer, and every step of their life in one training step.
+
+Layout: the parameters back to back in model order (each starting at a multiple of
+`param_align`, so quantization blocks never straddle two), padded so every rank holds an
+equal `shard_numel`-long shard. A unit is all trainable or all frozen.
+
+Per rank a unit holds:
+  master       fp32 shard (None for frozen weights stored as qwZ codes: the wire is the copy)
+  params       the shard's piece of each parameter, registered on its module as the
+               `nn.Parameter` (1-D; `unsharded_shape` tells its full shape), so optimizers,
+               clipping, EMAs and state dicts see this rank's weights; their .grad are views
+               of `grad_shard`
+  grad_shard   fp32 reduced gradients, accumulated over micro-batches
+  wire         the shard as the all-gather sends it (zeropp.quantized: a dtype or qwZ codes)
+  secondary    hpZ: this rank's part of the gathered wire bytes within its secondary group
+
+The data flow of one step, as methods the engine calls in order:
+  refresh()    re-encode the wire when the master changed (an optimizer step, a load)
+  gather()     all-gather the wire bytes from a named source (primary: every DP rank;
+               secondary: hpZ's group, valid until the next refresh) into a gather buffer
+  decode()     wait, decode into the compute buffer; in the forward, keep the hpZ secondary
+  bind()       point the modules' attributes at views of the compute buffer (with autograd
+               gates that collect the gradients into one flat buffer)
+  reduce()     hand the flat gradient to the reducer (reduce-scatter, qgZ, ...) into grad_shard
+  release()    drop the modules' views once another unit took the buffer
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+
+class Phase(enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class Source(enum.Enum):
+    """Where a gather reads from: mesh group name."""
+    PRIMARY = "dp"
+    SECONDARY = "secondary"
+
+
+@dataclass
+class ParamSlot:
+    name: str  # qualified name in the model (the first one, for a shared parameter)
+    shape: torch.Size
+    offset: int  # into the unit's flat buffer
+    trainable: bool
+    aliases: list[tuple[nn.Module, str]] = field(default_factory=list)  # every (module, attribute) holding it
+    alias_names: list[str] = field(default_factory=list)  # their qualified names
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+class _WeightGate(torch.autograd.Function):
+    """Identity on the unit's flat weights; its backward runs once all the unit's grads are written
+    (YaFSDP's GateGradFlow): it calls `on_ready(unit)`."""
+
+    @staticmethod
+    def forward(ctx, flat, unit, on_ready):
+        ctx.set_materialize_grads(False)
+        ctx.unit, ctx.on_ready = unit, on_ready
+        return flat.view_as(flat)
+
+    @staticmethod
+    def backward(ctx, _):
+        ctx.on_ready(ctx.unit)
+        return None, None, None
+
+
+class _Narrow(torch.autograd.Function):
+    """A parameter as a view of the flat weights; backward adds its grad into the unit's grad target."""
+
+    @staticmethod
+    def forward(ctx, flat, offset, shape, unit):
+        ctx.offset, ctx.numel, ctx.unit = offset, shape.numel(), unit
+        return flat.detach()[offset:offset + shape.numel()].view(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is not None:
+            ctx.unit.grad_target[ctx.offset:ctx.offset + ctx.numel].add_(grad.reshape(-1))
+        return None, None, None, None
+
+
+class Unit:
+    def __init__(self, name: str, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]], list[str]]],
+                 world_size: int, rank: int, device: torch.device, codec, stored_quantized: bool,
+                 param_align: int = 1, shard_align: int = 1):
+        """params: (qualified name, parameter, [(module, attribute)], [alias names]) in model order;
+        codec: what the wire holds (zeropp.quantized); stored_quantized: a frozen unit kept only as codes."""
+        if len({p.requires_grad for _, p, _, _ in params}) > 1:
+            raise ValueError(f"unit {name} mixes trainable and frozen parameters; split them into two units")
+        self.name, self.world_size, self.rank, self.device = name, world_size, rank, device
+        self.trainable = params[0][1].requires_grad
+        self.slots: list[ParamSlot] = []
+        offset = 0
+        for qualname, p, aliases, alias_names in params:
+            offset = -(-offset // param_align) * param_align
+            self.slots.append(ParamSlot(qualname, p.shape, offset, p.requires_grad, aliases, alias_names))
+            offset += p.numel()
+        self.numel = offset
+        self.shard_numel = -(-max(1, -(-self.numel // world_size)) // shard_align) * shard_align
+        self.padded_numel = self.shard_numel * world_size
+        self.shard_start = rank * self.shard_numel
+
+        full = torch.zeros(self.padded_numel, dtype=torch.float32)
+        for slot, (_, p, _, _) in zip(self.slots, params):
+            full[slot.offset:slot.offset + slot.numel] = p.detach().reshape(-1).float().cpu()
+        self.master: torch.Tensor | None = full[self.shard_start:self.shard_start + self.shard_numel].clone().to(device)
+        self.grad_shard = torch.zeros_like(self.master) if self.trainable else None
+
+        self.codec = codec
+        self.stored_quantized = stored_quantized
+        self.wire = torch.zeros(codec.wire_numel(self.shard_numel), dtype=codec.dtype, device=device)
+        self.gathered_numel = world_size * self.wire.numel()
+        self.secondary: torch.Tensor | None = None  # set by enable_secondary()
+        # Versions: `version` counts re-encodings of the wire; a gathered buffer or a secondary
+        # is valid while it was made from the current one.
+        self.version = 0
+        self.gathered_version = self.secondary_version = -1
+        self._encoded_master_version = -1
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (gather, compute) per buffer slot
+        self.slot = 0  # which of the two alternating buffers the unit uses (resident units: their own)
+        self.pending_gather = None
+        self.pending_reduce = None
+        self.grad_target: torch.Tensor | None = None  # the flat gradient buffer of this backward
+        self.writing_grads = False
+        self.params: list[tuple[ParamSlot, nn.Parameter, torch.Tensor | None]] = []  # (slot, piece, its grad view)
+
+        self.refresh()
+        if stored_quantized:
+            self.master = None  # from now on the codes are the weights
+        self._register_parameters()
+
+    # ------------------------------------------------------------------ parameters
+
+    def _register_parameters(self) -> None:
+        """Replace each parameter on its modules by this rank's piece of it (possibly empty)."""
+        lo, hi = self.shard_start, self.shard_start + self.shard_numel
+        for slot in self.slots:
+            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            a, b = (a, b) if b > a else (lo, lo)  # no element here: an empty piece
+            if self.master is None:  # weights stored as codes: nothing in fp32 to expose
+                for module, attr in slot.aliases:
+                    del module._parameters[attr]
+                continue
+            piece = nn.Parameter(self.master[a - lo:b - lo], requires_grad=self.trainable)
+            piece.unsharded_shape = slot.shape  # the weight-decay rule and checkpoint tools read it
+            piece.unsharded_offset = a - slot.offset if b > a else 0
+            grad = self.grad_shard[a - lo:b - lo] if self.trainable else None
+            self.params.append((slot, piece, grad))
+            for module, attr in slot.aliases:
+                module._parameters[attr] = piece
+
+    def attach_grads(self) -> None:
+        """Make each piece's .grad the view of grad_shard the reduce writes into, keeping what it
+        held (the optimizer's zero_grad may have set it to None, or a user another tensor)."""
+        for _, piece, view in self.params:
+            if piece.grad is view:
+                continue
+            if piece.grad is None:
+                view.zero_()
+            else:
+                view.copy_(piece.grad)
+            piece.grad = view
+
+    def master_shard(self) -> torch.Tensor:
+        """The fp32 shard (decoded from the codes for weights stored quantized)."""
+        if self.master is not None:
+            return self.master
+        out = torch.empty(self.shard_numel, dtype=torch.float32, device=self.device)
+        self.codec.decode(self.wire, out, 1)
+        return out
+
+    def load_master_shard(self, values: torch.Tensor) -> None:
+        """Overwrite the shard (checkpoint load); the next refresh() re-encodes it."""
+        with torch.no_grad():
+            if self.master is not None:
+                self.master.copy_(values)
+            else:  # quantizing dequantized codes gives the same codes back: reloading is exact
+                self.codec.encode(values.to(self.device, torch.float32), self.wire)
+                self.version += 1
+
+    # ------------------------------------------------------------------ the step's data flow
+
+    def refresh(self) -> bool:
+        """Re-encode the wire if the master changed since (any in-place edit bumps its version
+        counter: an optimizer step, a load). Returns whether it did."""
+        if self.master is None or self.master._version == self._encoded_master_version:
+            return False
+        self.codec.encode(self.master, self.wire)
+        self._encoded_master_version = self.master._version
+        self.version += 1
+        return True
+
+    def enable_secondary(self, size: int) -> None:
+        """hpZ: keep 1/size of the gathered bytes, so the backward gathers inside a group of `size`."""
+        self.secondary = torch.zeros(self.gathered_numel // size, dtype=self.codec.dtype, device=self.device)
+
+    def source(self, phase: Phase) -> Source:
+        if phase is Phase.BACKWARD and self.secondary is not None and self.secondary_version == self.version:
+            return Source.SECONDARY
+        return Source.PRIMARY
+
+    def gather(self, comm, phase: Phase, async_op: bool) -> None:
+        gather, _ = self.buffers[self.slot]
+        source = self.source(phase)
+        shard = self.secondary if source is Source.SECONDARY else self.wire
+        self.pending_gather = comm.all_gather(gather, shard, group=source.value, tag=f"{phase.value} gather",
+                                              async_op=async_op)
+
+    def decode(self, comm, phase: Phase, timings) -> None:
+        """Wait for the gather, decode into the compute buffer; in a forward with autograd, keep
+        this rank's part of the bytes as the hpZ secondary."""
+        timer = timings.timer
+        with timer("waiting for gathers"):
+            self.pending_gather.wait()
+            self.pending_gather = None
+        gather, compute = self.buffers[self.slot]
+        with timer("weight decode"):
+            self.codec.decode(gather, compute, self.world_size)
+        self.gathered_version = self.version
+        if self.secondary is not None and phase is Phase.FORWARD and torch.is_grad_enabled():
+            n = self.secondary.numel()
+            j = comm.mesh.group_rank("secondary")
+            self.secondary.copy_(gather[j * n:(j + 1) * n])
+            self.secondary_version = self.version
+
+    def bind(self, grad: bool, on_grads_ready) -> None:
+        """Point the modules' attributes at views of the compute buffer; with `grad`, through the
+        gates that collect the unit's gradients and call on_grads_ready(unit) when all are in."""
+        _, compute = self.buffers[self.slot]
+        # A fresh alias of the buffer (own version counter): re-gathering into the buffer later
+        # does not trip autograd's checks on the tensors this forward saves.
+        flat = torch.empty(0, dtype=compute.dtype, device=compute.device).set_(
+            compute.untyped_storage(), compute.storage_offset(), (self.numel,), (1,))
+        gated = None
+        if grad and self.trainable:
+            flat.requires_grad_(True)
+            gated = _WeightGate.apply(flat, self, on_grads_ready)
+        for slot in self.slots:
+            if gated is not None:
+                view = _Narrow.apply(gated, slot.offset, slot.shape, self)
+            else:
+                view = flat.detach()[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            for module, attr in slot.aliases:
+                module.__dict__[attr] = view  # shadows the registered piece while bound
+
+    def release(self) -> None:
+        """Another unit took the buffer: the modules' attributes fall back to the registered pieces."""
+        for slot in self.slots:
+            for module, attr in slot.aliases:
+                module.__dict__.pop(attr, None)
+        self.gathered_version = -1
+
+    def reduce(self, reducer, divide: float, async_op: bool) -> None:
+        """All the unit's gradients are in grad_target: reduce them (divided by `divide`) into grad_shard."""
+        grad = self.grad_target[:self.padded_numel]
+        if divide != 1:
+            grad.div_(divide)
+        self.pending_reduce = reducer.reduce(self.name, self.grad_shard, grad, async_op=async_op)
+        self.writing_grads = False
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of model state this rank holds for the unit (optimizer states are counted by the engine)."""
+        nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+        out = {"quantized frozen weights" if self.stored_quantized else "comm copy": nbytes(self.wire)}
+        if self.master is not None:
+            out["master"] = nbytes(self.master)
+        if self.grad_shard is not None:
+            out["gradient shard"] = nbytes(self.grad_shard)
+        if self.secondary is not None:
+            out["hpZ secondary"] = nbytes(self.secondary)
+        return out
