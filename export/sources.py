@@ -14,6 +14,7 @@ from export.quantized import is_lowbit_dir, load_lowbit
 from models.hf import load_hf_checkpoint
 from models.transformer import Transformer
 from trainer.checkpoint import consolidated_model, read_state, resolve_checkpoint
+from zeropp.config import ZeroConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,9 +50,10 @@ def load_source(path) -> Source:
                                 f"a 'latest' pointer)")
     ckpt = resolve_checkpoint(str(path), ".")
     state = read_state(ckpt)
-    zero = (state.get("config") or {}).get("zero_optimization") or {}
+    saved = (state.get("config") or {}).get("zero_optimization") or {}
+    zero = ZeroConfig(**{f.name: saved[f.name] for f in dataclasses.fields(ZeroConfig) if f.name in saved})
     grid = None
-    if zero.get("zero_quantized_weights"):
-        grid = Grid(zero.get("zero_quantized_weights_bits", 8), zero.get("zero_quantization_block_size", 256), True)
+    if zero.zero_quantized_weights:
+        grid = Grid(zero.zero_quantized_weights_bits, zero.zero_quantization_block_size, True)
     tokenizer = state.get("tokenizer")
     return Source(consolidated_model(ckpt), Path(tokenizer) if tokenizer else None, grid, "checkpoint")
