@@ -8,18 +8,10 @@
     python scripts/bench/cluster.py --nodes 2 --nproc-per-node 2 --rate 100mbit -- python train.py ...
     python scripts/bench/cluster.py --cleanup          # remove leftovers of crashed runs
 
-Topology (one run; every name starts with the run prefix ``zpp-<pid>-<seq>``):
-
-    ns zpp-P-S-n0              ns zpp-P-S-hub                ns zpp-P-S-n1
-    lo (ranks of node 0)       +--------- br0 ---------+     lo (ranks of node 1)
-    veth z..n0 10.77.X.1 <---> veth z..h0     veth z..h1 <---> veth z..n1 10.77.X.2
-      tbf egress (node tx)       tbf egress (node rx) ...         tbf egress (node tx)
-
-Each node's link is shaped with tbf in both directions, so a node sends and receives at most
-`rate` each way (a full-duplex switch port). Ranks of one node talk over the namespace's
-loopback, unshaped. Nothing is created in the root namespace: the veths are created inside the
-namespaces, so deleting the namespaces removes everything. Needs root, iproute2 and the tbf
-qdisc (see docs/cluster.md).
+Each node is a namespace whose veth to a bridge (in a hub namespace) is shaped with tbf in both
+directions; ranks of one node talk over its loopback, unshaped. Nothing is created in the root
+namespace, so deleting the namespaces removes everything. Topology, shaping parameters,
+requirements and limits: docs/cluster.md.
 """
 
 from __future__ import annotations
@@ -81,17 +73,10 @@ def parse_rate(rate: str | int | float) -> int:
 
 
 def tbf_params(rate_bits: int) -> tuple[int, str]:
-    """(burst bytes, latency) for tbf at this rate.
-
-    Burst: tbf refills its bucket from a timer; if the qdisc watchdog wakes up late (timer
-    slack, a busy 2-core box), tokens beyond the bucket size are lost and the link runs BELOW
-    `rate`. The bucket must hold what the link sends in the worst wake-up delay: we size it to
-    5 ms of traffic (625 KB at 1 gbit), and at least 64 KiB so one 64 KiB GSO super-packet from
-    the veth passes whole instead of being split up (which costs CPU and is slower). A larger
-    bucket only lets a link briefly run above `rate` by `burst` bytes — 64 KiB is ~1% of a
-    multi-MB transfer at low rates. Latency (= queue length, rate x latency + burst): 100 ms
-    absorbs TCP's bursts without drops-and-retransmits that would cost throughput; there is
-    no propagation delay to emulate here (no netem), so a full queue is the only delay.
+    """(burst bytes, latency) for tbf at this rate. The bucket holds 5 ms of traffic (tbf refills it from a
+    timer: tokens beyond it are lost when the watchdog wakes late, and the link runs below `rate`), at
+    least one 64 KiB GSO super-packet; the 100 ms queue absorbs TCP's bursts without drops. Measured
+    effects of both: docs/cluster.md.
     """
     burst = max(64 * 1024, int(rate_bits / 8 * 0.005))
     return burst, "100ms"

@@ -1,34 +1,34 @@
 """The benchmark suite (scripts/bench/): what can be checked in seconds without the emulated cluster.
 
 The cluster benchmarks themselves (ablation, peers) take minutes and run in
-`python scripts/bench/suite.py --quick`; here: argument parsing and plans, the summary's ratios,
-tables and docs sections, the skip paths (no root, no DeepSpeed, no data), the peer runner's
-argument split, the link sampler's step window, the kernel benchmark on tiny sizes, and one
-real run of comm_volume on a tiny model checked against the ledger's bounds.
+`python scripts/bench/suite.py --quick`; here: the registry's CLI and plans, the summary's ratios,
+the report writer (tables, results, docs sections, plots), the skip paths (no root, no DeepSpeed,
+no data), the link sampler's step window, the kernel benchmark on tiny sizes, one real run of
+comm_volume on a tiny model checked against the ledger's bounds, and the peer runtimes training
+through the Trainer like our own.
 """
 
-import argparse
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from scripts.bench import ablation, comm_volume, convergence, kernels, peer_train, peers, suite
+from scripts.bench import ablation, comm_volume, convergence, kernel_bandwidth, peers, report, runner, suite
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _args(name, *argv):
-    p = argparse.ArgumentParser()
-    suite.module(name).add_args(p)
-    suite.add_common_args(p)
-    return p.parse_args(list(argv))
+    return suite.parser(name).parse_args(list(argv))
 
 
 @pytest.mark.parametrize("name", suite.BENCHMARKS)
-def test_every_benchmark_parses_quick_and_full(name, tmp_path):
+def test_every_benchmark_parses_quick_and_full(name):
     for quick in (True, False):
-        args = suite.bench_args(name, quick, tmp_path)
-        assert args.quick is quick and args.out == tmp_path
+        args = _args(name, *(["--quick"] if quick else []), "--out", "x")
+        assert args.quick is quick and args.out == Path("x") and callable(suite.module(name).run)
 
 
 def test_quick_plans_are_reduced_and_full_plans_cover_the_issue():
@@ -48,21 +48,20 @@ def test_quick_plans_are_reduced_and_full_plans_cover_the_issue():
 def test_suite_cli_help_and_choices(capsys):
     with pytest.raises(SystemExit) as e:
         suite.main(["--help"])
-    assert e.value.code == 0
-    assert "--quick" in capsys.readouterr().out
+    assert e.value.code == 0 and "--quick" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         suite.main(["--only", "nonsense"])
 
 
 def test_summary_ratios_and_missing_values():
-    z3 = dict(ok=True, key="zero3", rate="100mbit", micro_batch=4, tokens_per_s=100.0, phys_tx_mb_node=40.0)
-    zpp = dict(ok=True, key="zeropp", rate="100mbit", micro_batch=4, tokens_per_s=350.0, phys_tx_mb_node=10.0)
-    prow = [dict(ok=True, key="zeropp", setting_key="100mbit", family="ours", tokens_per_s=350.0, label="ZeRO++"),
-            dict(ok=True, key="ddp", setting_key="100mbit", family="ddp", tokens_per_s=70.0, label="DDP"),
-            dict(ok=True, key="fsdp2-fp32", setting_key="100mbit", family="fsdp2", tokens_per_s=50.0, label="F"),
-            dict(ok=False, key="deepspeed-fp32", setting_key="100mbit", family="deepspeed", error="not installed"),
-            dict(ok=True, key="zero3-fp32", setting_key="loopback", family="ours", tokens_per_s=120.0, label="z"),
-            dict(ok=True, key="deepspeed-fp32", setting_key="loopback", family="deepspeed", tokens_per_s=100.0,
+    z3 = dict(ok=True, key="zero3", setting="100mbit", micro_batch=4, tokens_per_s=100.0, phys_tx_mb_node=40.0)
+    zpp = dict(ok=True, key="zeropp", setting="100mbit", micro_batch=4, tokens_per_s=350.0, phys_tx_mb_node=10.0)
+    prow = [dict(ok=True, key="zeropp", setting="100mbit", family="ours", tokens_per_s=350.0, label="ZeRO++"),
+            dict(ok=True, key="ddp", setting="100mbit", family="ddp", tokens_per_s=70.0, label="DDP"),
+            dict(ok=True, key="fsdp2-fp32", setting="100mbit", family="fsdp2", tokens_per_s=50.0, label="F"),
+            dict(ok=False, key="deepspeed-fp32", setting="100mbit", family="deepspeed", error="not installed"),
+            dict(ok=True, key="zero3-fp32", setting="loopback", family="ours", tokens_per_s=120.0, label="z"),
+            dict(ok=True, key="deepspeed-fp32", setting="loopback", family="deepspeed", tokens_per_s=100.0,
                  label="d")]
     items = suite.summary({"ablation": {"rows": [z3, zpp]}, "comm_volume": {"total_ratio": 0.22},
                            "peers": {"plan": {"rate": "100mbit"}, "rows": prow},
@@ -75,36 +74,44 @@ def test_summary_ratios_and_missing_values():
     assert fastest["value"] == pytest.approx(5.0) and "DDP" in fastest["what"]
     same = [it for it in items if it["what"].startswith("our ZeRO-3 / DeepSpeed")]
     assert [it["value"] for it in same if it["value"] is not None] == [pytest.approx(1.2)]
-    assert any(it["value"] is None and it["met"] is None for it in same)   # not measured: no verdict
+    assert any(it["value"] is None and it["met"] is None for it in same)  # not measured: no verdict
     assert next(it for it in items if it["what"].startswith("convergence"))["met"] is True
     text = "\n".join(suite.summary_markdown(items))
     assert "not measured" in text and "+0.40%" in text
 
 
-def test_tables_results_and_docs_sections(tmp_path, monkeypatch):
+def test_report_tables_results_plots_and_docs_sections(tmp_path):
     rows = [dict(ok=True, a="x", b=1.23456), dict(ok=False, a="y", b=None, error="boom")]
-    lines = suite.md_table(rows, [("a", "A", "{}"), ("b", "B", "{:.2f}"), ("c", "C", "{}")])
+    lines = report.md_table(rows, [("a", "A", "{}"), ("b", "B", "{:.2f}"), ("c", "C", "{}")])
     assert lines[2] == "| x | 1.23 | – |" and "failed: boom" in lines[3]
-    paths = suite.write_results({"rows": rows, "extra": [1, 2]}, tmp_path, "t")
+    paths = report.write_results({"rows": rows, "extra": [1, 2]}, tmp_path, "t")
     assert json.loads(paths[0].read_text())["extra"] == [1, 2]
     assert paths[1].read_text().splitlines()[0] == "ok,a,b,error"
-    monkeypatch.setattr(suite, "DOCS", tmp_path / "benchmarks.md")
-    info = suite.machine_info()
-    assert info["cores"] >= 1 and info["torch"]
-    suite.update_docs_section("kernels", "first body", info, "cmd one")
-    suite.update_docs_section("ablation", "other", info, "cmd two")
-    suite.update_docs_section("kernels", "second body", info, "cmd three")
-    text = (tmp_path / "benchmarks.md").read_text()
-    assert text.startswith(suite.TITLE) and "second body" in text and "first body" not in text
-    assert text.count("<!-- section:kernels -->") == 1 and "other" in text
+    info = report.machine_info()
+    assert info["cores"] >= 1 and info["torch"] and "cores" in report.machine_line(info)
+    docs = tmp_path / "benchmarks.md"
+    report.update_docs_section(docs, "kernel_bandwidth", "first body")
+    report.update_docs_section(docs, "ablation", "other")
+    report.update_docs_section(docs, "kernel_bandwidth", "second body " + report.stamp(info, "cmd three"))
+    text = docs.read_text()
+    assert text.startswith(report.TITLE) and "second body" in text and "first body" not in text
+    assert text.count("<!-- section:kernel_bandwidth -->") == 1 and "other" in text and "`cmd three`" in text
+    page = tmp_path / "export.md"  # an unmarked section: from its heading to the next one
+    page.write_text("# E\n\n## Old\n\nold text\n\n## Next\n\nkept\n")
+    report.update_docs_section(page, "old", "## Old\n\nnew text", heading="## Old")
+    assert "old text" not in page.read_text() and "new text" in page.read_text() and "kept" in page.read_text()
+    pytest.importorskip("matplotlib")
+    fig, ax = report.pyplot().subplots()
+    report.bars(ax, ["g1", "g2"], {"s1": [1, None], "s2": [2, 3]}, labels={"s2": ["a", ""]})
+    assert report.save(fig, tmp_path, "p").is_file()
 
 
 def test_render_rewrites_docs_from_a_saved_suite_json(tmp_path, monkeypatch):
-    monkeypatch.setattr(suite, "DOCS", tmp_path / "benchmarks.md")
-    monkeypatch.setattr(suite, "DOCS_IMAGES", tmp_path / "benchmarks")
+    monkeypatch.setattr(report, "DOCS", tmp_path / "benchmarks.md")
+    monkeypatch.setattr(report, "DOCS_IMAGES", tmp_path / "benchmarks")
     results = {"ablation": {"skipped": "emulated cluster unavailable: root", "rows": []},
                "convergence": {"skipped": "data not found", "rows": []}}
-    saved = {"machine": suite.machine_info(), "command": "python scripts/bench/suite.py --quick", "quick": True,
+    saved = {"machine": report.machine_info(), "command": "python scripts/bench/suite.py --quick", "quick": True,
              "seconds": 12.0, "results": results}
     (tmp_path / "suite.json").write_text(json.dumps(saved))
     assert suite.main(["--render", str(tmp_path / "suite.json")]) == 0
@@ -114,97 +121,133 @@ def test_render_rewrites_docs_from_a_saved_suite_json(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "suite.json").read_text())["summary"]
 
 
-def test_cluster_benchmarks_say_why_they_skip(monkeypatch):
-    monkeypatch.setattr(ablation, "cluster_unavailable", lambda: "root (run as root)")
-    monkeypatch.setattr(peers, "cluster_unavailable", lambda: "root (run as root)")
+def test_benchmarks_say_why_they_skip(monkeypatch, tmp_path):
+    monkeypatch.setattr(runner, "cluster_unavailable", lambda: "root (run as root)")
     monkeypatch.setattr(peers, "deepspeed_installed", lambda: False)
     result = ablation.run(_args("ablation", "--quick"), progress=lambda s: None)
     assert "root" in result["skipped"] and not result["rows"]
-    assert "Skipped" in ablation.markdown(result, {})
+    assert "Skipped: emulated" in suite.markdown("ablation", result, {})
     result = peers.run(_args("peers", "--quick"), progress=lambda s: None)
     notes = " ".join(result["notes"])
     assert "not installed (pip install -r requirements-bench.txt)" in notes and "unavailable" in notes
     assert not result["rows"]
-
-
-def test_deepspeed_rows_say_not_installed_without_running(monkeypatch):
-    monkeypatch.setattr(peers, "deepspeed_installed", lambda: False)
-    args = _args("peers", "--settings", "loopback", "--runtimes", "deepspeed-fp32", "deepspeed-bf16")
-    result = peers.run(args, progress=lambda s: None)
+    result = peers.run(_args("peers", "--settings", "loopback", "--runtimes", "deepspeed-fp32", "deepspeed-bf16"),
+                       progress=lambda s: None)  # DeepSpeed rows say so without running anything
     assert [r["ok"] for r in result["rows"]] == [False, False]
     assert all(r["error"].startswith("not installed") for r in result["rows"])
-    assert "not installed" in peers.markdown(result, {})
-
-
-def test_convergence_skips_without_data(tmp_path):
+    assert "not installed" in suite.markdown("peers", result, {})
     result = convergence.run(_args("convergence", "--data", str(tmp_path / "missing.txt")), progress=lambda s: None)
-    assert "not found" in result["skipped"]
-    assert "Skipped" in convergence.markdown(result, {})
+    assert "not found" in result["skipped"] and "Skipped" in suite.markdown("convergence", result, {})
 
 
-def test_peer_runner_splits_its_options_from_train_config():
-    args, rest = peer_train.peer_parser().parse_known_args(
-        ["--runtime", "deepspeed", "--hpz", "2", "--out", "x", "--config", "c.yaml", "--model.n_layer", "12"])
-    assert args.runtime == "deepspeed" and args.hpz == 2 and rest == ["--config", "c.yaml", "--model.n_layer", "12"]
-    assert peer_train.describe(args) == "DeepSpeed ZeRO-3 + hpZ (fp32)"
+def test_deepspeed_config_and_reference_model():
     from trainer.config import parse_args
 
-    cfg = parse_args(ablation.common_train_args(4, 5))
-    ds = peer_train.deepspeed_config(args, cfg)
-    assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["zero_hpz_partition_size"] == 2
-    assert ds["train_micro_batch_size_per_gpu"] == 4 and "bf16" not in ds
-
-
-def test_reference_model_is_about_10m_parameters():
-    m = ablation.model_summary()
+    cfg = parse_args(runner.train_args(4, 5))
+    label, family, options = peers.RUNTIMES["deepspeed-hpz-regather-fp32"]
+    ds = peers.deepspeed_config(cfg, **options)
+    assert family == "deepspeed" and ds["zero_optimization"]["stage"] == 3
+    assert ds["zero_optimization"]["zero_hpz_partition_size"] == 2 and ds["zero_optimization"][
+        "stage3_max_live_parameters"] == 0
+    assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["gradient_clipping"] == cfg.optim.clip_grad
+    assert "bf16" not in ds and peers.deepspeed_config(cfg, dtype="bf16")["bf16"] == {"enabled": True}
+    m = runner.model_summary()
     assert 10.0e6 < m["params"] < 11.0e6 and m["n_layer"] == 12 and m["vocab_size"] == 4096
 
 
 def test_link_sampler_window_is_taken_at_step_boundaries():
-    s = object.__new__(ablation.LinkSampler)   # no cluster: just the bookkeeping
+    s = object.__new__(runner.LinkSampler)  # no cluster: just the bookkeeping
     s.samples = [(0.0, 0, [(0, 0)]), (1.0, 1, [(100, 50)]), (2.0, 2, [(300, 150)]), (3.0, 2, [(310, 160)]),
                  (4.0, 4, [(700, 350)])]
-    win = s.window(2, 4)
-    assert win == {"seconds": 2.0, "tx": [400], "rx": [200]}
+    assert s.window(2, 4) == {"seconds": 2.0, "tx": [400], "rx": [200]}
     assert s.window(2, 9) is None
+    assert runner.error_tail("noise\nTraceback (most recent call last):\n  x\nValueError: boom\n") == \
+        "ValueError: boom"
 
 
-def test_kernel_benchmark_tiny(tmp_path):
-    args = _args("kernels", "--sizes", "8192", "--bits", "8", "--repeats", "1", "--threads", "1")
-    result = kernels.run(args, progress=lambda s: None)
+def test_kernel_benchmark_tiny_through_the_cli(tmp_path, capsys):
+    args = _args("kernel_bandwidth", "--sizes", "8192", "--bits", "8", "--repeats", "1", "--threads", "1")
+    result = kernel_bandwidth.run(args, progress=lambda s: None)
     ops = {(r["op"], r["bits"]) for r in result["rows"]}
     assert ("copy_", None) in ops and ("quantize", 8) in ops and ("dequant_reduce_quant", 8) in ops
     assert all(r["seconds"] > 0 for r in result["rows"])
-    text = kernels.markdown(result, {})
+    text = kernel_bandwidth.markdown(result)
     assert "| quantize | 8 |" in text and "8192, 1 thr: x copy" in text
-    assert kernels.main(["--sizes", "8192", "--bits", "4", "--repeats", "1", "--threads", "1",
-                         "--json", str(tmp_path / "k.json")]) == 0
-    assert json.loads((tmp_path / "k.json").read_text())["rows"] and (tmp_path / "k.csv").is_file()
+    assert suite.main_one("kernel_bandwidth", ["--sizes", "8192", "--bits", "4", "--repeats", "1", "--threads", "1",
+                                               "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "kernel_bandwidth.json").read_text())["rows"]
+    assert (tmp_path / "kernel_bandwidth.csv").is_file() and "## 5. Quantization kernels" in capsys.readouterr().out
 
 
 @pytest.mark.slow
 def test_comm_volume_tiny_model_matches_the_ledger_bounds():
     """One real step on 4 spawned ranks (2 nodes x 2) of a tiny GPT, ZeRO-3 vs ZeRO++ (block 64)."""
-    args = _args("comm_volume", "--tiny", "--block-size", "64")
-    result = comm_volume.run(args, progress=lambda s: None)
+    result = comm_volume.run(_args("comm_volume", "--tiny", "--block-size", "64"), progress=lambda s: None)
     rows = {r["collective"]: r for r in result["rows"]}
     assert rows["backward gather"]["zeropp_cross_mb"] == 0 and rows["backward gather"]["zero3_cross_mb"] > 0
-    assert 0.48 < rows["forward gather"]["ratio"] < 0.55   # int8 + fp16 scales over bf16
-    assert rows["gradient reduce"]["ratio"] < 0.15         # int4, 2 hops: 1/L of it crosses
+    assert 0.48 < rows["forward gather"]["ratio"] < 0.55  # int8 + fp16 scales over bf16
+    assert rows["gradient reduce"]["ratio"] < 0.15  # int4, 2 hops: 1/L of it crosses
     assert result["total_ratio"] == rows["total"]["ratio"] <= 0.28
     assert rows["total"]["zero3_cross_mb"] == pytest.approx(sum(
         rows[t]["zero3_cross_mb"] for t in rows if t != "total"))
     assert "physical_rate" not in result and result["model"]["params"] < 1e6
-    text = comm_volume.markdown(result, {})
+    text = comm_volume.markdown(result)
     assert "| forward gather |" in text and "parameters" in text
 
 
-def test_scripts_run_standalone_help():
-    import subprocess
+def _peer_losses(rank, world, family, argv, resume_argv=None):
+    """Train through the Trainer with a peer runtime (or, family None, the config's own); the losses
+    (and those of a second run with `resume_argv`)."""
+    from trainer.config import parse_args
+    from trainer.loop import Trainer
 
-    root = Path(__file__).resolve().parents[2]
-    for script in ("suite", "peer_train"):   # the others' main() is run_standalone, exercised above
-        proc = subprocess.run([sys.executable, str(root / "scripts" / "bench" / f"{script}.py"), "--help"],
-                              capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, (script, proc.stderr[-1000:])
-        assert "usage" in proc.stdout.lower()
+    out = []
+    for args in filter(None, (argv, resume_argv)):
+        cfg = parse_args(args)
+        peer = {"fsdp2": peers.FSDP2, "deepspeed": peers.DeepSpeed}.get(family)
+        trainer = Trainer(cfg, **({"build_runtime": lambda model, zero, device: peer(model, cfg)} if peer else {}))
+        try:
+            out.append(trainer.run().losses)
+        finally:
+            trainer.close()
+    return out if resume_argv else out[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """Config arguments of a tiny GPT on a small corpus (this checkout's docs) for 2 ranks x 2 samples,
+    and the losses of the same run on one process (4 samples) with the default runtime."""
+    tmp = tmp_path_factory.mktemp("peers")
+    corpus = tmp / "corpus.txt"
+    corpus.write_text("\n\n".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))))
+    argv = ["--model.preset", "gpt2-tiny", "--data.path", str(corpus), "--data.vocab_size", "512",
+            "--data.seq_len", "32", "--data.workers", "1", "--data.cache_dir", str(tmp / "cache"),
+            "--train.steps", "3", "--train.eval_interval", "100", "--train.eval_batches", "1",
+            "--train.tensorboard", "false", "--train.progress_bar", "false"]
+    one = _peer_losses(0, 1, None, argv + ["--train.micro_batch_size", "4", "--train.out_dir", str(tmp / "one")])
+    return argv + ["--train.micro_batch_size", "2"], one, tmp
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["fsdp2", "deepspeed"])
+def test_peer_runtimes_train_like_our_loop_through_the_trainer(family, tiny_run):
+    """FSDP2 and DeepSpeed on 2 ranks: the same losses as one process, and resuming from their own
+    checkpoint continues the run exactly."""
+    from trainer.spawn import run_ranks
+
+    if family == "deepspeed" and not peers.deepspeed_installed():
+        pytest.skip("DeepSpeed not installed (pip install -r requirements-bench.txt)")
+    argv, one, tmp = tiny_run
+    first = argv + ["--train.out_dir", str(tmp / family), "--train.checkpoint_interval", "2"]
+    resume = argv + ["--train.out_dir", str(tmp / f"{family}-resumed"), "--resume",
+                     str(tmp / family / "checkpoints" / "step_00000002")]
+    losses, resumed = run_ranks(_peer_losses, 2, args=(family, first, resume), timeout=600)[0]
+    assert len(losses) == 3 and max(abs(losses[s] - one[s]) for s in one) < 1e-4
+    assert list(resumed) == [3] and resumed[3] == pytest.approx(losses[3], abs=1e-6)
+
+
+def test_a_benchmark_script_runs_standalone():
+    """`python scripts/bench/NAME.py` (its directory first on sys.path, nothing of ours shadowed)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "peers.py"), "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "usage: scripts/bench/peers.py" in proc.stdout, proc.stderr[-1000:]

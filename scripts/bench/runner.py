@@ -1,0 +1,273 @@
+"""The one runner of the benchmarks' training jobs: the reference workload, launched with torchrun on the
+emulated cluster (or on 4 loopback ranks laid out as 2 nodes x 2), and what each job measured.
+
+A job is `train.py` or a peer runtime (`scripts/bench/peers.py --worker KEY`, the same Trainer with
+FSDP2 or DeepSpeed underneath), given the same config arguments. Its step time is the mean of the
+"elapsed time per iteration (ms)" the Trainer logs (log_interval 1) after the warm-up steps; on the
+cluster a sampler reads each node's veth counters at those step boundaries, so the physical bytes
+per step exclude start-up, the final evaluation and the checkpoint.
+
+Model FLOPs (models.config.flops_per_token, as the Trainer logs them): 6·N per token for the weight
+matmuls (N without the position table; the tied LM head counts) plus 12·n_layer·d_model·seq for the
+attention scores and values, no discount for causal masking.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# The issue's reference model: gpt2-small-cpu (d_model 256, 8 heads, d_ff 1024) with 12 layers and the
+# default corpus' 4096-token vocabulary: 10.56M parameters (10.53M without the position table).
+MODEL_ARGS = ["--model.preset", "gpt2-small-cpu", "--model.n_layer", "12", "--model.max_seq_len", "128"]
+SEQ = 128
+NODES, RANKS_PER_NODE = 2, 2
+STEP_KEY = "elapsed time per iteration (ms)"
+
+
+def train_args(micro_batch: int, steps: int) -> list[str]:
+    """The config arguments every runtime of a comparison gets."""
+    return ["--config", str(ROOT / "configs" / "quickstart.yaml"), *MODEL_ARGS,
+            "--data.seq_len", str(SEQ), "--data.cache_dir", str(ROOT / "cache"),
+            "--train.micro_batch_size", str(micro_batch), "--train.steps", str(steps), "--train.log_interval", "1",
+            "--train.eval_interval", str(10**6), "--train.eval_batches", "1", "--train.checkpoint_interval", "0",
+            "--train.progress_bar", "false", "--train.tensorboard", "false"]
+
+
+def zero_args(**keys) -> list[str]:
+    """train.py arguments setting these zero_optimization keys."""
+    return [a for k, v in keys.items() for a in (f"--zero_optimization.{k}", str(v).lower() if v is True else str(v))]
+
+
+def model_summary(config_args: list[str] | None = None) -> dict:
+    """Size and FLOPs per token of the model a job with these arguments builds (vocabulary from the config)."""
+    from models.config import flops_per_token, num_params
+    from trainer.config import parse_args
+    from trainer.loop import build_model_config
+
+    cfg = parse_args(config_args or train_args(1, 1))
+    mc = build_model_config(cfg, cfg.data.vocab_size)
+    return {"preset": cfg.model.preset, "n_layer": mc.n_layer, "d_model": mc.d_model, "n_head": mc.n_head,
+            "vocab_size": mc.vocab_size, "seq_len": cfg.data.seq_len, "params": num_params(mc),
+            "params_non_embedding": num_params(mc, include_embeddings=False),
+            "flops_per_token": flops_per_token(mc, cfg.data.seq_len)}
+
+
+# ---------------------------------------------------------------- the cluster
+
+
+def cluster_unavailable() -> str | None:
+    """Why the emulated cluster cannot run here (None when it can)."""
+    try:
+        from scripts.bench.cluster import check_requirements
+
+        check_requirements()
+    except Exception as e:  # ClusterRequirementError, or an import problem
+        return str(e)
+    return None
+
+
+@contextmanager
+def cluster_at(rate: str | None):
+    """The emulated cluster at this link rate, torn down on every exit path (None: loopback)."""
+    if not rate:
+        yield None
+        return
+    from scripts.bench.cluster import EmulatedCluster
+
+    with EmulatedCluster(nodes=NODES, rate=rate) as cluster:
+        yield cluster
+
+
+class LinkSampler(threading.Thread):
+    """Samples every node's veth counters with rank 0's logged step count, 20 times a second.
+
+    Counters are read from /proc/<pid>/net/dev of a `sleep` started inside each node's namespace
+    (no process spawn per sample). `window(a, b)` gives per-node bytes between the first samples at
+    which a and b steps had been logged.
+    """
+
+    def __init__(self, cluster, metrics: Path, interval: float = 0.05):
+        super().__init__(daemon=True)
+        self.cluster, self.metrics, self.interval = cluster, metrics, interval
+        self.samples: list[tuple[float, int, list[tuple[int, int]]]] = []
+        self._halt = threading.Event()
+        self._sleepers = [subprocess.Popen(["ip", "netns", "exec", node.ns, "sleep", "86400"],
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                           start_new_session=True) for node in cluster.nodes]
+        time.sleep(0.2)  # let `ip netns exec` enter the namespace and exec sleep
+
+    def _counters(self) -> list[tuple[int, int]]:
+        out = []
+        for node, proc in zip(self.cluster.nodes, self._sleepers):
+            text = Path(f"/proc/{proc.pid}/net/dev").read_text()
+            line = next(ln for ln in text.splitlines() if ln.strip().startswith(node.ifname + ":"))
+            fields = line.split(":", 1)[1].split()
+            out.append((int(fields[8]), int(fields[0])))  # (tx bytes, rx bytes)
+        return out
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            try:
+                steps = self.metrics.read_text().count(f'"{STEP_KEY}"') if self.metrics.is_file() else 0
+                self.samples.append((time.monotonic(), steps, self._counters()))
+            except (OSError, StopIteration, ValueError):
+                pass
+            self._halt.wait(self.interval)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=5)
+        for proc in self._sleepers:  # ours, killed by pid
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait(timeout=5)
+
+    def window(self, first: int, last: int) -> dict | None:
+        a = next((s for s in self.samples if s[1] >= first), None)
+        b = next((s for s in self.samples if s[1] >= last), None)
+        if a is None or b is None or b[0] <= a[0]:
+            return None
+        return {"seconds": b[0] - a[0], "tx": [bb[0] - aa[0] for aa, bb in zip(a[2], b[2])],
+                "rx": [bb[1] - aa[1] for aa, bb in zip(a[2], b[2])]}
+
+
+# ---------------------------------------------------------------- launching
+
+
+def launch(cmd: list[str], cluster=None, nproc: int | None = NODES * RANKS_PER_NODE, timeout: float = 900,
+           log: Path | None = None) -> tuple[int, str]:
+    """Run `python script args` with torchrun on every node of `cluster`, or on `nproc` local ranks,
+    or (nproc None) as one plain process; -> (exit code, output). 124: timed out."""
+    cmd = [str(c) for c in cmd]
+    if cluster is not None:
+        result = cluster.run(cmd, nproc_per_node=RANKS_PER_NODE, cwd=ROOT, timeout=timeout)
+        rc, output = result.returncode, "\n".join(result.node_outputs)
+    else:
+        if nproc:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                   *cmd[1:]]
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+            rc, output = proc.returncode, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, output = 124, f"timed out after {timeout:.0f} s: {(e.stdout or b'')[-2000:]!r}"
+    if log:
+        log.write_text(output)
+    return rc, output
+
+
+def error_tail(text: str, lines: int = 6) -> str:
+    """The exception a failed job died of, else the last lines of its output."""
+    keep = [ln.strip() for ln in text.splitlines() if ln.strip() and "Warning" not in ln and "warn(" not in ln]
+    raised = [ln for ln in keep if re.match(r"^[\w.]+(Error|Exception|Interrupt): ", ln)]
+    if raised:
+        return raised[-1][:600]
+    errors = [ln for ln in keep if re.search(r"Error|error:|Exception|Traceback|Killed", ln)]
+    return " | ".join((errors or keep)[-lines:])[-600:]
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    path = out_dir / "metrics.jsonl"
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+
+
+@dataclass
+class Job:
+    """One training run: `script` (train.py, or the peers' worker) with its runtime's arguments, at a
+    micro-batch size, on the emulated cluster at link rate `setting` (or on "loopback")."""
+    key: str
+    label: str
+    args: list[str]
+    micro_batch: int
+    setting: str
+    script: list[str] = field(default_factory=lambda: [str(ROOT / "train.py")])
+    meta: dict = field(default_factory=dict)
+
+
+def run_jobs(name: str, jobs: list[Job], steps: int, warmup: int, timeout: float, progress=print) -> list[dict]:
+    """Run and measure the jobs in order, on one emulated cluster per run of jobs at the same rate."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix=f"bench-{name}-") as tmp:
+        for setting, group in itertools.groupby(jobs, key=lambda j: j.setting):
+            with cluster_at(None if setting == "loopback" else setting) as cluster:
+                for job in group:
+                    t0 = time.monotonic()
+                    rows.append(run_job(job, steps, warmup, Path(tmp), cluster, timeout))
+                    progress(f"  {name} [{len(rows)}/{len(jobs)}] {job.label} @ {setting}, {job.micro_batch}x{SEQ} "
+                             f"tokens/rank: {describe_row(rows[-1])} ({time.monotonic() - t0:.0f} s)")
+    return rows
+
+
+def run_job(job: Job, steps: int, warmup: int, work: Path, cluster=None, timeout: float = 900) -> dict:
+    """Run `job` for `steps` steps (on `cluster`, or 4 loopback ranks as 2 nodes x 2) and measure it."""
+    micro_batch, world = job.micro_batch, NODES * RANKS_PER_NODE
+    out_dir = work / f"{job.key}-mb{micro_batch}-{time.time_ns() % 10**10}"
+    cmd = [sys.executable, *job.script, *train_args(micro_batch, steps), "--train.out_dir", str(out_dir), *job.args]
+    if cluster is None:  # 4 loopback ranks laid out as 2 nodes x 2
+        cmd += zero_args(ranks_per_node=RANKS_PER_NODE)
+    row = {"key": job.key, "label": job.label, "setting": job.setting, "micro_batch": micro_batch,
+           "tokens_per_rank": micro_batch * SEQ, "steps": steps, "warmup": warmup, **job.meta}
+    start = time.monotonic()
+    sampler = LinkSampler(cluster, out_dir / "metrics.jsonl") if cluster else None
+    if sampler:
+        sampler.start()
+    try:
+        rc, output = launch(cmd, cluster, timeout=timeout)
+    finally:
+        if sampler:
+            sampler.stop()
+    row["wall_s"] = time.monotonic() - start
+    metrics = [m for m in read_metrics(out_dir) if STEP_KEY in m]
+    shutil.rmtree(out_dir, ignore_errors=True)
+    if rc != 0 or len(metrics) < steps:
+        return {**row, "ok": False, "error": error_tail(output) if rc else f"{len(metrics)} of {steps} steps logged"}
+    times = [m[STEP_KEY] for m in metrics]
+    step_s = statistics.mean(times[warmup:] or times) / 1e3
+    last = metrics[-1]
+    tflop_per_step = last["TFLOP/s per rank"] * last[STEP_KEY] / 1e3 * world  # constant: from any logged step
+    row.update(ok=True, step_ms=step_s * 1e3, step_ms_all=times, tokens_per_s=micro_batch * SEQ * world / step_s,
+               tflops_per_rank=tflop_per_step / step_s / world, final_loss=last["lm loss"],
+               losses=[m["lm loss"] for m in metrics])
+    # the runtime's per-step timings (waiting for gathers / reductions, weight encode / decode) in ms;
+    # the rest of the step is compute and everything else
+    kinds = sorted({k[:-5] for m in metrics for k in m if k.endswith(" (ms)") and k != STEP_KEY})
+    if kinds:
+        row["timing_kinds"] = kinds
+        for kind in kinds:
+            row[f"{kind} ms"] = statistics.mean(m.get(f"{kind} (ms)", 0.0) for m in metrics[warmup:] or metrics)
+        row["rest ms"] = row["step_ms"] - sum(row[f"{kind} ms"] for kind in kinds)
+    if last.get("cross-node sent (MB)"):
+        row["ledger_cross_mb_rank"] = last["cross-node sent (MB)"] * 2**20 / 1e6  # logged in MiB
+    win = sampler.window(warmup, steps) if sampler else None
+    if win:
+        n = steps - warmup
+        row["phys_tx_mb_node"] = statistics.mean(win["tx"]) / n / 1e6  # per node and step
+        row["phys_rx_mb_node"] = statistics.mean(win["rx"]) / n / 1e6
+        row["wire_ms"] = max(max(win["tx"]), max(win["rx"])) / n * 8 / cluster.rate_bits * 1e3  # at the tbf rate
+        row["link_busy_pct"] = 100 * row["wire_ms"] / row["step_ms"]
+    return row
+
+
+def describe_row(row: dict) -> str:
+    if not row.get("ok"):
+        return f"FAILED: {row.get('error', '?')}"
+    return f"{row['step_ms']:.0f} ms/step, {row['tokens_per_s']:.0f} tokens/s" + (
+        f", {row['phys_tx_mb_node']:.1f} MB/step/node on the link" if "phys_tx_mb_node" in row else "")
