@@ -141,9 +141,3 @@ def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
         value = value.clone()
         dist.all_reduce(value)
     return value
-
-
-def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
-    """Average a tensor over all ranks (identity for one process)."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    return all_reduce_sum(value) / world if world > 1 else value
