@@ -67,7 +67,7 @@ def _train_cmd(a, out_dir: Path, steps: int, *extra) -> list:
             "--train.micro_batch_size", a.micro_batch_size, "--train.log_interval", max(1, steps // 10),
             "--train.eval_interval", 10**9, "--train.eval_batches", 1000, "--train.out_dir", out_dir,
             "--train.tensorboard", "false", "--train.progress_bar", "false", "--train.precision", "fp32",
-            "--zero_optimization.stage", "3", "--zero_optimization.zero_quantization_block_size", a.block_size, *extra]
+            *runner.zero_args(stage=3, zero_quantization_block_size=a.block_size), *extra]
 
 
 def _final_val_loss(output: str) -> float:
@@ -109,8 +109,8 @@ def run(args, progress=print) -> dict:
     args.steps = args.steps or (30 if args.quick else 500)
     args.finetune_steps = args.finetune_steps or (10 if args.quick else 150)
     t_start, out = time.monotonic(), args.out / "quantized_perplexity"
-    (out / "logs").mkdir(parents=True, exist_ok=True)
     logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
     # 1. the fp32 base model; 2. fine-tunes: the fp reference and qwZ at each width
     _run(_train_cmd(args, out / "base", args.steps, "--optim.lr", args.lr, "--optim.min_lr", args.lr / 10,
                     "--optim.warmup_steps", max(1, args.steps // 20)), logs / "base.log", progress)
@@ -119,8 +119,7 @@ def run(args, progress=print) -> dict:
     total, runs, printed = args.steps + args.finetune_steps, {}, {}
     for b in ["fp", *args.bits]:
         runs[b] = out / f"ft_{'fp' if b == 'fp' else f'qwz{b}'}"
-        qwz = [] if b == "fp" else ["--zero_optimization.zero_quantized_weights", "true",
-                                    "--zero_optimization.zero_quantized_weights_bits", b]
+        qwz = [] if b == "fp" else runner.zero_args(zero_quantized_weights=True, zero_quantized_weights_bits=b)
         printed[b] = _final_val_loss(_run(_train_cmd(args, runs[b], total, *ft, *qwz), logs / f"{runs[b].name}.log",
                                           progress))
     # 3. exports

@@ -176,8 +176,9 @@ def launch(cmd: list[str], cluster=None, nproc: int | None = NODES * RANKS_PER_N
 
 def error_tail(text: str, lines: int = 6) -> str:
     """The exception a failed job died of, else the last lines of its output."""
-    keep = [ln.strip() for ln in text.splitlines() if ln.strip() and "Warning" not in ln and "warn(" not in ln]
-    raised = [ln for ln in keep if re.match(r"^[\w.]+(Error|Exception|Interrupt): ", ln)]
+    keep = [re.sub(r"^\[rank\d+\]:\s*", "", ln.strip()) for ln in text.splitlines()
+            if ln.strip() and "Warning" not in ln and "warn(" not in ln]
+    raised = [ln for ln in keep if re.match(r"^[\w.]+(Error|Exception|Interrupt): ", ln) and "ChildFailed" not in ln]
     if raised:
         return raised[-1][:600]
     errors = [ln for ln in keep if re.search(r"Error|error:|Exception|Traceback|Killed", ln)]
