@@ -1,8 +1,8 @@
 """Every collective of the runtime goes through here, so each byte is accounted for.
 
 `Comm` wraps the collectives the runtime needs (all-gather, reduce-scatter, quantized
-all-to-all reduce, all-reduce) over the groups of the `Mesh`, looked up by name, returns async handles, and records each call
-in a `CommLedger`: operation, group, dtype, the bytes this rank sends and receives, and how
+all-to-all reduce, all-reduce) over the groups of the `Mesh`, looked up by name, returns
+async handles, and records each call in a `CommLedger`: operation, group, dtype, the bytes this rank sends and receives, and how
 many of those cross a node boundary.
 
 The ledger counts logical volume, independent of the algorithm the backend picks: for an
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from kernels import dequant_reduce, dequant_reduce_quant, quantize_transposed
+from kernels import dequant_reduce, dequant_reduce_quant, dequantize, quantize_transposed
 from zeropp.topology import Mesh
 
 
@@ -115,10 +115,6 @@ class Comm:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeropp-comm") \
             if self.backend == "gloo" else None
 
-    def _cross(self, name: str) -> int:
-        """How many members of group `name` sit on another node than this rank."""
-        return sum(self.mesh.crosses_node(name))
-
     # ------------------------------------------------------------------ collectives
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, group: str = "dp", tag: str = "all-gather",
@@ -126,7 +122,7 @@ class Comm:
         """`out` (1-D, n x shard) receives every member's shard, in group-rank order."""
         n = self.mesh.size(group)
         nbytes = shard.numel() * shard.element_size()
-        cross = self._cross(group)
+        cross = self.mesh.remote_members(group)
         self.ledger.record(tag, shard.dtype, (n - 1) * nbytes, (n - 1) * nbytes, cross * nbytes, cross * nbytes)
         if n == 1:
             out.copy_(shard)
@@ -142,7 +138,7 @@ class Comm:
         """
         n = self.mesh.size(group)
         nbytes = full.numel() // n * full.element_size()  # one chunk, in the wire dtype
-        cross = self._cross(group)
+        cross = self.mesh.remote_members(group)
         self.ledger.record(tag, full.dtype, (n - 1) * nbytes, (n - 1) * nbytes, cross * nbytes, cross * nbytes)
         if n == 1:
             out.add_(full) if accumulate else out.copy_(full)
@@ -196,7 +192,7 @@ class Comm:
 
     def quantized_reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, bits: int, block_size: int,
                                  hops: int = 2, stages: int = 1, tag: str = "quantized reduce-scatter",
-                                 async_op: bool = False):
+                                 async_op: bool = False, error: torch.Tensor | None = None):
         """qgZ: `out` (fp32) += the sum over DP ranks of chunk `rank` of `full`, over quantized all-to-alls.
 
         hops=1: quantize, one all-to-all over all ranks, dequantize and sum. hops=2 (ZeRO++
@@ -205,9 +201,11 @@ class Comm:
         (same local rank), dequantize + sum. `stages` > 1 cuts every chunk into that many
         slices and pipelines them: the inter-node hop of slice s runs while the intra-node hop
         of slice s+1 does (paper Algorithm 2). The chunk length must be a multiple of
-        block_size x stages (the engine pads units so).
+        block_size x stages (the engine pads units so). `error` (fp32, like `full`), when given,
+        receives what the first hop's quantization lost: full - dequant(quant(full)), for error
+        feedback.
         """
-        work = lambda: self._qgz(out, full, bits, block_size, hops, stages, tag)  # noqa: E731
+        work = lambda: self._qgz(out, full, bits, block_size, hops, stages, tag, error)  # noqa: E731
         if self._executor is None:
             work()
             return _DoneWork() if async_op else None
@@ -217,25 +215,20 @@ class Comm:
         future.result()
         return None
 
-    def quantized_layout(self, hops: int) -> tuple[int, int]:
-        """(nodes, ranks per node) qgZ's first all-to-all is laid out over: one all-to-all over
-        everybody, (1, world), for one hop or where there is one node or one rank per node."""
+    def _qgz(self, out, full, bits, block_size, hops, stages, tag, error):
         m = self.mesh
-        if hops == 1 or m.num_nodes == 1 or m.ranks_per_node == 1:
-            return 1, m.world_size
-        return m.num_nodes, m.ranks_per_node
-
-    def _qgz(self, out, full, bits, block_size, hops, stages, tag):
-        world = self.mesh.world_size
-        nodes, local = self.quantized_layout(hops)
-        if nodes == 1:
-            hops = 1
+        world, nodes, local = m.world_size, m.num_nodes, m.ranks_per_node
+        if hops == 1 or nodes == 1 or local == 1:
+            nodes, local, hops = 1, world, 1  # one all-to-all over everybody
         sub = full.numel() // world // stages
         pending = []
         for s in range(stages):
             # [node, local rank, slice] -> quantized in [local rank, node, slice] order
             view = full.view(nodes, local, stages, sub)[:, :, s]
             q = quantize_transposed(view, bits, block_size)
+            if error is not None:  # the codes hold [local rank, node, slice]: compare in that order
+                sent = dequantize(q.codes, q.scales, view.numel(), bits, block_size).view(local, nodes, sub)
+                error.view(nodes, local, stages, sub)[:, :, s].copy_(view - sent.transpose(0, 1))
             first = "dp" if hops == 1 else "intra_node"
             codes, scales = self._exchange(q.codes, q.scales, first, tag, async_op=False)
             if hops == 1:
@@ -261,7 +254,7 @@ class Comm:
     def _record_a2a(self, out, inp, group, tag, pg, async_op):
         n = self.mesh.size(group)
         chunk = inp.numel() // n * inp.element_size()
-        cross = self._cross(group)
+        cross = self.mesh.remote_members(group)
         self.ledger.record(tag, inp.dtype, (n - 1) * chunk, (n - 1) * chunk, cross * chunk, cross * chunk)
         if n == 1:
             out.copy_(inp)
@@ -272,7 +265,7 @@ class Comm:
     def all_reduce(self, tensor: torch.Tensor, group: str = "dp", tag: str = "all-reduce", async_op: bool = False):
         n = self.mesh.size(group)
         nbytes = tensor.numel() * tensor.element_size()
-        cross = self._cross(group)
+        cross = self.mesh.remote_members(group)
         volume = 2 * (n - 1) * nbytes // n  # ring all-reduce: reduce-scatter + all-gather
         cross_volume = 2 * cross * nbytes // n
         self.ledger.record(tag, tensor.dtype, volume, volume, cross_volume, cross_volume)

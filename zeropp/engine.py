@@ -282,11 +282,12 @@ class Zero3Engine(Runtime):
             unit.decode(self.comm, self._phase, self.timings)
 
     def _prefetch(self, group: list[Unit] | None) -> None:
-        for unit in group or ():
-            if (unit.pending_gather is None and self.config.overlap_comm
-                    and unit.padded_numel <= self.config.stage3_prefetch_bucket_size):
-                self._take_buffer(group)
-                unit.gather(self.comm, self._phase, async_op=True)
+        due = [u for u in group or () if u.pending_gather is None and self.config.overlap_comm
+               and u.padded_numel <= self.config.stage3_prefetch_bucket_size]
+        if due:
+            self._take_buffer(group)
+        for unit in due:
+            unit.gather(self.comm, self._phase, async_op=True)
 
     def _take_buffer(self, group: list[Unit]) -> None:
         """The block group is about to be gathered into its buffer: its previous holder lets go."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from kernels import dequantize, quantize_transposed
 from zeropp.comm import Comm
 
 TAG = "gradient reduce"
@@ -62,26 +61,14 @@ class QuantizedReduce(GradientReducer):
         self.errors: dict[str, torch.Tensor] = {}  # unit -> last step's local quantization error (fp32)
 
     def reduce(self, unit, shard, grad, async_op):
-        if self.error_feedback:
-            grad = self._compensate(unit, grad)
+        error = None
+        if self.error_feedback:  # h = g + e; the first hop then writes e <- h - dequant(quant(h))
+            error = self.errors.get(unit)
+            if error is None:
+                error = self.errors[unit] = torch.zeros(grad.numel(), dtype=torch.float32, device=grad.device)
+            grad.add_(error)  # grad is the engine's scratch buffer of this backward
         return self.comm.quantized_reduce_scatter(shard, grad, self.bits, self.block_size, hops=self.hops,
-                                                  stages=self.stages, tag=TAG, async_op=async_op)
-
-    def _compensate(self, unit: str, grad: torch.Tensor) -> torch.Tensor:
-        """h = g + e; e <- h - dequant(quant(h)), quantized exactly as the first hop will (the same
-        reordering and blocks, so the error is the one that hop makes)."""
-        error = self.errors.get(unit)
-        if error is None:
-            error = self.errors[unit] = torch.zeros(grad.numel(), dtype=torch.float32, device=grad.device)
-        h = grad.float() + error
-        nodes, local = self.comm.quantized_layout(self.hops)
-        sub = h.numel() // (nodes * local) // self.stages
-        for s in range(self.stages):
-            view = h.view(nodes, local, self.stages, sub)[:, :, s]
-            q = quantize_transposed(view, self.bits, self.block_size)
-            sent = dequantize(q.codes, q.scales, view.numel(), self.bits, self.block_size).view(local, nodes, sub)
-            error.view(nodes, local, self.stages, sub)[:, :, s] = view - sent.transpose(0, 1)
-        return h.to(grad.dtype)
+                                                  stages=self.stages, tag=TAG, async_op=async_op, error=error)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {f"{unit}.error": e for unit, e in self.errors.items()}

@@ -66,7 +66,8 @@ class Mesh:
         return dp_rank // self.ranks_per_node
 
     def group(self, name: str, thread: bool = False):
-        """The process group `name`; thread=True: its twin for the communication thread."""
+        """The process group `name`; thread=True: its twin for the communication thread (the group
+        itself where the mesh was built without twins)."""
         return self._groups[name, thread and (name, True) in self._groups]
 
     def members(self, name: str) -> list[int]:
@@ -79,9 +80,9 @@ class Mesh:
     def group_rank(self, name: str) -> int:
         return self._members[name].index(self.rank)
 
-    def crosses_node(self, name: str) -> list[bool]:
-        """For each member of group `name`: is it on another node than this rank?"""
-        return [self.node_of(m) != self.node for m in self._members[name]]
+    def remote_members(self, name: str) -> int:
+        """How many members of group `name` sit on another node than this rank (the ledger's cross-node share)."""
+        return sum(self.node_of(m) != self.node for m in self._members[name])
 
     def describe(self) -> str:
         tp = f", tensor parallel {self.tp_size}" if self.tp_size > 1 else ""
