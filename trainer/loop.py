@@ -371,8 +371,8 @@ class Trainer:
             if stop and self.step != t.steps:
                 result.preempted = True
                 break
-        baseline = self.runtime.zero3_cross_node_bytes()
-        if self.step_comm and any(baseline.values()):  # several nodes: there are cross-node bytes to compare
+        baseline = self.runtime.zero3_cross_node_bytes() if self.step_comm else {}
+        if any(baseline.values()):  # several nodes: there are cross-node bytes to compare
             log.info(cross_node_report(self.step_comm, baseline, self.cfg.zero_optimization.describe()))
         result.checkpoint = self.save()
         preemption.close()  # after the save: a second warning must not kill the rank mid-save
