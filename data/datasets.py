@@ -154,7 +154,7 @@ def split_hh_dialogue(text: str) -> tuple[str, str]:
 
 
 # format name -> keys a record must have
-SFT_FORMATS = {"alpaca": ("instruction", "output"), "hh": ("chosen",)}
+SFT_FORMATS = {"alpaca": ("instruction", "output"), "hh": ("chosen",), "completion": ("prompt", "completion")}
 PREFERENCE_FORMATS = {"pairs": ("prompt", "chosen", "rejected"), "hh": ("chosen", "rejected")}
 
 
@@ -198,12 +198,14 @@ def _supervised(prompt_ids: list[int], response_ids: list[int],
     return tokens, labels
 
 
-def _prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
+def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
+    """A prompt's tokens as every data set (and rlhf.py's generation) feeds them: BOS first."""
     bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
     return bos + tokenizer.encode(prompt)
 
 
-def _response_ids(tokenizer: Tokenizer, response: str) -> list[int]:
+def response_ids(tokenizer: Tokenizer, response: str) -> list[int]:
+    """A response's tokens, EOS last: the model learns to stop."""
     return tokenizer.encode(response) + [tokenizer.eos_id]
 
 
@@ -232,7 +234,8 @@ class SFTDataset(_TokenizedRecords):
 
     Formats (auto-detected from the first record's keys, or given as `format=`):
     `alpaca`: instruction / input / output, prompt from `alpaca_prompt`;
-    `hh`: HH-RLHF `chosen` dialogue, split by `split_hh_dialogue`.
+    `hh`: HH-RLHF `chosen` dialogue, split by `split_hh_dialogue`;
+    `completion`: TRL's prompt / completion records, the prompt verbatim.
     Items are {"tokens", "labels"} int64 tensors truncated to `max_len`; records whose response
     is truncated away entirely are skipped (counted in `num_skipped`).
     """
@@ -245,9 +248,11 @@ class SFTDataset(_TokenizedRecords):
             if self.format == "alpaca":
                 prompt = alpaca_prompt(_field(record, "instruction", i, name), record.get("input"))
                 response = _field(record, "output", i, name)
+            elif self.format == "completion":  # TRL's prompt-completion records: the prompt verbatim
+                prompt, response = _field(record, "prompt", i, name), _field(record, "completion", i, name)
             else:
                 prompt, response = split_hh_dialogue(_field(record, "chosen", i, name))
-            example = _supervised(_prompt_ids(tokenizer, prompt), _response_ids(tokenizer, response), max_len)
+            example = _supervised(prompt_ids(tokenizer, prompt), response_ids(tokenizer, response), max_len)
             if example is None:
                 self.num_skipped += 1
             else:
@@ -278,8 +283,8 @@ class PreferenceDataset(_TokenizedRecords):
                 if rejected_prompt != prompt:
                     self.num_skipped += 1
                     continue
-            prompt_ids = _prompt_ids(tokenizer, prompt)
-            sides = [_supervised(prompt_ids, _response_ids(tokenizer, r), max_len) for r in (chosen, rejected)]
+            prompt = prompt_ids(tokenizer, prompt)
+            sides = [_supervised(prompt, response_ids(tokenizer, r), max_len) for r in (chosen, rejected)]
             if any(side is None for side in sides):
                 self.num_skipped += 1
                 continue

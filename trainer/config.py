@@ -117,8 +117,9 @@ class FinetuneSection:
     # data.tokenizer names another.
     hf_checkpoint: str | None = None
     # Record format of data.path (docs/data.md): auto-detected from the first record's keys,
-    # or alpaca (instruction / input / output) or hh (HH-RLHF "chosen" dialogues).
-    data_format: Literal["auto", "alpaca", "hh"] = "auto"
+    # or alpaca (instruction / input / output), hh (HH-RLHF "chosen" dialogues) or completion
+    # (prompt / completion, the prompt verbatim).
+    data_format: Literal["auto", "alpaca", "hh", "completion"] = "auto"
     lora: LoraSection = field(default_factory=LoraSection)
 
 

@@ -1,0 +1,81 @@
+"""RLHF: supervised fine-tuning, a reward model, then PPO, DPO or GRPO, every model on our runtime.
+
+    python rlhf.py ppo --config configs/rlhf_tiny.yaml          # sft -> reward -> ppo, end to end
+    torchrun --nproc-per-node 4 rlhf.py ppo --config configs/rlhf_tiny.yaml \\
+        --zero_optimization.ranks_per_node 2                    # 2 nodes x 2 ranks, ZeRO++
+    python rlhf.py grpo --config configs/rlhf_grpo_task.yaml     # a verifiable task, rewards by code
+    python rlhf.py dpo --config configs/rlhf_dpo_hh.yaml --models.base path/to/hf_model
+
+Stages: sft, reward, dpo, ppo, grpo. A stage whose inputs are missing runs the stages that
+make them first (ppo needs <out_dir>/sft/hf and, for reward.source model, <out_dir>/reward/hf).
+Every key can be overridden as --section.key value; --help lists them all (docs/rlhf.md).
+"""
+
+import sys
+
+import torch.distributed as dist
+
+from rlhf.config import STAGES, RLHFConfig, check
+from rlhf.common import setup_distributed
+from trainer.config import ConfigError, describe, parse_args
+
+
+def _needs(cfg: RLHFConfig, stage: str) -> list[str]:
+    """The stages whose outputs `stage` reads and that have not produced them yet."""
+    needs = []
+    if stage != "sft" and not (cfg.sft_path() / "config.json").is_file():
+        if cfg.models.sft:
+            raise ConfigError(f"models.sft {cfg.models.sft}: no Hugging Face model there (config.json)")
+        needs.append("sft")
+    if stage in ("ppo", "grpo") and cfg.reward.source == "model" and not (cfg.reward_path() / "config.json").is_file():
+        if cfg.models.reward:
+            raise ConfigError(f"models.reward {cfg.models.reward}: no Hugging Face model there (config.json)")
+        needs.append("reward")
+    return needs
+
+
+def run_stage(stage: str, cfg: RLHFConfig, env) -> dict:
+    from rlhf.grpo import run_grpo
+    from rlhf.pairs import run_pairs
+    from rlhf.ppo import run_ppo
+    from rlhf.sft import run_sft
+
+    for before in _needs(cfg, stage):
+        if env.is_main:
+            print(f"rlhf.py {stage}: running the {before} stage first (its output is missing)", flush=True)
+        resume = cfg.resume
+        cfg.resume = "auto"  # an interrupted earlier stage continues where it stopped
+        run_stage(before, cfg, env)
+        cfg.resume = resume
+    if stage == "sft":
+        return run_sft(cfg, env)
+    if stage in ("reward", "dpo"):
+        return run_pairs(stage, cfg, env)
+    return run_ppo(cfg, env) if stage == "ppo" else run_grpo(cfg, env)
+
+
+def main(argv: list[str]) -> None:
+    if not argv or argv[0].startswith("-"):
+        if argv and argv[0] in ("-h", "--help"):
+            print(__doc__)
+            print(f"keys (every stage):\n{describe(RLHFConfig())}")
+            return
+        sys.exit(f"rlhf.py: name a stage first: rlhf.py <{'|'.join(STAGES)}> --config FILE [--key value ...]")
+    stage = argv[0]
+    try:
+        cfg = parse_args(argv[1:], RLHFConfig())
+        check(cfg, stage)
+    except ConfigError as e:
+        sys.exit(f"rlhf.py: config error: {e}")
+    env, own_group = setup_distributed()
+    try:
+        run_stage(stage, cfg, env)
+    except ConfigError as e:
+        sys.exit(f"rlhf.py {stage}: config error: {e}")
+    finally:
+        if own_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,224 @@
+"""What every rlhf.py stage shares: models under runtimes, sequence log-probs, checkpoints, logs.
+
+Each model of a stage (actor, critic, reference, reward model) is a `ModelRuntime`: a plain
+Transformer under its own runtime instance built from the one `zero_optimization` section
+(ZeRO-3 / ZeRO++ or DDP), plus its optimizer when it trains. The stage loops call only the
+runtime interface (zeropp.runtime.Runtime), as the pretraining loop does, so any runtime the
+trainer can drive runs RLHF too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from data.tokenizer import Tokenizer, load_tokenizer
+from models.config import ModelConfig
+from models.hf import load_hf_checkpoint, save_hf_checkpoint
+from models.transformer import Transformer
+from rlhf.config import RLHFConfig
+from rlhf.losses import token_logprobs
+from trainer.checkpoint import load_checkpoint, read_state, resolve_checkpoint, save_checkpoint
+from trainer.config import ConfigError, TrainSection, to_dict
+from trainer.distributed import DistEnv, all_reduce_sum, init_distributed
+from trainer.loop import autocast_for
+from trainer.metrics import MetricsLogger
+from trainer.optim import build_optimizer, lr_at
+from zeropp import build_runtime
+
+
+def setup_distributed() -> tuple[DistEnv, bool]:
+    """Join the launcher's process group; one process gets a group of its own, so that every
+    model's runtime shares it (the second return value: we made it, we destroy it)."""
+    env = init_distributed()
+    if dist.is_initialized():
+        return env, False
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return env, True
+
+
+def load_model(path: str | Path, what: str) -> Transformer:
+    try:
+        return load_hf_checkpoint(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{what} {path}: {e}") from e
+
+
+class ModelRuntime:
+    """One model of a stage under its own runtime: trainable (with an optimizer and a learning
+    rate schedule) or frozen (forward only; stored quantized under
+    zero_quantized_nontrainable_weights)."""
+
+    def __init__(self, name: str, model: Transformer, cfg: RLHFConfig, env: DistEnv, lr: float | None,
+                 steps: int = 1):
+        self.name, self.env = name, env
+        self.trainable = lr is not None
+        model.requires_grad_(self.trainable)
+        self.config: ModelConfig = model.config
+        self.runtime = build_runtime(model.to(env.device), cfg.zero_optimization, env.device)
+        self.module = self.runtime.module
+        self.precision = cfg.train.precision
+        self.optimizer = None
+        if self.trainable:
+            # The loss is normalized over the global batch by the caller: reduce sums.
+            self.runtime.set_gradient_divide_factor(1.0)
+            self.optim_cfg = dataclasses.replace(cfg.optim, lr=lr)
+            self.steps = steps
+            self.optimizer = self.runtime.attach_optimizer(build_optimizer(self.module, self.optim_cfg))
+
+    def __call__(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        with autocast_for(self.precision, self.env.device):
+            return self.runtime(tokens, attention_mask=attention_mask)
+
+    def step(self, step: int) -> float:
+        """Clip (optim.clip_grad), step at the schedule's learning rate, zero the gradients;
+        returns the gradient norm before clipping."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, self.steps, self.optim_cfg)
+        clip = self.optim_cfg.clip_grad
+        norm = self.runtime.clip_grad_norm_(clip if clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm.item()
+
+    def skip_step(self) -> None:
+        """Drop the gradients of a step that must not be taken (a non-finite loss)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def full_model(self) -> Transformer:
+        """A plain copy of the model with the current weights (every rank calls it)."""
+        model = Transformer(self.config)
+        model.load_state_dict(self.runtime.full_state_dict(), strict=False)
+        return model
+
+    def export(self, path: Path, tokenizer_dir: str | Path | None, tokenizer: Tokenizer | None) -> None:
+        """Write the current weights as a Hugging Face directory (every rank calls it)."""
+        model = self.full_model()
+        if self.env.is_main:
+            ids = None if tokenizer is None else {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
+                                                  "pad_token_id": tokenizer.pad_id}
+            save_hf_checkpoint(model, path, tokenizer_dir=tokenizer_dir, token_ids=ids)
+        barrier()
+
+    def close(self) -> None:
+        self.runtime.close()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def sequence_logprobs(model: ModelRuntime, tokens: torch.Tensor, attention_mask: torch.Tensor,
+                      start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs of tokens[:, start:] [B, T-start], the logits they came from) in one forward:
+    position t-1's logits predict token t."""
+    logits = model(tokens, attention_mask)
+    logits = logits[:, start - 1:-1]
+    return token_logprobs(logits, tokens[:, start:]), logits
+
+
+def global_sum(*values: float | torch.Tensor) -> list[float]:
+    """Sum scalars over all ranks in one all-reduce (float64, exact for counts)."""
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+    return all_reduce_sum(t).tolist()
+
+
+def global_max(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def comm_scalars(models: list[ModelRuntime]) -> dict[str, float]:
+    """MB this rank sent since the ledgers' last reset, over every model's runtime."""
+    totals = [e for m in models for e in m.runtime.ledger.totals().values()]
+    return {"comm sent (MB)": sum(e["sent"] for e in totals) / 2**20,
+            "cross-node sent (MB)": sum(e["cross_node_sent"] for e in totals) / 2**20}
+
+
+def all_finite(*values: float) -> bool:
+    """Whether every rank's values are finite (one all-reduce): a NaN anywhere stops every rank's step."""
+    bad = sum(not math.isfinite(v) for v in values)
+    return global_sum(bad)[0] == 0
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+class StageCheckpoint:
+    """A stage's checkpoints under <out_dir>/<stage>/checkpoints: every trainable model's shards and
+    optimizer state in a sub-directory of its own, the stage's own state (KL controller, EMA, data
+    position, counters) in state.json, each rank's RNG. Written atomically (trainer.checkpoint)."""
+
+    def __init__(self, cfg: RLHFConfig, stage: str, env: DistEnv):
+        self.cfg, self.stage, self.env = cfg, stage, env
+        self.root = cfg.stage_dir(stage) / "checkpoints"
+
+    def save(self, step: int, models: list[ModelRuntime], state: dict, extra_tensors=None) -> Path:
+        """`extra_tensors(directory)` writes more of this rank's tensors (an EMA)."""
+        trainable = [m for m in models if m.trainable]
+
+        def write(directory: Path) -> None:
+            for m in trainable:
+                (directory / m.name).mkdir(exist_ok=True)
+                m.runtime.save(directory / m.name, m.optimizer)
+            if extra_tensors is not None:
+                extra_tensors(directory)
+
+        full = {**state, "stage": self.stage, "config": to_dict(self.cfg), "world_size": self.env.world_size,
+                "format": trainable[0].runtime.checkpoint_format,
+                "models": {m.name: dataclasses.asdict(m.config) for m in models}}
+        return save_checkpoint(self.root, step, full, trainable[0].optimizer, write, self.env.rank)
+
+    def resume_path(self) -> Path | None:
+        resume = self.cfg.resume
+        return resolve_checkpoint(resume, self.cfg.stage_dir(self.stage)) if resume else None
+
+    def load(self, path: Path, models: list[ModelRuntime], read_extra=None) -> dict:
+        saved = read_state(path)
+        if saved.get("stage") != self.stage:
+            raise ConfigError(f"resume: checkpoint {path} is of stage {saved.get('stage')!r}, not {self.stage!r}")
+        for m in models:
+            want = dataclasses.asdict(m.config)
+            if saved["models"].get(m.name) != want:
+                raise ConfigError(f"resume: checkpoint {path} has another {m.name} model than this run "
+                                  f"(saved {saved['models'].get(m.name)}, this run {want})")
+        trainable = [m for m in models if m.trainable]
+        fmt = trainable[0].runtime.checkpoint_format
+        if saved.get("format") != fmt:
+            raise ConfigError(f"resume: checkpoint {path} is {saved.get('format')!r}, this runtime writes {fmt!r}; "
+                              f"resume with the zero_optimization.stage it was written with")
+
+        def read(directory: Path) -> None:
+            for m in trainable:
+                m.runtime.load(directory / m.name, m.optimizer)
+            if read_extra is not None:
+                read_extra(directory)
+
+        return load_checkpoint(path, trainable[0].optimizer, read, self.env.rank)
+
+
+def open_log(cfg: RLHFConfig, stage: str, steps: int, env: DistEnv, start_step: int) -> MetricsLogger:
+    """The trainer's logger (log line, tqdm, TensorBoard, metrics.jsonl) under <out_dir>/<stage>."""
+    section = TrainSection(steps=steps, out_dir=str(cfg.stage_dir(stage)), tensorboard=cfg.train.tensorboard,
+                           progress_bar=cfg.train.progress_bar)
+    return MetricsLogger(section, env.is_main, start_step=start_step)
+
+
+def write_json(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)
+
+
+def tokenizer_of(path: str | Path) -> Tokenizer:
+    try:
+        return load_tokenizer(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"tokenizer of {path}: {e}") from e

@@ -1,0 +1,202 @@
+"""The `rlhf.py` configuration: the same dataclasses + YAML + CLI system as train.py.
+
+One config describes the whole pipeline; each stage reads the sections it needs. Every
+default below names where it comes from (DeepSpeed-Chat, TRL, OpenRLHF, the papers).
+Stages hand their results to the next as Hugging Face directories under `train.out_dir`:
+<out_dir>/sft/hf (a causal LM), <out_dir>/reward/hf (a *ForSequenceClassification), and
+<out_dir>/<ppo|dpo|grpo>/hf (the trained actor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from trainer.config import ConfigError, ModelSection, OptimSection
+from zeropp.config import ZeroConfig, ZeroConfigError
+
+STAGES = ("sft", "reward", "dpo", "ppo", "grpo")
+
+
+@dataclass
+class ModelsSection:
+    # Where the SFT stage starts: a Hugging Face causal-LM directory, or None for a fresh model
+    # of `model.preset` over the data's tokenizer (the built-in tasks' character tokenizer).
+    base: str | None = None
+    # The SFT model the actor, the reference and (for the critic / reward model) the score
+    # models start from; None: <out_dir>/sft/hf, made by the sft stage first when missing.
+    sft: str | None = None
+    # The reward model (a *ForSequenceClassification directory); None: <out_dir>/reward/hf,
+    # made by the reward stage first when missing (unless the reward is a task's).
+    reward: str | None = None
+
+
+@dataclass
+class DataSection:
+    # A built-in verifiable task (rlhf.tasks: "arithmetic", "word"): prompts, demonstrations,
+    # preference pairs and the reward all come from code; no data files. "" uses the files below.
+    task: str = ""
+    task_samples: int = 2000  # records the task generates for the sft / reward / dpo stages
+    # Preference pairs (HH-RLHF .jsonl.gz or prompt/chosen/rejected records) for sft (its
+    # chosen dialogues), reward and dpo; prompts for ppo / grpo when prompts is unset.
+    preferences: str | None = None
+    # Prompts for ppo / grpo: an Alpaca-format JSON (instruction + input), or None for the
+    # prompts of `preferences`.
+    prompts: str | None = None
+    max_len: int = 256  # prompt + response tokens per sequence
+    max_prompt_len: int = 128  # ppo / grpo prompts are cut to their last max_prompt_len tokens
+    valid_fraction: float = 0.05  # held out for accuracy / margins / validation loss
+
+
+@dataclass
+class TrainSection:
+    seed: int = 1234
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    micro_batch_size: int = 8  # per rank: sequences (sft, dpo pairs, reward pairs) or prompts (ppo, grpo)
+    log_interval: int = 1
+    eval_interval: int = 50
+    eval_batches: int = 10
+    checkpoint_interval: int = 0  # 0: only at the end
+    out_dir: str = "runs/rlhf"
+    tensorboard: bool = True
+    progress_bar: bool = True
+    preempt_signal: str = "SIGUSR1"
+    peak_tflops: float = 1.0
+
+
+@dataclass
+class SFTSection:
+    steps: int = 200
+    lr: float = 1e-4  # DeepSpeed-Chat step 1 (OPT-1.3b): 9.65e-6 at full scale; tiny models want more
+    grad_accum: int = 1
+
+
+@dataclass
+class RewardSection:
+    steps: int = 200
+    lr: float = 5e-5  # DeepSpeed-Chat step 2 (OPT-350m)
+    # "last": the score at each response's last real token (TRL, OpenRLHF); "diverging":
+    # DeepSpeed-Chat's mean over the tokens after chosen and rejected first differ.
+    loss: Literal["last", "diverging"] = "last"
+    # What scores ppo / grpo rollouts: "model" (the reward model) or "task" (data.task's code).
+    # A task's reward is logged in either case.
+    source: Literal["model", "task"] = "model"
+
+
+@dataclass
+class GenerationSection:
+    max_new_tokens: int = 64
+    temperature: float = 1.0  # PPO / GRPO sample from the policy itself (TRL, OpenRLHF)
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    # Bound on the memory of the gathered inference copy of the actor (MiB); 0: whole model.
+    # Blocks beyond it are gathered per decoded token, as in training.
+    max_gather_mb: float = 0.0
+
+
+@dataclass
+class PPOSection:
+    steps: int = 100  # rollouts
+    actor_lr: float = 1e-5  # DeepSpeed-Chat step 3: actor 9.65e-6 ...
+    critic_lr: float = 5e-6  # ... critic 5e-6
+    epochs: int = 1  # PPO epochs over each rollout (DeepSpeed-Chat ppo_epochs 1; OpenRLHF max_epochs 1)
+    mini_batches: int = 1  # optimizer steps per epoch, the rollout split evenly
+    kl_coef: float = 0.1  # β of the per-token k1 penalty (DeepSpeed-Chat kl_ctl 0.1)
+    kl_target: float = 0.0  # > 0: adaptive β toward this KL per sequence (Ziegler et al. 2019: 6.0)
+    kl_horizon: int = 10000  # Ziegler et al. 2019
+    reward_clip: float = 5.0  # DeepSpeed-Chat clip_reward_value
+    gamma: float = 1.0  # DeepSpeed-Chat
+    lam: float = 0.95  # DeepSpeed-Chat
+    clip: float = 0.2  # policy ratio clip (DeepSpeed-Chat cliprange)
+    value_clip: float = 0.2  # DeepSpeed-Chat cliprange_value
+    whiten_advantages: bool = True  # TRL / OpenRLHF (DeepSpeed-Chat does not)
+    ema: float = 0.0  # > 0: keep an EMA of the actor (DeepSpeed-Chat --enable_ema uses 0.992)
+    ptx_coef: float = 0.0  # > 0: mix in the SFT loss on SFT data (InstructGPT PPO-ptx; DeepSpeed-Chat 27.8)
+
+
+@dataclass
+class DPOSection:
+    steps: int = 200
+    lr: float = 5e-7  # TRL DPOConfig default learning_rate (1e-6 in the DPO paper)
+    beta: float = 0.1  # DPO paper / TRL
+    label_smoothing: float = 0.0  # cDPO; TRL's sigmoid loss
+    # Reference log-probs computed once before training from the initial policy (which is the
+    # reference), so no reference model is held; false keeps a frozen reference model.
+    precompute_ref: bool = True
+
+
+@dataclass
+class GRPOSection:
+    steps: int = 100
+    lr: float = 1e-6  # TRL GRPOConfig default
+    group_size: int = 8  # G samples per prompt (TRL num_generations 8)
+    iterations: int = 1  # μ: optimizer passes per generation (TRL num_iterations 1)
+    clip: float = 0.2  # TRL epsilon
+    beta: float = 0.0  # k3 KL to the reference (TRL default 0.0; DeepSeekMath 0.04)
+    scale_rewards: bool = True  # divide by the group's std (DeepSeekMath; TRL scale_rewards)
+
+
+@dataclass
+class RLHFConfig:
+    model: ModelSection = field(default_factory=ModelSection)  # only for a fresh base
+    models: ModelsSection = field(default_factory=ModelsSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    optim: OptimSection = field(default_factory=lambda: OptimSection(
+        warmup_steps=0, decay="constant", weight_decay=0.0, beta2=0.95))  # lr per stage below
+    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    generation: GenerationSection = field(default_factory=GenerationSection)
+    sft: SFTSection = field(default_factory=SFTSection)
+    reward: RewardSection = field(default_factory=RewardSection)
+    ppo: PPOSection = field(default_factory=PPOSection)
+    dpo: DPOSection = field(default_factory=DPOSection)
+    grpo: GRPOSection = field(default_factory=GRPOSection)
+    resume: str | None = None  # as train.py: a checkpoint dir, "latest" or "auto" (this stage's)
+
+    def stage_dir(self, stage: str) -> Path:
+        return Path(self.train.out_dir) / stage
+
+    def sft_path(self) -> Path:
+        return Path(self.models.sft) if self.models.sft else self.stage_dir("sft") / "hf"
+
+    def reward_path(self) -> Path:
+        return Path(self.models.reward) if self.models.reward else self.stage_dir("reward") / "hf"
+
+
+def check(cfg: RLHFConfig, stage: str) -> None:
+    """Values no stage can use are errors that name the key."""
+    if stage not in STAGES:
+        raise ConfigError(f"unknown stage {stage!r}: expected one of {', '.join(STAGES)}")
+    for key, value in (("train.micro_batch_size", cfg.train.micro_batch_size), ("sft.steps", cfg.sft.steps),
+                       ("reward.steps", cfg.reward.steps), ("ppo.steps", cfg.ppo.steps),
+                       ("dpo.steps", cfg.dpo.steps), ("grpo.steps", cfg.grpo.steps),
+                       ("ppo.epochs", cfg.ppo.epochs), ("ppo.mini_batches", cfg.ppo.mini_batches),
+                       ("grpo.group_size", cfg.grpo.group_size), ("grpo.iterations", cfg.grpo.iterations),
+                       ("generation.max_new_tokens", cfg.generation.max_new_tokens),
+                       ("data.max_len", cfg.data.max_len), ("data.max_prompt_len", cfg.data.max_prompt_len),
+                       ("train.log_interval", cfg.train.log_interval), ("train.eval_interval", cfg.train.eval_interval)):
+        if value < 1:
+            raise ConfigError(f"{key} must be at least 1, got {value}")
+    if cfg.data.max_prompt_len >= cfg.data.max_len:
+        raise ConfigError(f"data.max_prompt_len {cfg.data.max_prompt_len} must be below data.max_len "
+                          f"{cfg.data.max_len} (room for the response)")
+    if not 0.0 < cfg.data.valid_fraction < 1.0:
+        raise ConfigError(f"data.valid_fraction must be in (0, 1), got {cfg.data.valid_fraction}")
+    if cfg.generation.temperature < 0:
+        raise ConfigError(f"generation.temperature must be >= 0, got {cfg.generation.temperature}")
+    if not 0.0 < cfg.generation.top_p <= 1.0:
+        raise ConfigError(f"generation.top_p must be in (0, 1], got {cfg.generation.top_p}")
+    if cfg.ppo.mini_batches > cfg.train.micro_batch_size:
+        raise ConfigError(f"ppo.mini_batches {cfg.ppo.mini_batches} exceeds train.micro_batch_size "
+                          f"{cfg.train.micro_batch_size}: every mini-batch needs a rollout on each rank")
+    if not cfg.data.task and not cfg.data.preferences and not (stage in ("ppo", "grpo") and cfg.data.prompts):
+        raise ConfigError(f"rlhf.py {stage}: no data: set data.task (a built-in verifiable task) or "
+                          f"data.preferences (HH-RLHF / prompt-chosen-rejected records)")
+    if cfg.reward.source == "task" and not cfg.data.task:
+        raise ConfigError("reward.source is 'task' but data.task is not set: name a built-in task or use "
+                          "reward.source model")
+    try:
+        cfg.zero_optimization.validate()
+    except ZeroConfigError as e:
+        raise ConfigError(str(e)) from None

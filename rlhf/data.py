@@ -1,0 +1,148 @@
+"""Where each stage's model, tokenizer and examples come from.
+
+Two sources: a built-in verifiable task (rlhf.tasks; its records are written once under
+<out_dir>/data, and a fresh model of `model.preset` over the task's character tokenizer is
+the base), or data files (HH-RLHF pairs, Alpaca prompts) with a Hugging Face base model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data.datasets import PreferenceDataset, alpaca_prompt, prompt_ids, split_hh_dialogue, split_train_valid
+from data.sources import iter_json_records, require_file
+from data.tokenizer import Tokenizer
+from models.config import ModelConfig
+from models.hf import save_hf_checkpoint
+from models.transformer import Transformer
+from rlhf.common import barrier, tokenizer_of
+from rlhf.config import RLHFConfig
+from rlhf.tasks import VerifiableTask, get_task, save_task_tokenizer, task_records, write_jsonl
+from trainer.config import ConfigError
+from trainer.distributed import DistEnv
+
+
+def task(cfg: RLHFConfig) -> VerifiableTask | None:
+    if not cfg.data.task:
+        return None
+    try:
+        return get_task(cfg.data.task)
+    except ValueError as e:
+        raise ConfigError(f"data.task: {e}") from None
+
+
+def base_model_dir(cfg: RLHFConfig, env: DistEnv) -> Path:
+    """models.base, or a fresh model of model.preset over the task tokenizer saved once as a
+    Hugging Face directory <out_dir>/base/hf (same seed: the same model on every rank and run)."""
+    if cfg.models.base:
+        return Path(cfg.models.base)
+    if task(cfg) is None:
+        raise ConfigError("models.base is not set and there is no data.task: the sft stage needs a Hugging Face "
+                          "model directory to start from (its tokenizer reads the data files)")
+    out = cfg.stage_dir("base") / "hf"
+    if env.is_main and not (out / "config.json").is_file():
+        tokenizer_dir = save_task_tokenizer(cfg.stage_dir("base") / "tokenizer")
+        tokenizer = tokenizer_of(tokenizer_dir)
+        m = cfg.model
+        overrides = {k: getattr(m, k) for k in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "max_seq_len")
+                     if getattr(m, k) is not None}
+        multiple = m.make_vocab_size_divisible_by
+        overrides["vocab_size"] = -(-tokenizer.vocab_size // multiple) * multiple
+        torch.manual_seed(cfg.train.seed)
+        model = Transformer(ModelConfig.from_preset(m.preset, **overrides))
+        save_hf_checkpoint(model, out, tokenizer_dir=tokenizer_dir,
+                           token_ids={"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
+                                      "pad_token_id": tokenizer.pad_id})
+    barrier()
+    return out
+
+
+def task_file(cfg: RLHFConfig, kind: str, env: DistEnv) -> Path:
+    """The task's records of `kind` ("sft": prompt / completion, "pairs": prompt / chosen /
+    rejected), written once by rank 0."""
+    path = Path(cfg.train.out_dir) / "data" / f"{cfg.data.task}_{kind}_{cfg.data.task_samples}.jsonl"
+    if env.is_main and not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_jsonl(task_records(task(cfg), cfg.data.task_samples, cfg.train.seed, kind), path)
+    barrier()
+    return path
+
+
+def sft_file(cfg: RLHFConfig, env: DistEnv) -> tuple[Path, str]:
+    """The SFT records and their format: a task's demonstrations, or the chosen dialogues of HH pairs."""
+    if cfg.data.task:
+        return task_file(cfg, "sft", env), "completion"
+    return require_file(cfg.data.preferences, "data.preferences file"), "hh"
+
+
+def preference_file(cfg: RLHFConfig, env: DistEnv) -> Path:
+    if cfg.data.preferences:
+        return require_file(cfg.data.preferences, "data.preferences file")
+    return task_file(cfg, "pairs", env)
+
+
+@dataclass
+class Preferences:
+    dataset: PreferenceDataset
+    train_indices: np.ndarray
+    valid_indices: np.ndarray
+    source: str
+
+
+def load_preferences(cfg: RLHFConfig, tokenizer: Tokenizer, env: DistEnv) -> Preferences:
+    path = preference_file(cfg, env)
+    try:
+        dataset = PreferenceDataset(path, tokenizer, max_len=cfg.data.max_len)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"data.preferences: {e}") from e
+    if len(dataset) < 2:
+        raise ConfigError(f"{path}: {len(dataset)} usable pairs ({dataset.num_skipped} skipped); need at least 2")
+    train, valid = split_train_valid(len(dataset), cfg.data.valid_fraction, cfg.train.seed)
+    return Preferences(dataset, train, valid, f"{path} ({dataset.format}, {dataset.num_skipped} skipped)")
+
+
+@dataclass
+class Prompts:
+    texts: list[str]  # what a task's reward reads
+    tokens: list[list[int]]  # [BOS] + prompt, cut to its last max_prompt_len tokens
+    train_indices: np.ndarray
+    valid_indices: np.ndarray
+    source: str
+
+
+def _prompt_texts(cfg: RLHFConfig, env: DistEnv) -> tuple[list[str], str]:
+    if cfg.data.prompts:
+        path = require_file(cfg.data.prompts, "data.prompts file")
+        records = list(iter_json_records(path, required_keys=("instruction",)))
+        return [alpaca_prompt(r["instruction"], r.get("input")) for r in records], f"{path} (alpaca)"
+    if cfg.data.task:
+        path = task_file(cfg, "sft", env)
+        return [r["prompt"] for r in iter_json_records(path)], f"task {cfg.data.task}"
+    path = require_file(cfg.data.preferences, "data.preferences file")
+    texts = []
+    for r in iter_json_records(path):
+        texts.append(r["prompt"] if "prompt" in r else split_hh_dialogue(r["chosen"])[0])
+    return texts, f"{path} (prompts of the pairs)"
+
+
+def load_prompts(cfg: RLHFConfig, tokenizer: Tokenizer, env: DistEnv) -> Prompts:
+    texts, source = _prompt_texts(cfg, env)
+    texts = list(dict.fromkeys(texts))  # HH repeats prompts; each once
+    limit = cfg.data.max_prompt_len
+    tokens = [prompt_ids(tokenizer, t)[-limit:] for t in texts]
+    if len(texts) < 2:
+        raise ConfigError(f"{source}: {len(texts)} prompts; need at least 2")
+    train, valid = split_train_valid(len(texts), cfg.data.valid_fraction, cfg.train.seed)
+    return Prompts(texts, tokens, train, valid, f"{source}: {len(texts)} prompts")
+
+
+def write_samples(path: Path, rows: list[dict]) -> None:
+    """A few decoded rollouts per log interval: what the policy actually says."""
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
