@@ -34,6 +34,9 @@ class ModelConfig:
     bias: bool  # biases on all linear layers (GPT-2/OPT yes, LLaMA no)
     word_embed_proj_dim: int | None = None  # OPT: token embedding width when != d_model
     pre_norm: bool = True  # False: post-LN blocks (OPT-350m)
+    # 0: LM head over the vocabulary. n > 0: a scoring head (reward / value model) of n outputs
+    # per token, never tied to the token embedding, whatever tie_embeddings says.
+    num_labels: int = 0
 
     def __post_init__(self):
         # Normalise the "same as" defaults so that equal models compare equal.
@@ -61,6 +64,9 @@ class ModelConfig:
             raise ValueError(f"RoPE needs an even head_dim, got d_model/n_head={self.head_dim}")
         if self.position_offset < 0:
             raise ValueError(f"ModelConfig.position_offset={self.position_offset} must be >= 0")
+        if not isinstance(self.num_labels, int) or isinstance(self.num_labels, bool) or self.num_labels < 0:
+            raise ValueError(f"ModelConfig.num_labels={self.num_labels!r} must be an int >= 0 (0: LM head over the "
+                             f"vocabulary, n > 0: a scoring head with n outputs)")
 
     @property
     def head_dim(self) -> int:
@@ -70,6 +76,16 @@ class ModelConfig:
     def embed_dim(self) -> int:
         """Width of the token embedding (and of the LM head input)."""
         return self.word_embed_proj_dim or self.d_model
+
+    @property
+    def head_outputs(self) -> int:
+        """Output width of `head`: the vocabulary for an LM, num_labels for a score model."""
+        return self.num_labels or self.vocab_size
+
+    @property
+    def tied_head(self) -> bool:
+        """The head shares the token embedding's weight (an LM with tie_embeddings; never a score head)."""
+        return self.tie_embeddings and not self.num_labels
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "ModelConfig":
@@ -92,8 +108,8 @@ def num_params(config: ModelConfig, include_embeddings: bool = True) -> int:
 
     include_embeddings=False drops the tables that are only looked up, never
     multiplied: learned positions, and the token embedding when it is not tied
-    to the LM head. The LM head itself always counts, because it is a matmul;
-    this is the N of the 6N FLOPs estimate.
+    to the LM head. The head itself (LM or score head) always counts, because it
+    is a matmul; this is the N of the 6N FLOPs estimate.
     """
     d, e, ff = config.d_model, config.embed_dim, config.d_ff
     q_dim, kv_dim = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
@@ -108,9 +124,9 @@ def num_params(config: ModelConfig, include_embeddings: bool = True) -> int:
 
     total += norm if config.pre_norm else 0  # final norm
     total += 2 * e * d if config.word_embed_proj_dim else 0  # OPT project_in / project_out
-    total += config.vocab_size * e  # LM head (== token embedding when tied)
+    total += config.head_outputs * e  # LM head (== token embedding when tied) or score head
     if include_embeddings:
-        if not config.tie_embeddings:
+        if not config.tied_head:
             total += config.vocab_size * e
         if config.positions == "learned":
             total += (config.max_seq_len + config.position_offset) * d

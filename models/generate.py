@@ -1,4 +1,11 @@
-"""Batched autoregressive generation with left padding and a KV cache."""
+"""Batched autoregressive generation with left padding and a KV cache.
+
+`decode` is the one decode loop (also under rlhf.generation's rollouts on a sharded runtime);
+`generate` is its plain front end.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -53,15 +60,28 @@ def _check_args(prompts, vocab_size, pad_token_id, max_new_tokens, temperature, 
         raise ValueError(f"top_p={top_p} must be in (0, 1]")
 
 
-@torch.no_grad()
-def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
-             top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
-             pad_token_id: int = 0, generator: torch.Generator | None = None) -> list[list[int]]:
-    """Continue each prompt by up to max_new_tokens tokens; returns only the new tokens.
+@dataclass
+class Decoded:
+    """What the decode loop sampled, per prompt."""
 
-    A sequence stops at eos_token_id (the EOS itself is not returned). Prompts of
-    different lengths are left-padded with pad_token_id and masked out, so each
-    continuation is the same as generating that prompt alone.
+    tokens: list[list[int]]  # the new tokens, up to and including EOS when one was sampled
+    logprobs: list[list[float]] | None  # log_softmax of the raw (untempered) fp32 logits at each token
+    steps: int  # sampling steps run (every row is sampled once per step)
+
+
+@torch.no_grad()
+def decode(model: Transformer, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
+           top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
+           pad_token_id: int = 0, generator: torch.Generator | None = None, logprobs: bool = False,
+           keep_going: Callable[[bool], bool] | None = None) -> Decoded:
+    """The one decode loop: left-padded prefill, then one token per step with a KV cache.
+
+    A row is done once it samples eos_token_id (kept as its last token). Finished rows keep
+    decoding with the batch, but their tokens are never returned. The loop ends after
+    max_new_tokens steps, or when every row is done; `keep_going(all_done)`, if given, decides
+    that instead (called once per step, after sampling, before the next forward): ranks whose
+    forwards hold collectives use it to keep stepping together until all of them are done.
+    `model` is called as it is (hooks included), in eval mode, under no_grad.
     """
     config = model.config
     _check_args(prompts, config.vocab_size, pad_token_id, max_new_tokens, temperature, top_k, top_p)
@@ -72,28 +92,53 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
     device = next(model.parameters()).device
     tokens = torch.tensor([[pad_token_id] * (longest - len(p)) + list(p) for p in prompts], device=device)
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
+    if keep_going is None:
+        keep_going = lambda all_done: not all_done  # noqa: E731
 
     was_training = model.training
     model.eval()
+    outputs: list[list[int]] = [[] for _ in prompts]
+    scores: list[list[float]] | None = [[] for _ in prompts] if logprobs else None
+    steps = 0
     try:
         cache = KVCache(config.n_layer)
         logits = model(tokens, attention_mask=mask, kv_cache=cache)[:, -1]  # prefill
-        outputs = [[] for _ in prompts]
         done = [False] * len(prompts)
         for step in range(max_new_tokens):
             next_tokens = sample_next(logits, temperature, top_k, top_p, generator)
+            steps += 1
+            chosen = None
+            if scores is not None:
+                chosen = torch.log_softmax(logits.float(), dim=-1).gather(-1, next_tokens[:, None])[:, 0].tolist()
             for i, token in enumerate(next_tokens.tolist()):
                 if done[i]:
                     continue
+                outputs[i].append(token)
+                if chosen is not None:
+                    scores[i].append(chosen[i])
                 if token == eos_token_id:
                     done[i] = True
-                else:
-                    outputs[i].append(token)
-            if all(done) or step == max_new_tokens - 1:
+            if step == max_new_tokens - 1 or not keep_going(all(done)):
                 break
             # Finished rows keep decoding (batched), but their tokens are never returned.
             mask = torch.cat([mask, mask.new_ones(len(prompts), 1)], dim=1)
             logits = model(next_tokens[:, None], attention_mask=mask, kv_cache=cache)[:, -1]
     finally:
         model.train(was_training)
-    return outputs
+    return Decoded(outputs, scores, steps)
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
+             pad_token_id: int = 0, generator: torch.Generator | None = None) -> list[list[int]]:
+    """Continue each prompt by up to max_new_tokens tokens; returns only the new tokens.
+
+    A sequence stops at eos_token_id (the EOS itself is not returned). Prompts of
+    different lengths are left-padded with pad_token_id and masked out, so each
+    continuation is the same as generating that prompt alone.
+    """
+    out = decode(model, prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                 eos_token_id=eos_token_id, pad_token_id=pad_token_id, generator=generator)
+    return [row[:-1] if eos_token_id is not None and row and row[-1] == eos_token_id else row
+            for row in out.tokens]

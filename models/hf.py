@@ -19,6 +19,10 @@ from models.config import ModelConfig
 from models.transformer import Transformer
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "llama")
+# Score models (ModelConfig.num_labels > 0) are saved and loaded as these classes, with the head
+# as `score.weight` [num_labels, hidden] on the same base model (transformer. / model.decoder. / model.).
+SCORE_CLASSES = {"gpt2": "GPT2ForSequenceClassification", "opt": "OPTForSequenceClassification",
+                 "llama": "LlamaForSequenceClassification"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json")
 
@@ -96,6 +100,29 @@ def _llama_from_hf(hf: dict, source: str) -> dict:
 _FROM_HF = {"gpt2": _gpt2_from_hf, "opt": _opt_from_hf, "llama": _llama_from_hf}
 
 
+def _num_labels_from_hf(hf: dict, source: str, model_type: str) -> int:
+    """0 for a language model; the label count for a *ForSequenceClassification config.
+
+    Like transformers, the count comes from id2label, else num_labels, else its default of 2
+    (older configs left id2label out when it had the default 2 labels).
+    """
+    architectures = hf.get("architectures") or []
+    if not any(isinstance(a, str) and a.endswith("ForSequenceClassification") for a in architectures):
+        return 0
+    if architectures != [SCORE_CLASSES[model_type]]:
+        raise ValueError(f"{source}: architectures={architectures!r} is not supported for model_type="
+                         f"{model_type!r}; a sequence-classification model must be [{SCORE_CLASSES[model_type]!r}]")
+    id2label = hf.get("id2label")
+    if id2label is not None:
+        if not isinstance(id2label, dict) or not id2label:
+            raise ValueError(f"{source}: id2label={id2label!r} must be a non-empty mapping of label ids to names")
+        return len(id2label)
+    num_labels = hf.get("num_labels", 2)
+    if not isinstance(num_labels, int) or isinstance(num_labels, bool) or num_labels < 1:
+        raise ValueError(f"{source}: num_labels={num_labels!r} must be a positive int")
+    return num_labels
+
+
 def config_from_hf(hf_config: dict, source: str) -> ModelConfig:
     """ModelConfig from a parsed HF config.json; `source` (the file) is named in every error."""
     model_type = hf_config.get("model_type")
@@ -103,6 +130,7 @@ def config_from_hf(hf_config: dict, source: str) -> ModelConfig:
         raise ValueError(f"{source}: model_type={model_type!r} is not supported; "
                          f"supported model_type values: {SUPPORTED_MODEL_TYPES}")
     fields = _FROM_HF[model_type](hf_config, source)
+    fields["num_labels"] = _num_labels_from_hf(hf_config, source, model_type)
     try:
         return ModelConfig(arch=model_type, vocab_size=_get(hf_config, source, "vocab_size"), **fields)
     except ValueError as e:
@@ -110,10 +138,13 @@ def config_from_hf(hf_config: dict, source: str) -> ModelConfig:
 
 
 def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32, token_ids: dict | None = None) -> dict:
-    """config.json contents that transformers.AutoModelForCausalLM loads as the same model.
+    """config.json contents that transformers.AutoModelForCausalLM loads as the same model
+    (AutoModelForSequenceClassification for a score model, config.num_labels > 0).
 
     token_ids: {"bos_token_id": .., "eos_token_id": .., "pad_token_id": ..} of the tokenizer;
     without them transformers falls back to its class defaults (GPT-2's 50256, whatever the vocab).
+    A score model needs pad_token_id: transformers reads the score at the last token that is
+    not pad_token_id, and refuses batches of more than one sequence without it.
 
     Raises ValueError when the config mixes features the HF class cannot express
     (e.g. arch="gpt2" with RMSNorm): it is checked by converting back.
@@ -139,6 +170,14 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32, token_
               "rope_theta": c.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
               "attention_bias": c.bias, "mlp_bias": c.bias}
     hf.update(token_ids or {})
+    if c.num_labels:
+        if hf.get("pad_token_id") is None:
+            raise ValueError(f"a score model (num_labels={c.num_labels}) needs token_ids['pad_token_id'] for its "
+                             f"Hugging Face config.json: {SCORE_CLASSES[c.arch]} reads the score at the last token "
+                             f"that is not pad_token_id; got token_ids={token_ids!r}")
+        hf["architectures"] = [SCORE_CLASSES[c.arch]]
+        hf["id2label"] = {str(i): f"LABEL_{i}" for i in range(c.num_labels)}
+        hf["label2id"] = {f"LABEL_{i}": i for i in range(c.num_labels)}
     hf["tie_word_embeddings"] = c.tie_embeddings
     hf["dtype"] = str(dtype).removeprefix("torch.")
     hf["torch_dtype"] = hf["dtype"]  # the key's name before transformers 4.56, still read by older tools
@@ -182,20 +221,26 @@ _OLD_BUFFERS = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)"
 _GPT2_QKV = re.compile(r"transformer\.h\.(\d+)\.attn\.c_attn\.(weight|bias)")
 
 
-def _to_hf_name(name: str, arch: str) -> str:
+def _head_name(config: ModelConfig) -> str:
+    return "score" if config.num_labels else "lm_head"
+
+
+def _to_hf_name(name: str, config: ModelConfig) -> str:
+    arch = config.arch
     module, leaf = name.rsplit(".", 1)
     if module == "head":
-        return f"lm_head.{leaf}"
+        return f"{_head_name(config)}.{leaf}"
     block = re.fullmatch(r"blocks\.(\d+)\.(.+)", module)
     if block:
         return f"{_PREFIX[arch]}{_LAYERS[arch]}.{block[1]}.{_BLOCK[arch][block[2]]}.{leaf}"
     return f"{_PREFIX[arch]}{_TOP[arch][module]}.{leaf}"
 
 
-def _from_hf_name(hf_name: str, arch: str) -> str | None:
+def _from_hf_name(hf_name: str, config: ModelConfig) -> str | None:
     """Our name for an HF tensor name, or None when it is not part of the model."""
+    arch = config.arch
     module, leaf = hf_name.rsplit(".", 1)
-    if module == "lm_head":
+    if module == _head_name(config):
         return f"head.{leaf}"
     if not module.startswith(_PREFIX[arch]):
         return None
@@ -216,15 +261,16 @@ def _is_conv1d(name: str, tensor: torch.Tensor, arch: str) -> bool:
 def to_hf_state_dict(model_state: dict, config: ModelConfig) -> dict:
     """Our state dict -> HF names and layouts. Transposes are views; call .contiguous() to save.
 
-    Tied LM heads are left out, as HF stores them once (as the token embedding).
+    Tied LM heads are left out, as HF stores them once (as the token embedding). A score
+    model's head becomes `score.weight`, as in transformers' *ForSequenceClassification.
     """
     arch, out = config.arch, {}
     for name, tensor in model_state.items():
-        if name == "head.weight" and config.tie_embeddings:
+        if name == "head.weight" and config.tied_head:
             continue
         if arch == "gpt2" and re.fullmatch(r"blocks\.\d+\.attn\.[qkv]_proj\.(weight|bias)", name):
             continue  # fused below
-        out[_to_hf_name(name, arch)] = tensor.t() if _is_conv1d(name, tensor, arch) else tensor
+        out[_to_hf_name(name, config)] = tensor.t() if _is_conv1d(name, tensor, arch) else tensor
     if arch == "gpt2":
         for i in range(config.n_layer):
             for leaf in ("weight", "bias"):
@@ -238,8 +284,9 @@ def to_hf_state_dict(model_state: dict, config: ModelConfig) -> dict:
 def from_hf_state_dict(hf_state: dict, config: ModelConfig) -> dict:
     """HF names and layouts -> our state dict (the inverse of to_hf_state_dict).
 
-    Expects canonical HF names (as transformers' *ForCausalLM saves them). A tied
-    head gets the token embedding tensor under both of our names.
+    Expects canonical HF names (as transformers' *ForCausalLM, or *ForSequenceClassification
+    for a score model, saves them). A tied head gets the token embedding tensor under both
+    of our names.
     """
     arch, out, unknown = config.arch, {}, []
     for hf_name, tensor in hf_state.items():
@@ -250,28 +297,29 @@ def from_hf_state_dict(hf_state: dict, config: ModelConfig) -> dict:
             for p, part in zip("qkv", rows.split(config.d_model)):
                 out[f"blocks.{i}.attn.{p}_proj.{leaf}"] = part
             continue
-        name = _from_hf_name(hf_name, arch)
+        name = _from_hf_name(hf_name, config)
         if name is None:
             unknown.append(hf_name)
             continue
         out[name] = tensor.t() if _is_conv1d(name, tensor, arch) else tensor
     if unknown:
         raise ValueError(f"tensors {_preview(unknown)} have no counterpart in a {arch} model")
-    if config.tie_embeddings and "embed.tokens.weight" in out:
+    if config.tied_head and "embed.tokens.weight" in out:
         out["head.weight"] = out["embed.tokens.weight"]
     return out
 
 
 def _canonical_hf_name(name: str, config: ModelConfig) -> str | None:
-    """Name as *ForCausalLM saves it, or None for tensors HF itself ignores on load.
+    """Name as *ForCausalLM (or *ForSequenceClassification) saves it, or None for tensors HF
+    itself ignores on load.
 
     Checkpoints saved from the base model (the original gpt2 / opt repos) lack
     the `transformer.` / `model.` prefix; old ones carry non-persistent buffers.
     """
     base = {"gpt2": "transformer.", "opt": "model.", "llama": "model."}[config.arch]
-    if not name.startswith((base, "lm_head.")):
+    if not name.startswith((base, "lm_head.", "score.")):
         name = base + name
-    if name == "lm_head.weight" and config.tie_embeddings:
+    if name == "lm_head.weight" and config.tied_head:
         return None
     if _OLD_BUFFERS.fullmatch(name):
         return None
@@ -321,7 +369,11 @@ def _read_safetensors(file: Path) -> dict:
 
 
 def load_hf_checkpoint(path, dtype: torch.dtype = torch.float32) -> Transformer:
-    """Build a Transformer from a Hugging Face model dir (config.json + safetensors, sharded or not)."""
+    """Build a Transformer from a Hugging Face model dir (config.json + safetensors, sharded or not).
+
+    A *ForSequenceClassification dir gives a score model (config.num_labels from id2label),
+    its `score.weight` as the head; any other architecture is loaded as a language model.
+    """
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
@@ -361,7 +413,7 @@ def load_hf_checkpoint(path, dtype: torch.dtype = torch.float32) -> Transformer:
 
     state = from_hf_state_dict({n: t.to(dtype) for n, t in hf_state.items()}, config)
     model.load_state_dict({n: t.contiguous() for n, t in state.items()}, assign=True)
-    if config.tie_embeddings:  # assign=True replaced the shared Parameter by two
+    if config.tied_head:  # assign=True replaced the shared Parameter by two
         model.head.weight = model.embed.tokens.weight
     return model
 
@@ -424,6 +476,9 @@ def replace_output(tmp: Path, target: Path) -> None:
 def save_hf_checkpoint(model: Transformer, path, max_shard_size: int | None = None, tokenizer_dir=None,
                        token_ids: dict | None = None):
     """Write `model` as a Hugging Face dir (config.json + safetensors) that transformers loads.
+
+    A score model (config.num_labels > 0) is written as *ForSequenceClassification and needs
+    token_ids["pad_token_id"] (see config_to_hf).
 
     tokenizer_dir: tokenizer files to copy in; token_ids: its special ids for config.json.
 

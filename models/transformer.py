@@ -4,6 +4,7 @@ Top-level units are `embed`, `blocks[i]`, `norm`, `project_out` and `head`, so
 that a sharding runtime can wrap them from outside by name.
 """
 
+import dataclasses
 import math
 
 import torch
@@ -201,8 +202,9 @@ class Transformer(nn.Module):
         self.project_out = None
         if config.word_embed_proj_dim:
             self.project_out = nn.Linear(config.d_model, config.embed_dim, bias=False)
-        self.head = nn.Linear(config.embed_dim, config.vocab_size, bias=False)
-        if config.tie_embeddings:
+        # LM head over the vocabulary, or a score head of num_labels outputs (never tied).
+        self.head = nn.Linear(config.embed_dim, config.head_outputs, bias=False)
+        if config.tied_head:
             self.head.weight = self.embed.tokens.weight
         self.init_weights()
 
@@ -227,7 +229,7 @@ class Transformer(nn.Module):
                 nn.init.normal_(proj.weight, mean=0.0, std=INIT_STD / math.sqrt(2 * self.config.n_layer))
 
     def forward(self, tokens, position_ids=None, attention_mask=None, kv_cache=None) -> torch.Tensor:
-        """tokens [B, T] -> float32 logits [B, T, V].
+        """tokens [B, T] -> float32 logits [B, T, V] (score model: values [B, T, num_labels]).
 
         attention_mask: optional [B, past+T] 1/0 padding mask (left padding for
         batched generation). kv_cache: a KVCache that is read and extended.
@@ -255,6 +257,32 @@ class Transformer(nn.Module):
         if self.project_out is not None:
             x = self.project_out(x)
         return self.head(x).float()
+
+
+def score_model_from(model: Transformer, num_labels: int = 1) -> Transformer:
+    """A score (reward / value) model with `model`'s config and weights but a fresh scoring head.
+
+    Every weight except the head is copied (the result shares no storage with `model`, which
+    is left unchanged); the head `[num_labels, embed_dim]` is drawn from N(0, 1/sqrt(embed_dim + 1))
+    under the current torch (CPU) RNG, as TRL's reward-modeling scripts do
+    (`layer_init(model.score, std=1 / np.sqrt(hidden_size + 1))`, after Stiennon et al. 2020,
+    arXiv:2009.01325, p. 11), then cast to the model's dtype and device.
+    """
+    if not isinstance(num_labels, int) or isinstance(num_labels, bool) or num_labels < 1:
+        raise ValueError(f"score_model_from: num_labels={num_labels!r} must be an int >= 1")
+    config = dataclasses.replace(model.config, num_labels=num_labels)
+    with torch.device("meta"):
+        score = Transformer(config)
+    ref = model.head.weight
+    head = torch.empty(num_labels, config.embed_dim).normal_(0.0, 1.0 / math.sqrt(config.embed_dim + 1))
+    weights = {n: t.detach().clone() for n, t in model.state_dict().items() if n != "head.weight"}
+    weights["head.weight"] = head.to(ref.device, ref.dtype)
+    expected = set(score.state_dict())
+    if set(weights) != expected:
+        raise ValueError(f"score_model_from: the model's weights {sorted(set(weights) - expected)[:5]} are not those "
+                         f"of a plain Transformer of its config (LoRA adapters? merge them first with merge_lora)")
+    score.load_state_dict(weights, assign=True)
+    return score.train(model.training)
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ STAGES = ("sft", "reward", "dpo", "ppo", "grpo")
 @dataclass
 class ModelsSection:
     # Where the SFT stage starts: a Hugging Face causal-LM directory, or None for a fresh model
-    # of `model.preset` over the data's tokenizer (the built-in tasks' character tokenizer).
+    # of `model.preset` over the built-in character tokenizer (rlhf.tasks; CPU demos and tests).
     base: str | None = None
     # The SFT model the actor, the reference and (for the critic / reward model) the score
     # models start from; None: <out_dir>/sft/hf, made by the sft stage first when missing.
@@ -175,7 +175,8 @@ def check(cfg: RLHFConfig, stage: str) -> None:
                        ("grpo.group_size", cfg.grpo.group_size), ("grpo.iterations", cfg.grpo.iterations),
                        ("generation.max_new_tokens", cfg.generation.max_new_tokens),
                        ("data.max_len", cfg.data.max_len), ("data.max_prompt_len", cfg.data.max_prompt_len),
-                       ("train.log_interval", cfg.train.log_interval), ("train.eval_interval", cfg.train.eval_interval)):
+                       ("train.log_interval", cfg.train.log_interval),
+                       ("train.eval_interval", cfg.train.eval_interval)):
         if value < 1:
             raise ConfigError(f"{key} must be at least 1, got {value}")
     if cfg.data.max_prompt_len >= cfg.data.max_len:

@@ -37,13 +37,11 @@ def task(cfg: RLHFConfig) -> VerifiableTask | None:
 
 
 def base_model_dir(cfg: RLHFConfig, env: DistEnv) -> Path:
-    """models.base, or a fresh model of model.preset over the task tokenizer saved once as a
-    Hugging Face directory <out_dir>/base/hf (same seed: the same model on every rank and run)."""
+    """models.base, or a fresh model of model.preset over the built-in character tokenizer (the
+    tasks'; it reads any English text too), saved once as a Hugging Face directory
+    <out_dir>/base/hf (same seed: the same model on every rank and run)."""
     if cfg.models.base:
         return Path(cfg.models.base)
-    if task(cfg) is None:
-        raise ConfigError("models.base is not set and there is no data.task: the sft stage needs a Hugging Face "
-                          "model directory to start from (its tokenizer reads the data files)")
     out = cfg.stage_dir("base") / "hf"
     if env.is_main and not (out / "config.json").is_file():
         tokenizer_dir = save_task_tokenizer(cfg.stage_dir("base") / "tokenizer")
@@ -132,7 +130,8 @@ def _prompt_texts(cfg: RLHFConfig, env: DistEnv) -> tuple[list[str], str]:
 
 def load_prompts(cfg: RLHFConfig, tokenizer: Tokenizer, env: DistEnv) -> Prompts:
     texts, source = _prompt_texts(cfg, env)
-    texts = list(dict.fromkeys(texts))  # HH repeats prompts; each once
+    if not cfg.data.task:
+        texts = list(dict.fromkeys(texts))  # HH repeats prompts: each once (a task's repeat by design)
     limit = cfg.data.max_prompt_len
     tokens = [prompt_ids(tokenizer, t)[-limit:] for t in texts]
     if len(texts) < 2:

@@ -19,7 +19,7 @@ from rlhf.common import (ModelRuntime, StageCheckpoint, all_finite, comm_scalars
 from rlhf.config import GRPOSection, RLHFConfig
 from rlhf.data import load_prompts, task, write_samples
 from rlhf.losses import entropy_from_logits, grpo_advantages, grpo_loss, kl_estimate
-from rlhf.rollout import (RolloutBatch, generate, global_masked_mean, global_stats, logprobs, model_rewards,
+from rlhf.rollout import (RolloutBatch, generate, global_stats, logprobs, model_rewards,
                           response_text, task_rewards)
 from trainer.distributed import DistEnv
 from trainer.preemption import PreemptionSignal
@@ -76,7 +76,8 @@ def run_grpo(cfg: RLHFConfig, env: DistEnv) -> dict:
     batches = iter(sampler)
     log = open_log(cfg, "grpo", g.steps, env, step)
     if env.is_main:
-        log.info(f"grpo: actor {sft_path}, reward {'model ' + str(cfg.reward_path()) if reward_model else 'task ' + cfg.data.task} "
+        source = f"model {cfg.reward_path()}" if reward_model else f"task {cfg.data.task}"
+        log.info(f"grpo: actor {sft_path}, reward {source} "
                  f"| {prompts.source} | world size {env.world_size} | {cfg.train.micro_batch_size * env.world_size} "
                  f"prompts x {g.group_size} samples per step | runtime: {actor.runtime.describe()}")
     preemption = PreemptionSignal(cfg.train.preempt_signal)
@@ -100,7 +101,8 @@ def run_grpo(cfg: RLHFConfig, env: DistEnv) -> dict:
         skipped += bad
         rows = global_sum(len(indices))[0]
         reward_mean, reward_std = global_stats(rewards)
-        flat_groups = (rewards.view(-1, g.group_size).std(dim=1) == 0).sum().item() if g.group_size > 1 else len(rewards)
+        flat_groups = (rewards.view(-1, g.group_size).std(dim=1) == 0).sum().item() if g.group_size > 1 \
+            else len(rewards)
         metrics = {"reward": reward_mean, "reward std": reward_std, **stats,
                    "zero-advantage groups": global_sum(flat_groups)[0] / (rows / g.group_size),
                    "response length": global_sum(batch.mask.sum().item())[0] / rows}
@@ -109,7 +111,8 @@ def run_grpo(cfg: RLHFConfig, env: DistEnv) -> dict:
         new_tokens, gen_max = global_sum(gen.new_tokens)[0], global_max(gen_seconds)
         metrics.update({
             "generation tokens/s": new_tokens / gen_max, "inference copy (MB)": gen.inference_bytes / 2**20,
-            "training tokens/s": global_sum(batch.attention_mask.sum().item() * g.iterations)[0] / max(train_seconds, 1e-9),
+            "training tokens/s": global_sum(batch.attention_mask.sum().item() * g.iterations)[0]
+            / max(train_seconds, 1e-9),
             "elapsed time per iteration (ms)": (time.perf_counter() - start) * 1e3,
             "cross-node generation (MB)": generation_mb,
             "cross-node training (MB)": comm_scalars(models)["cross-node sent (MB)"] - generation_mb,

@@ -143,10 +143,11 @@ def run_pairs(stage: str, cfg: RLHFConfig, env: DistEnv) -> dict:
     objective.prepare(prefs, tokenizer.pad_id, env, micro, cfg.stage_dir(stage))
 
     def evaluate() -> dict[str, float]:
-        sampler = ResumableBatchSampler(prefs.valid_indices, micro, env.rank, env.world_size, cfg.train.seed,
+        per_rank = min(micro, max(1, len(prefs.valid_indices) // env.world_size))
+        sampler = ResumableBatchSampler(prefs.valid_indices, per_rank, env.rank, env.world_size, cfg.train.seed,
                                         shuffle=False)
         batches = iter(sampler)
-        n = min(cfg.train.eval_batches, max(1, len(prefs.valid_indices) // (micro * env.world_size)))
+        n = min(cfg.train.eval_batches, max(1, len(prefs.valid_indices) // (per_rank * env.world_size)))
         totals = torch.zeros(4, dtype=torch.float64)  # loss, correct, margin, pairs
         with torch.no_grad():
             for _ in range(n):

@@ -58,7 +58,8 @@ def ppo_update(actor: ModelRuntime, critic: ModelRuntime, exp: Experience, cfg: 
     """`cfg.epochs` passes over the rollout in `cfg.mini_batches` splits, one actor and one critic
     optimizer step each; returns the statistics and how many steps were skipped (non-finite)."""
     B = exp.batch.tokens.shape[0]
-    sums = torch.zeros(6, dtype=torch.float64)  # policy loss, value loss, clipped, approx kl, entropy (token sums), tokens
+    # token sums of the policy loss, value loss, clipped, approx kl, entropy; tokens
+    sums = torch.zeros(6, dtype=torch.float64)
     skipped, step = 0, first_step
     for _ in range(cfg.epochs):
         for rows in torch.tensor_split(torch.arange(B), cfg.mini_batches):
@@ -124,7 +125,8 @@ class _EMA:
             self.shadow[n].mul_(self.decay).add_(p.detach(), alpha=1 - self.decay)
 
     def save(self, directory) -> None:
-        save_file({n: t.contiguous() for n, t in self.shadow.items()}, directory / f"ema_rank{self.actor.env.rank:05d}.safetensors")
+        save_file({n: t.contiguous() for n, t in self.shadow.items()},
+                  directory / f"ema_rank{self.actor.env.rank:05d}.safetensors")
 
     def load(self, directory) -> None:
         saved = read_safetensors(directory / f"ema_rank{self.actor.env.rank:05d}.safetensors")
@@ -176,7 +178,8 @@ def run_ppo(cfg: RLHFConfig, env: DistEnv) -> dict:
     batches = iter(sampler)
     log = open_log(cfg, "ppo", p.steps, env, step)
     if env.is_main:
-        log.info(f"ppo: actor/reference {sft_path}, critic and reward {'from ' + str(cfg.reward_path()) if reward_model else 'task ' + cfg.data.task} | "
+        source = f"from {cfg.reward_path()}" if reward_model else f"task {cfg.data.task}"
+        log.info(f"ppo: actor/reference {sft_path}, critic and reward {source} | "
                  f"{prompts.source} | world size {env.world_size} | {cfg.train.micro_batch_size * env.world_size} "
                  f"rollouts per step | runtime: {actor.runtime.describe()}")
     preemption = PreemptionSignal(cfg.train.preempt_signal)

@@ -51,24 +51,29 @@ def generate(actor: ModelRuntime, prompts: list[list[int]], texts: list[str], cf
         actor.runtime, prompts, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k or None,
         top_p=cfg.top_p if cfg.top_p < 1.0 else None, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
         max_bytes=int(cfg.max_gather_mb * 2**20) or None)
-    device = actor.env.device
+    batch = layout(prompts, out.responses, out.logprobs, texts, tokenizer.pad_id, actor.env.device)
+    return batch, GenerationStats(out.new_tokens, out.seconds, out.inference_bytes, out.steps)
+
+
+def layout(prompts: list[list[int]], responses: list[list[int]], logps: list[list[float]], texts: list[str],
+           pad_id: int, device) -> RolloutBatch:
+    """One batch over [prompt | response]: prompts left-padded to the longest, responses right-padded."""
     P = max(len(p) for p in prompts)
-    R = max(1, max(len(r) for r in out.responses))
+    R = max(1, max(len(r) for r in responses))
     B = len(prompts)
-    tokens = torch.full((B, P + R), tokenizer.pad_id, dtype=torch.long)
+    tokens = torch.full((B, P + R), pad_id, dtype=torch.long)
     attention = torch.zeros((B, P + R), dtype=torch.long)
     mask = torch.zeros((B, R))
     gen_logp = torch.zeros((B, R))
-    for i, (prompt, response, logps) in enumerate(zip(prompts, out.responses, out.logprobs)):
+    for i, (prompt, response, logp) in enumerate(zip(prompts, responses, logps)):
         tokens[i, P - len(prompt):P] = torch.tensor(prompt)
         attention[i, P - len(prompt):P + len(response)] = 1
         if response:
             tokens[i, P:P + len(response)] = torch.tensor(response)
             mask[i, :len(response)] = 1
-            gen_logp[i, :len(response)] = torch.tensor(logps)
-    batch = RolloutBatch(tokens.to(device), attention.to(device), P, mask.to(device), gen_logp.to(device),
-                         out.responses, list(texts))
-    return batch, GenerationStats(out.new_tokens, out.seconds, out.inference_bytes, out.steps)
+            gen_logp[i, :len(response)] = torch.tensor(logp)
+    return RolloutBatch(tokens.to(device), attention.to(device), P, mask.to(device), gen_logp.to(device),
+                        [list(r) for r in responses], list(texts))
 
 
 def response_text(tokenizer: Tokenizer, response: list[int]) -> str:

@@ -197,8 +197,12 @@ class Trainer:
     def _resume(self, path: Path) -> None:
         saved = read_state(path)
         ours = dataclasses.asdict(self.model_cfg)
-        if saved["model_config"] != ours:
-            diff = {k: (saved["model_config"].get(k), v) for k, v in ours.items() if saved["model_config"].get(k) != v}
+        # Fields added since a checkpoint was written (e.g. num_labels) are missing from its dict:
+        # they had their default then. Any other difference, unknown saved keys included, is refused.
+        defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.default is not dataclasses.MISSING}
+        saved_cfg = {**defaults, **saved["model_config"]}
+        if saved_cfg != ours:
+            diff = {k: (saved_cfg.get(k), ours.get(k)) for k in {**saved_cfg, **ours} if saved_cfg.get(k) != ours.get(k)}
             raise ConfigError(f"resume: checkpoint {path} was made for another model; (saved, ours): {diff}")
         if saved.get("lora") != _lora_state(self.cfg.finetune.lora):
             raise ConfigError(f"resume: checkpoint {path} has LoRA adapters {saved.get('lora')}, this run "

@@ -35,6 +35,7 @@ class DDPRuntime(Runtime):
         if self.world_size > 1:
             self.mesh = build_mesh(ranks_per_node=self.config.ranks_per_node, thread_groups=False)
             self.comm = Comm(self.mesh, self.ledger)
+        if self.world_size > 1 and any(p.requires_grad for p in model.parameters()):  # a frozen model: no DDP
             device = device or torch.device("cpu")
             # find_unused_parameters also keeps DDP from rebuilding its buckets after the first
             # step; a rebuild changes the summation order, so a resumed run would not be bit-exact.

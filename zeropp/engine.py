@@ -21,11 +21,17 @@ gradient shard) holds the sum over ranks divided by the gradient divide factor.
 
 Step: the caller's optimizer steps the registered shard pieces (`model.parameters()`);
 the next forward re-encodes what changed.
+
+Rollouts (`inference_weights`): every unit is gathered once (from the primary shards, the
+wire as the training forward sends it; ledger tag "rollout gather") and decoded into buffers
+of its own, so the no-grad forwards of generation run without any collective; blocks that do
+not fit `max_bytes` are gathered per forward as in training instead. On exit the copies go.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -37,7 +43,7 @@ from zeropp.comm import Comm
 from zeropp.config import DTYPES, ZeroConfig, ZeroConfigError
 from zeropp.quantized import PlainCodec, QuantizedCodec
 from zeropp.reducers import ExactReduceScatter, QuantizedReduce
-from zeropp.runtime import Runtime, Timings
+from zeropp.runtime import InferenceWeights, Runtime, Timings
 from zeropp.topology import Mesh, build_mesh
 from zeropp.unit import Phase, Unit
 
@@ -227,6 +233,7 @@ class Zero3Engine(Runtime):
         self._position: dict[int, int] = {}
         self._occupant: list[list[Unit] | None] = [None, None]  # the block group each buffer holds
         self._phase = Phase.FORWARD
+        self._rollout: InferenceWeights | None = None  # set inside inference_weights
         self._hooks = [model.register_forward_pre_hook(self._model_pre_forward),
                        model.register_forward_hook(self._model_post_forward)]
         for block, group in zip(model.blocks, self.block_groups):
@@ -282,6 +289,8 @@ class Zero3Engine(Runtime):
             unit.decode(self.comm, self._phase, self.timings)
 
     def _prefetch(self, group: list[Unit] | None) -> None:
+        if group and group[0].inference is not None:  # a rollout holds it: nothing to gather
+            return
         due = [u for u in group or () if u.pending_gather is None and self.config.overlap_comm
                and u.padded_numel <= self.config.stage3_prefetch_bucket_size]
         if due:
@@ -301,13 +310,19 @@ class Zero3Engine(Runtime):
     # ------------------------------------------------------------------ hooks
 
     def _model_pre_forward(self, module, args):
-        self._phase = Phase.FORWARD
+        grad = torch.is_grad_enabled()
+        if self._rollout is None:
+            self._phase = Phase.FORWARD
+        elif grad:
+            raise RuntimeError("a forward inside Zero3Engine.inference_weights must run under torch.no_grad(): "
+                               "the inference copy has no gradient path; train outside the context")
         with self.timings.timer("weight encode"):
             for u in self.units.values():
                 u.refresh()
-        grad = torch.is_grad_enabled()
         # Own buffers: gathered once per weight update.
         self._ensure_gathered([u for u in self.resident if u.gathered_version != u.version])
+        if self._rollout is not None:  # weights edited inside the context: renew their copies
+            self._gather_copies([u for u in self.blocks if u.inference is not None and u.gathered_version != u.version])
         for u in self.resident:
             u.bind(grad, self._reduce)
         if self._order_known:
@@ -319,9 +334,10 @@ class Zero3Engine(Runtime):
                 self._position[id(unit)] = len(self._order)
                 unit.slot = len(self._order) % 2
             self._order.append(group)
-        self._take_buffer(group)
-        self._ensure_gathered(group)
-        for unit in group:
+        if group[0].inference is None:
+            self._take_buffer(group)
+            self._ensure_gathered(group)
+        for unit in group:  # a held inference copy is only bound (again): no gather
             unit.bind(torch.is_grad_enabled(), self._reduce)
         if self._order_known:
             pos = self._position[id(group[0])]
@@ -400,6 +416,81 @@ class Zero3Engine(Runtime):
         for u in self.units.values():
             if u.pending_reduce is not None:
                 self._wait_reduce(u)
+
+    # ------------------------------------------------------------------ rollouts
+
+    def _gather_copies(self, units: list[Unit]) -> None:
+        """Gather units into their inference copies: one all-gather each, the next one issued
+        before the previous is decoded; the gathered bytes go once decoded."""
+        def issue(u: Unit) -> None:
+            _, compute = u.inference
+            gather = compute if u.codec.dtype == compute.dtype else self._new_buffer(u.gathered_numel, u.codec.dtype)
+            u.hold_inference_copy(gather, compute)
+            u.gather(self.comm, self._phase, async_op=True)
+
+        for i, u in enumerate(units):
+            if u.pending_gather is None:
+                issue(u)
+            if i + 1 < len(units):
+                issue(units[i + 1])
+            u.decode(self.comm, self._phase, self.timings)
+            u.drop_gathered_bytes()
+
+    @contextmanager
+    def inference_weights(self, max_bytes: int | None = None):
+        """Gather the model once for any number of no-grad forwards (see Runtime.inference_weights).
+
+        On entry every unit is all-gathered once from its primary shards, in the wire format
+        the training forward uses (qwZ codes + scales with qwZ), ledger tag "rollout gather":
+        the embeddings and norms into their own buffers (skipped when they already hold the
+        current weights), each block into a new buffer of the compute dtype. Blocks that do not
+        fit `max_bytes` (in model order) are instead gathered per forward into the two training
+        buffers, as in training (same tag). Inside, forwards must run under no_grad. On exit the
+        blocks' copies are freed; the next training forward and backward run as if there had
+        been no rollout (only the embeddings' and norms' gather may already be done).
+        """
+        if self._rollout is not None:
+            raise RuntimeError("Zero3Engine.inference_weights is already active; it does not nest")
+        if self._phase is not Phase.FORWARD:
+            raise RuntimeError("Zero3Engine.inference_weights entered during a backward")
+        itemsize = torch.empty((), dtype=self.param_dtype).element_size()
+        budget = math.inf if max_bytes is None else max_bytes
+        held, streamed, used = [], [], 0
+        for group in self.block_groups:  # a block's units are held or streamed together
+            cost = sum(u.padded_numel for u in group) * itemsize
+            if not streamed and used + cost <= budget:
+                held += group
+                used += cost
+            else:
+                streamed += group
+        info = InferenceWeights(bytes=used, resident_units=len(self.resident) + len(held),
+                                streamed_units=len(streamed), collectives_per_forward=bool(streamed))
+        # The training buffers' occupants let go: a held block never takes a training buffer,
+        # so nothing releases its copy's binding while the rollout runs.
+        for s, group in enumerate(self._occupant):
+            for unit in group or ():
+                unit.release()
+            self._occupant[s] = None
+        self._rollout, self._phase = info, Phase.ROLLOUT
+        try:
+            with self.timings.timer("weight encode"):
+                for u in self.units.values():
+                    u.refresh()
+            self._ensure_gathered([u for u in self.resident if u.gathered_version != u.version])
+            for u in held:
+                u.hold_inference_copy(None, self._new_buffer(u.padded_numel, self.param_dtype))
+            self._gather_copies(held)
+            for u in self.resident + held:  # the modules' attributes are the full weights from now on
+                u.bind(False, self._reduce)
+            yield info
+        finally:
+            for u in self.units.values():  # a forward that failed midway may leave a prefetch
+                if u.pending_gather is not None:
+                    u.pending_gather.wait()
+                    u.pending_gather = None
+            for u in held:
+                u.drop_inference_copy()
+            self._rollout, self._phase = None, Phase.FORWARD
 
     # ------------------------------------------------------------------ the Runtime interface
 

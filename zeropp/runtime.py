@@ -13,6 +13,8 @@ FSDP2 and DeepSpeed) and from then on uses only this:
     norm = runtime.clip_grad_norm_(max_norm)    # the global norm, over every rank's gradients
     optimizer.step(); optimizer.zero_grad()
     runtime.save(directory, optimizer) / runtime.load(directory, optimizer)
+    with runtime.inference_weights(max_bytes) as info:   # RLHF rollouts (rlhf.generation)
+        runtime.module(...) under no_grad, any number of times (prefill + each decoded token)
 
 After wrapping, `runtime.module.parameters()` are what this rank's optimizer steps: the
 full tensors under DDP, this rank's shards under ZeRO-3 (see docs/architecture.md). Their
@@ -25,6 +27,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -47,6 +50,24 @@ class Timings(defaultdict):
             yield
         finally:
             self[kind] += time.perf_counter() - start
+
+
+@dataclass
+class InferenceWeights:
+    """What `Runtime.inference_weights` holds for the forwards inside it.
+
+    bytes: memory the inference copy adds (freed on exit); weights a runtime holds whole anyway
+    (DDP's, ZeRO's embeddings and norms) cost nothing. resident_units: units whose full weights
+    stay in memory through the context; streamed_units: units gathered per forward instead
+    (they did not fit `max_bytes`). collectives_per_forward: a forward inside the context runs
+    collectives, so every rank must run the same number of forwards (rlhf.generation keeps the
+    ranks stepping together then).
+    """
+
+    bytes: int = 0
+    resident_units: int = 0
+    streamed_units: int = 0
+    collectives_per_forward: bool = False
 
 
 class Runtime:
@@ -93,6 +114,18 @@ class Runtime:
     def load(self, directory, optimizer: torch.optim.Optimizer) -> None:
         """Restore what `save` wrote (every rank calls it)."""
         raise NotImplementedError
+
+    @contextmanager
+    def inference_weights(self, max_bytes: int | None = None):
+        """Context for no-grad forwards of `self.module` (generation): the full weights are made
+        available once on entry, so the forwards inside (prefill, each decoded token) run without
+        collectives where they fit in `max_bytes` of extra memory; yields an InferenceWeights.
+        On exit the copy is freed and training goes on exactly as if nothing happened.
+
+        Every rank enters it together. This default is for runtimes holding the full weights
+        (DDP): nothing to gather, the module runs as it is.
+        """
+        yield InferenceWeights()
 
     def describe(self) -> str:
         raise NotImplementedError

@@ -24,6 +24,10 @@ The data flow of one step, as methods the engine calls in order:
                gates that collect the gradients into one flat buffer)
   reduce()     hand the flat gradient to the reducer (reduce-scatter, qgZ, ...) into grad_shard
   release()    drop the modules' views once another unit took the buffer
+
+A rollout (Zero3Engine.inference_weights) may give a unit an inference copy: buffers of its
+own (`inference`) that gather(), decode() and bind() use instead of the shared ones until
+drop_inference_copy().
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import torch.nn as nn
 class Phase(enum.Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
+    ROLLOUT = "rollout"  # no-grad forwards inside Zero3Engine.inference_weights (generation)
 
 
 class Source(enum.Enum):
@@ -130,6 +135,9 @@ class Unit:
         self._encoded_master_version = -1
         self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (gather, compute) per buffer slot
         self.slot = 0  # which of the two alternating buffers the unit uses (resident units: their own)
+        # A rollout's inference copy: (gather buffer or None once decoded, compute buffer), used
+        # instead of buffers[slot] while set.
+        self.inference: tuple[torch.Tensor | None, torch.Tensor] | None = None
         self.pending_gather = None
         self.pending_reduce = None
         self.grad_target: torch.Tensor | None = None  # the flat gradient buffer of this backward
@@ -211,8 +219,11 @@ class Unit:
             return Source.SECONDARY
         return Source.PRIMARY
 
+    def _buffer_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inference if self.inference is not None else self.buffers[self.slot]
+
     def gather(self, comm, phase: Phase, async_op: bool) -> None:
-        gather, _ = self.buffers[self.slot]
+        gather, _ = self._buffer_pair()
         source = self.source(phase)
         shard = self.secondary if source is Source.SECONDARY else self.wire
         self.pending_gather = comm.all_gather(gather, shard, group=source.value, tag=f"{phase.value} gather",
@@ -222,10 +233,11 @@ class Unit:
         """Wait for the gather, decode into the compute buffer; in a forward with autograd, keep
         this rank's part of the bytes as the hpZ secondary."""
         timer = timings.timer
-        with timer("waiting for gathers"):
-            self.pending_gather.wait()
-            self.pending_gather = None
-        gather, compute = self.buffers[self.slot]
+        if self.pending_gather is not None:  # a synchronous gather (overlap_comm off) is already in
+            with timer("waiting for gathers"):
+                self.pending_gather.wait()
+                self.pending_gather = None
+        gather, compute = self._buffer_pair()
         with timer("weight decode"):
             self.codec.decode(gather, compute, self.world_size)
         self.gathered_version = self.version
@@ -238,7 +250,7 @@ class Unit:
     def bind(self, grad: bool, on_grads_ready) -> None:
         """Point the modules' attributes at views of the compute buffer; with `grad`, through the
         gates that collect the unit's gradients and call on_grads_ready(unit) when all are in."""
-        _, compute = self.buffers[self.slot]
+        _, compute = self._buffer_pair()
         # A fresh alias of the buffer (own version counter): re-gathering into the buffer later
         # does not trip autograd's checks on the tensors this forward saves.
         flat = torch.empty(0, dtype=compute.dtype, device=compute.device).set_(
@@ -261,6 +273,20 @@ class Unit:
             for module, attr in slot.aliases:
                 module.__dict__.pop(attr, None)
         self.gathered_version = -1
+
+    def hold_inference_copy(self, gather: torch.Tensor, compute: torch.Tensor) -> None:
+        """From now on gather into `gather` and decode into `compute`, buffers of the unit's own
+        (`gather` may be `compute` itself when the wire is the compute dtype)."""
+        self.inference = (gather, compute)
+
+    def drop_gathered_bytes(self) -> None:
+        """The inference copy is decoded: let its gathered bytes go, keep the weights."""
+        self.inference = (None, self.inference[1])
+
+    def drop_inference_copy(self) -> None:
+        """Back to the shared buffers: unbind, and let the copy go (freed with its last view)."""
+        self.release()
+        self.inference = None
 
     def reduce(self, reducer, divide: float, async_op: bool) -> None:
         """All the unit's gradients are in grad_target: reduce them (divided by `divide`) into grad_shard."""

@@ -35,8 +35,8 @@ from pathlib import Path
 from scripts.bench import report
 from scripts.bench.report import ROOT
 
-SUITE = ["comm_volume", "kernel_bandwidth", "ablation", "peers", "convergence"]  # run order: cheapest first
-DOC_ORDER = ["ablation", "peers", "comm_volume", "convergence", "kernel_bandwidth"]  # sections 1-5 of the docs
+SUITE = ["comm_volume", "kernel_bandwidth", "ablation", "peers", "rlhf", "convergence"]  # run order: cheapest first
+DOC_ORDER = ["ablation", "peers", "comm_volume", "convergence", "kernel_bandwidth", "rlhf"]  # sections 1-6 of the docs
 BENCHMARKS = SUITE + ["memory", "reduce_scatter", "quantized_perplexity"]
 
 
@@ -160,6 +160,12 @@ def summary(results: dict) -> list[dict]:
             target(f"convergence: final validation loss after {conv.get('plan', {}).get('steps')} steps, ZeRO++ "
                    "(8-bit qwZ) vs ZeRO-3, relative", "within 1%", r.get("rel_diff"), lambda v: abs(v) <= 0.01,
                    percent=True)
+    rlhf = results.get("rlhf", {})
+    for what, key, theirs in (("generation tokens/s", "generation", 2.25), ("PPO step time", "step", 1.26)):
+        # DeepSpeed's ZeRO++ blog figure is a reference (GPUs, far larger models), not a target: no verdict
+        out.append({"what": f"RLHF: ZeRO++ / ZeRO-3 speedup of the {what}, {rlhf.get('plan', {}).get('rate', '100mbit')}",
+                    "target": f"DeepSpeed (GPUs): {theirs}x", "value": (rlhf.get("ratios") or {}).get(key),
+                    "percent": False, "met": None})
     return out
 
 
@@ -198,6 +204,7 @@ def write_docs(results: dict, images: dict[str, dict], info: dict, command: str,
         "python scripts/bench/kernel_bandwidth.py [--quick]",
         "python scripts/bench/ablation.py [--quick]          # needs root + iproute2",
         "python scripts/bench/peers.py [--quick]             # needs root + iproute2",
+        "python scripts/bench/rlhf.py [--quick]              # PPO, ZeRO++ vs ZeRO-3; needs root + iproute2",
         "python scripts/bench/convergence.py [--quick]       # needs ../shared/data/tinyshakespeare.txt",
         "```", "",
         "## Summary: the issue's targets", "",

@@ -70,8 +70,9 @@ def reference(model: str | nn.Module, steps: int, clip: float = 1.0):
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _zero_run(rank, world, preset, steps, ranks_per_node, accum, clip):
-    engine, optimizer = make_engine(make_model(preset), ZeroConfig(stage=3, communication_data_type="fp32"),
+def _zero_run(rank, world, preset, steps, ranks_per_node, accum, clip, overlap=True):
+    engine, optimizer = make_engine(make_model(preset), ZeroConfig(stage=3, communication_data_type="fp32",
+                                                                   overlap_comm=overlap),
                                     ranks_per_node=ranks_per_node)
     per_rank = BATCH // world
     losses = []
@@ -114,6 +115,14 @@ def test_zero3_matches_single_process(world, ranks_per_node):
 def test_gradient_accumulation_equals_big_batch():
     ref_losses, ref_state = reference("gpt2-tiny", 5)
     losses, state, _ = run_ranks(_zero_run, 2, args=("gpt2-tiny", 5, 2, 3, 1.0))[0]  # 3 micro-batches of 2
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5
+    assert max((state[k] - ref_state[k]).abs().max().item() for k in state) < 1e-5
+
+
+def test_synchronous_gathers_match_single_process():
+    """overlap_comm off: every gather and reduce runs synchronously, nothing prefetched."""
+    ref_losses, ref_state = reference("gpt2-tiny", 5)
+    losses, state, _ = run_ranks(_zero_run, 2, args=("gpt2-tiny", 5, 2, 1, 1.0, False))[0]
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5
     assert max((state[k] - ref_state[k]).abs().max().item() for k in state) < 1e-5
 

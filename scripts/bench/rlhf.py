@@ -1,0 +1,332 @@
+"""RLHF on the emulated cluster: PPO generation and step time, ZeRO++ against ZeRO-3 (DeepSpeed's
+ZeRO++ blog reports 2.25x faster generation and 1.26x faster training in RLHF).
+
+    python scripts/bench/rlhf.py                  # 6-layer model, 2 x (ZeRO-3, ZeRO++) x 6 PPO steps
+    python scripts/bench/rlhf.py --quick          # 3-layer model, 1 x (ZeRO-3, ZeRO++) x 4 PPO steps
+    python scripts/bench/rlhf.py --n-layer 8 --steps 8 --repeats 3 --rate 1gbit
+
+`rlhf.py ppo` (actor and critic trained, reference and reward model frozen, all four under the
+runtime) on 2 emulated nodes x 2 ranks, the links shaped to `--rate`, once under plain ZeRO-3
+(bf16 wire) and once under ZeRO++ (qwZ int8 + hpZ + qgZ int4, frozen models kept as int8 codes:
+zero_quantized_nontrainable_weights), the runs interleaved on one cluster. The built-in "word"
+task needs no data files; the SFT and reward models are made once beforehand, in one process
+outside the cluster (a few steps: their quality does not matter here), and both configurations'
+PPO runs start from them, so only PPO is timed. Per configuration the medians over the timed
+steps (the first `--warmup` of each run are not) of what rlhf/ppo.py logs per step; the
+cross-node bytes are rank 0's ledger per phase, the physical bytes each node's link carried.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from scripts.bench import report, runner
+from scripts.bench.runner import NODES, RANKS_PER_NODE, ROOT, STEP_KEY
+
+TITLE = "## 6. RLHF: PPO generation and step time, ZeRO++ vs ZeRO-3"
+# Every zero_optimization key either configuration sets, stated in full: the base config
+# (configs/rlhf_tiny.yaml) enables ZeRO++, and neither run may inherit what the other sets.
+ZERO3 = {"stage": 3, "communication_data_type": "bf16", "zero_quantized_weights": False,
+         "zero_hpz_partition_size": 1, "zero_quantized_gradients": False,
+         "zero_quantized_nontrainable_weights": False}
+ZEROPP = {**ZERO3, "zero_quantized_weights": True, "zero_hpz_partition_size": 0, "zero_quantized_gradients": True,
+          "zero_quantized_nontrainable_weights": True}
+PREP = {**ZERO3, "stage": 0, "zero_quantized_weights": False}  # one process: no sharding
+CONFIGS = {"zero3": ("ZeRO-3 (bf16 wire)", ZERO3),
+           "zeropp": ("ZeRO++ (qwZ int8, hpZ, qgZ int4, frozen int8)", ZEROPP)}
+BASE_CONFIG = ROOT / "configs" / "rlhf_tiny.yaml"
+PRESET = "gpt2-small-cpu"
+# DeepSpeed's ZeRO++ blog (DeepSpeed-Chat RLHF with ZeRO++ vs ZeRO on GPU clusters, models far larger than
+# ours): ZeRO++ / ZeRO speedups of generation and of training.
+DEEPSPEED = {"generation": 2.25, "training": 1.26}
+METRICS = {  # row key -> the metric rlhf/ppo.py logs per step
+    "step_ms": STEP_KEY, "gen_tokens_per_s": "generation tokens/s", "train_tokens_per_s": "training tokens/s",
+    "cross_gen_mb": "cross-node generation (MB)", "cross_exp_mb": "cross-node experience (MB)",
+    "cross_train_mb": "cross-node training (MB)", "inference_copy_mb": "inference copy (MB)",
+    "response_length": "response length",
+}
+MIB = {"cross_gen_mb", "cross_exp_mb", "cross_train_mb", "inference_copy_mb"}  # logged in MiB, shown in MB
+
+
+def add_args(p) -> None:
+    p.add_argument("--rate", default="100mbit", help="link rate of each node, tc units (default 100mbit)")
+    p.add_argument("--n-layer", type=int, help=f"layers of the {PRESET} model (default 6, quick 3)")
+    p.add_argument("--d-model", type=int, help="its width (default the preset's, 256)")
+    p.add_argument("--steps", type=int, help="PPO steps per run (default 6, quick 4)")
+    p.add_argument("--warmup", type=int, help="steps of each run not timed (default 2, quick 1)")
+    p.add_argument("--repeats", type=int, help="runs per configuration, interleaved (default 2, quick 1)")
+    p.add_argument("--micro-batch", type=int, default=8, help="prompts per rank and PPO step (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=8, help="response length limit (default 8)")
+    p.add_argument("--epochs", type=int, default=1, help="PPO epochs per rollout (default 1, as DeepSpeed-Chat)")
+    p.add_argument("--prep-steps", type=int, default=6, help="sft and reward steps of the prepared models")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), help="default both")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per PPO run")
+
+
+def resolve(args) -> dict:
+    quick = args.quick
+    return {"rate": args.rate, "preset": PRESET, "n_layer": args.n_layer or (3 if quick else 6),
+            "d_model": args.d_model, "steps": args.steps or (4 if quick else 6),
+            "warmup": args.warmup if args.warmup is not None else (1 if quick else 2),
+            "repeats": args.repeats or (1 if quick else 2), "micro_batch": args.micro_batch,
+            "max_new_tokens": args.max_new_tokens, "epochs": args.epochs, "prep_steps": args.prep_steps,
+            "configs": args.configs or list(CONFIGS), "timeout": args.timeout}
+
+
+def zero_args(keys: dict) -> list[str]:
+    return [a for k, v in keys.items() for a in (f"--zero_optimization.{k}", str(v).lower())]
+
+
+def common_args(plan: dict, out_dir: Path) -> list[str]:
+    """The rlhf.py arguments of the preparation and of every PPO run: the built-in task, no data files."""
+    return ["--config", str(BASE_CONFIG), "--data.task", "word", "--reward.source", "model",
+            "--train.out_dir", str(out_dir), "--train.micro_batch_size", str(plan["micro_batch"]),
+            "--train.seed", "1234", "--train.log_interval", "1", "--train.checkpoint_interval", "0",
+            "--train.eval_interval", str(10**6), "--train.eval_batches", "1",
+            "--train.progress_bar", "false", "--train.tensorboard", "false"]
+
+
+def prepare(plan: dict, work: Path) -> tuple[dict, str | None]:
+    """The SFT and reward models, made once in one process (DDP runtime, no cluster):
+    -> ({"sft", "reward": HF directories, "seconds"}, error or None)."""
+    out = work / "prep"
+    model = ["--model.preset", PRESET, "--model.n_layer", str(plan["n_layer"])]
+    model += ["--model.d_model", str(plan["d_model"])] if plan["d_model"] else []
+    cmd = [sys.executable, ROOT / "rlhf.py", "reward", *common_args(plan, out), *model,
+           "--sft.steps", str(plan["prep_steps"]), "--reward.steps", str(plan["prep_steps"]), *zero_args(PREP)]
+    start = time.monotonic()
+    rc, output = runner.launch(cmd, None, nproc=None, timeout=plan["timeout"])
+    paths = {"sft": out / "sft" / "hf", "reward": out / "reward" / "hf", "seconds": time.monotonic() - start}
+    if rc != 0 or not all((paths[k] / "config.json").is_file() for k in ("sft", "reward")):
+        return paths, f"exit {rc}: {runner.error_tail(output)}"
+    return paths, None
+
+
+def model_info(sft_dir: Path) -> dict:
+    """Size of the actor (the reference is the same model; the critic and reward model differ only by
+    their 1-output score head)."""
+    import json
+
+    from safetensors import safe_open
+
+    cfg = json.loads((sft_dir / "config.json").read_text())
+    with safe_open(str(sft_dir / "model.safetensors"), "pt") as f:
+        params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    return {"preset": PRESET, "n_layer": cfg.get("n_layer"), "d_model": cfg.get("n_embd"),
+            "n_head": cfg.get("n_head"), "vocab_size": cfg.get("vocab_size"), "params": params}
+
+
+def ppo_run(key: str, repeat: int, plan: dict, models: dict, work: Path, cluster) -> dict:
+    """One `rlhf.py ppo` run on the cluster; per-step metrics and the link's bytes over the timed steps."""
+    label, zero = CONFIGS[key]
+    out_dir = work / f"{key}-{repeat}"
+    steps, warmup = plan["steps"], plan["warmup"]
+    cmd = [sys.executable, ROOT / "rlhf.py", "ppo", *common_args(plan, out_dir),
+           "--models.sft", models["sft"], "--models.reward", models["reward"],
+           "--ppo.steps", str(steps), "--ppo.epochs", str(plan["epochs"]),
+           "--generation.max_new_tokens", str(plan["max_new_tokens"]), *zero_args(zero)]
+    run = {"key": key, "label": label, "repeat": repeat}
+    start = time.monotonic()
+    sampler = runner.LinkSampler(cluster, out_dir / "ppo" / "metrics.jsonl")
+    sampler.start()
+    try:
+        rc, output = runner.launch(cmd, cluster, timeout=plan["timeout"])
+    finally:
+        sampler.stop()
+    run["wall_s"] = time.monotonic() - start
+    metrics = [m for m in runner.read_metrics(out_dir / "ppo") if STEP_KEY in m]
+    shutil.rmtree(out_dir, ignore_errors=True)
+    if rc != 0 or len(metrics) < steps:
+        return {**run, "ok": False, "error": runner.error_tail(output) if rc else f"{len(metrics)} of {steps} "
+                "steps logged"}
+    timed = metrics[warmup:] or metrics
+    run.update(ok=True, steps=[{k: m.get(name) for k, name in METRICS.items()} for m in timed],
+               step_ms_all=[m[STEP_KEY] for m in metrics], reward=[m.get("reward") for m in metrics])
+    win = sampler.window(warmup, steps)
+    if win:
+        n = len(timed)
+        run["phys_tx_mb_node"] = statistics.mean(win["tx"]) / n / 1e6
+        run["wire_ms"] = max(max(win["tx"]), max(win["rx"])) / n * 8 / cluster.rate_bits * 1e3
+    return run
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def aggregate(key: str, runs: list[dict], plan: dict) -> dict:
+    """One row per configuration: medians over the timed steps of all its runs."""
+    label = CONFIGS[key][0]
+    ok = [r for r in runs if r["key"] == key and r["ok"]]
+    failed = [r for r in runs if r["key"] == key and not r["ok"]]
+    row = {"key": key, "label": label, "setting": plan["rate"], "runs": len(ok)}
+    if not ok:
+        return {**row, "ok": False, "error": failed[0]["error"] if failed else "not run"}
+    steps = [s for r in ok for s in r["steps"]]
+    row.update(ok=True, timed_steps=len(steps))
+    for k in METRICS:
+        v = _median([s[k] for s in steps])
+        row[k] = v * 2**20 / 1e6 if (k in MIB and v is not None) else v
+    rollouts = plan["micro_batch"] * NODES * RANKS_PER_NODE
+    row["gen_s"] = _median([s["response_length"] * rollouts / s["gen_tokens_per_s"] for s in steps
+                            if s["response_length"] and s["gen_tokens_per_s"]])
+    parts = [row[k] for k in ("cross_gen_mb", "cross_exp_mb", "cross_train_mb")]
+    row["cross_total_mb"] = sum(parts) if None not in parts else None
+    for k in ("phys_tx_mb_node", "wire_ms"):
+        row[k] = _median([r.get(k) for r in ok])
+    if row.get("wire_ms") and row.get("step_ms"):
+        row["link_busy_pct"] = 100 * row["wire_ms"] / row["step_ms"]
+    return row
+
+
+def ratios(rows: list[dict]) -> dict:
+    """ZeRO++ / ZeRO-3, each a speedup (> 1: ZeRO++ faster) or a byte ratio."""
+    find = {r["key"]: r for r in rows if r.get("ok")}.get
+    z3, zpp = find("zero3"), find("zeropp")
+    if not (z3 and zpp):
+        return {}
+
+    def div(a, b):
+        return a / b if a is not None and b else None
+
+    return {"generation": div(zpp["gen_tokens_per_s"], z3["gen_tokens_per_s"]),
+            "generation_time": div(z3["gen_s"], zpp["gen_s"]),
+            "step": div(z3["step_ms"], zpp["step_ms"]),
+            "training": div(zpp["train_tokens_per_s"], z3["train_tokens_per_s"]),
+            "cross_node_bytes": div(zpp["cross_total_mb"], z3["cross_total_mb"]),
+            "physical_bytes": div(zpp.get("phys_tx_mb_node"), z3.get("phys_tx_mb_node"))}
+
+
+def run(args, progress=print) -> dict:
+    plan = resolve(args)
+    result = {"plan": plan, "nodes": NODES, "ranks_per_node": RANKS_PER_NODE, "rows": [], "runs": [], "notes": []}
+    why = runner.cluster_unavailable()
+    if why:
+        result["skipped"] = f"emulated cluster unavailable: {why}"
+        return result
+    with tempfile.TemporaryDirectory(prefix="bench-rlhf-") as tmp:
+        work = Path(tmp)
+        progress(f"  rlhf: preparing the sft and reward models ({PRESET}, {plan['n_layer']} layers, "
+                 f"{plan['prep_steps']} steps each, one process)")
+        models, error = prepare(plan, work)
+        result["prep_seconds"] = models["seconds"]
+        if error:
+            result["skipped"] = f"preparing the sft and reward models failed ({error})"
+            return result
+        result["model"] = model_info(models["sft"])
+        progress(f"  rlhf: {result['model']['params'] / 1e6:.2f}M parameters per model, prepared in "
+                 f"{models['seconds']:.0f} s")
+        order = [key for _ in range(plan["repeats"]) for key in plan["configs"]]  # interleaved
+        with runner.cluster_at(plan["rate"]) as cluster:
+            for i, key in enumerate(order):
+                r = ppo_run(key, i // len(plan["configs"]), plan, models, work, cluster)
+                result["runs"].append(r)
+                if r["ok"]:
+                    med = _median([s["step_ms"] for s in r["steps"]])
+                    gen = _median([s["gen_tokens_per_s"] for s in r["steps"]])
+                    text = f"{med:.0f} ms/step, {gen:.0f} generated tokens/s"
+                else:
+                    text = f"FAILED: {r['error']}"
+                progress(f"  rlhf [{i + 1}/{len(order)}] {r['label']} @ {plan['rate']}: {text} ({r['wall_s']:.0f} s)")
+    result["rows"] = [aggregate(key, result["runs"], plan) for key in plan["configs"]]
+    result["ratios"] = ratios(result["rows"])
+    for r in result["runs"]:
+        if not r["ok"]:
+            result["notes"].append(f"{r['label']}, run {r['repeat'] + 1}: failed: {r['error']}")
+    if not result["notes"]:
+        del result["notes"]
+    return result
+
+
+COLUMNS = [("label", "configuration", "{}"), ("setting", "link", "{}"),
+           ("gen_tokens_per_s", "generation tokens/s", "{:.1f}"), ("gen_s", "generation s/step", "{:.2f}"),
+           ("step_ms", "PPO step ms", "{:.0f}"), ("train_tokens_per_s", "training tokens/s", "{:.1f}"),
+           ("cross_gen_mb", "cross-node MB/rank: generation", "{:.2f}"),
+           ("cross_exp_mb", "experience", "{:.2f}"), ("cross_train_mb", "training", "{:.2f}"),
+           ("inference_copy_mb", "inference copy MB", "{:.2f}"),
+           ("phys_tx_mb_node", "physical MB/node/step (tx)", "{:.1f}"), ("wire_ms", "wire time ms", "{:.0f}"),
+           ("link_busy_pct", "link busy %", "{:.0f}")]
+
+
+def plots(result: dict, out_dir: Path) -> list[Path]:
+    rows = {r["key"]: r for r in result["rows"] if r.get("ok")}
+    rat = result.get("ratios") or {}
+    paths = []
+    if rat:
+        fig, ax = report.pyplot().subplots(figsize=(8, 4))
+        groups = ["generation tokens/s", "PPO step (1 / time)", "training tokens/s"]
+        series = {"ZeRO-3": [1.0, 1.0, 1.0],
+                  "ZeRO++ (ours, CPU emulation)": [rat.get("generation"), rat.get("step"), rat.get("training")],
+                  "ZeRO++ (DeepSpeed blog, GPUs)": [DEEPSPEED["generation"], DEEPSPEED["training"],
+                                                    DEEPSPEED["training"]]}
+        labels = {k: [f"{v:.2f}x" if v else "" for v in vs] for k, vs in series.items() if k != "ZeRO-3"}
+        report.bars(ax, groups, series, labels=labels)
+        ax.set_ylabel("speed relative to ZeRO-3")
+        ax.set_title(f"PPO, {result['model']['params'] / 1e6:.1f}M-parameter models, 2 nodes x 2 ranks at "
+                     f"{result['plan']['rate']} (emulated)")
+        paths.append(report.save(fig, out_dir, "rlhf_speedup"))
+    if rows:
+        fig, ax = report.pyplot().subplots(figsize=(8, 4))
+        phases = [("cross_gen_mb", "generation"), ("cross_exp_mb", "experience"), ("cross_train_mb", "training")]
+        report.bars(ax, [p for _, p in phases], {r["label"]: [r.get(k) for k, _ in phases] for r in rows.values()})
+        ax.set_ylabel("cross-node MB per PPO step (rank 0)")
+        ax.set_title("Cross-node bytes per phase (ledger)")
+        paths.append(report.save(fig, out_dir, "rlhf_bytes"))
+    return paths
+
+
+def _x(v) -> str:
+    return "–" if v is None else f"{v:.2f}x"
+
+
+def markdown(result: dict) -> str:
+    plan, m = result["plan"], result.get("model", {})
+    params = f"{m['params'] / 1e6:.2f}M" if m.get("params") else "?"
+    lines = [
+        f"`rlhf.py ppo` on {result['nodes']} emulated nodes x {result['ranks_per_node']} ranks at {plan['rate']} "
+        f"(network namespaces, tbf-shaped links; [cluster.md](cluster.md)): actor and critic trained, reference and "
+        f"reward model frozen, each of the four under the runtime. Models: {m.get('preset', PRESET)} with "
+        f"{m.get('n_layer')} layers, d_model {m.get('d_model')}, the built-in \"word\" task's vocabulary of "
+        f"{m.get('vocab_size')}: **{params} parameters** each (critic and reward model: a 1-output score head). "
+        f"{plan['micro_batch']} prompts per rank and step ({plan['micro_batch'] * result['nodes'] * result['ranks_per_node']}"
+        f" rollouts), responses of at most {plan['max_new_tokens']} tokens, {plan['epochs']} PPO epoch(s) per "
+        f"rollout. The SFT and reward models were made once ({plan['prep_steps']} steps each, one process, "
+        f"{result.get('prep_seconds', 0):.0f} s) and both configurations' runs start from them; "
+        f"{plan['repeats']} run(s) per configuration, interleaved on one cluster, {plan['steps']} PPO steps each, "
+        f"the first {plan['warmup']} of each not timed. Every figure is the median over the timed steps "
+        "of what rlhf/ppo.py logs per step; generation s/step = the step's generated tokens / generation "
+        "tokens/s (the weight gather included). Cross-node MB are rank 0's ledger per phase (MB = 10^6 bytes); "
+        "physical MB what each node's link carried per timed step (veth counters, frame bytes); wire time = "
+        "the busier direction's bytes at the tbf rate.", "",
+        *report.md_table(result["rows"], COLUMNS), ""]
+    rat = result.get("ratios") or {}
+    if rat:
+        lines += [
+            "| ZeRO++ / ZeRO-3 | ours (CPU emulation) | DeepSpeed's ZeRO++ blog (GPUs) |",
+            "| --- | ---: | ---: |",
+            f"| generation throughput (tokens/s) | {_x(rat.get('generation'))} | {_x(DEEPSPEED['generation'])} |",
+            f"| generation time per step | {_x(rat.get('generation_time'))} | – |",
+            f"| PPO step (1 / step time) | {_x(rat.get('step'))} | {_x(DEEPSPEED['training'])} (their training figure) |",
+            f"| training phase (training tokens/s) | {_x(rat.get('training'))} | {_x(DEEPSPEED['training'])} (the same figure) |",
+            f"| cross-node bytes per step (ledger, rank 0) | {rat['cross_node_bytes']:.3f} | – |"
+            if rat.get("cross_node_bytes") is not None else "| cross-node bytes per step | – | – |",
+            "",
+            "DeepSpeed's figures are from its ZeRO++ blog (RLHF training with DeepSpeed-Chat on GPU clusters, with "
+            "models far larger than ours); ours are a CPU emulation with models of a few million parameters, where every rank of both 'nodes' shares the same few cores. Only the ratios, measured "
+            "in one session, compare; the absolute numbers do not. The generation speedup depends on how many "
+            "tokens a rollout decodes per weight gather (the rollout gathers the actor once, qwZ halves those "
+            "bytes): the word task's responses are a few tokens, so its generation time is mostly that gather.", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    from scripts.bench.suite import main_one
+
+    sys.exit(main_one("rlhf"))

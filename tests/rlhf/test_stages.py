@@ -1,0 +1,171 @@
+"""The rlhf.py stages: a PPO update split over ranks equals one process's, a resumed PPO run
+continues bit-exactly, DPO raises the held-out margin, and the whole pipeline runs on 2 x 2 ranks."""
+
+import json
+import runpy
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from models.config import ModelConfig
+from models.transformer import Transformer, score_model_from
+from rlhf.common import ModelRuntime
+from rlhf.config import RLHFConfig
+from rlhf.ppo import make_experience, ppo_update
+from rlhf.rollout import layout, logprobs, values_of
+from rlhf.tasks import TASKS, WordTask
+from trainer.distributed import DistEnv
+from trainer.spawn import run_ranks
+
+ROOT = Path(__file__).parents[2]
+DETERMINISTIC = ("reward", "reward std", "kl", "kl coef", "policy loss", "value loss", "clip fraction",
+                 "approx kl", "entropy", "response length", "logprob gap")
+
+
+def _rollouts(seed: int, n: int):
+    """Prompts and responses of different lengths, their sampling log-probs and scores."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 64, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(n)]
+    responses = [torch.randint(3, 64, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+                 for _ in range(n)]
+    logps = [(-torch.rand(len(r), generator=g)).tolist() for r in responses]
+    scores = torch.randn(n, generator=g)
+    return prompts, responses, logps, scores
+
+
+def _ppo_step(rank, world, rows, stage):
+    """One rollout's PPO update (2 epochs x 2 mini-batches) under DDP or ZeRO-3 (fp32 wire); the weights after."""
+    torch.manual_seed(0)
+    lm = Transformer(ModelConfig.from_preset("gpt2-tiny", vocab_size=64))
+    critic_start = score_model_from(lm)
+    cfg = RLHFConfig()
+    cfg.zero_optimization.stage = stage
+    if stage == 3:
+        cfg.zero_optimization.communication_data_type = "fp32"
+    cfg.train.precision = "fp32"
+    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
+    actor = ModelRuntime("actor", lm, cfg, env, lr=1e-3, steps=4)
+    critic = ModelRuntime("critic", critic_start, cfg, env, lr=1e-3, steps=4)
+    reference = ModelRuntime("reference", Transformer(lm.config), cfg, env, lr=None)
+    prompts, responses, logps, scores = _rollouts(1, 8)
+    mine = rows[rank]
+    batch = layout([prompts[i] for i in mine], [responses[i] for i in mine], [logps[i] for i in mine],
+                   [""] * len(mine), 0, env.device)
+    old_logp, ref_logp = logprobs(actor, batch), logprobs(reference, batch)
+    with torch.no_grad():
+        old_values = values_of(critic, batch)
+    cfg.ppo.epochs, cfg.ppo.mini_batches = 2, 2
+    exp, _ = make_experience(batch, scores[mine], old_logp, ref_logp, old_values, 0.1, cfg.ppo)
+    stats, skipped = ppo_update(actor, critic, exp, cfg.ppo, 0)
+    out = {"actor": actor.runtime.full_state_dict(), "critic": critic.runtime.full_state_dict(), "stats": stats}
+    for m in (actor, critic, reference):
+        m.close()
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_ppo_update_on_two_ranks_equals_one_process(stage):
+    # Rank r's mini-batch k holds rows r*4 + 2k, r*4 + 2k + 1: the one process gets them in the
+    # order that makes its mini-batch k the union of the ranks' mini-batches k.
+    two = {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
+    one = {0: [0, 1, 4, 5, 2, 3, 6, 7]}
+    sharded = run_ranks(_ppo_step, world_size=2, args=(two, stage))[0]
+    single = run_ranks(_ppo_step, world_size=1, args=(one, stage))[0]
+    for model in ("actor", "critic"):
+        assert sharded[model].keys() == single[model].keys()
+        for name, tensor in single[model].items():
+            torch.testing.assert_close(sharded[model][name], tensor, rtol=0, atol=1e-5, msg=f"{model} {name}")
+    start = Transformer(ModelConfig.from_preset("gpt2-tiny", vocab_size=64))
+    assert any(not torch.equal(single["actor"][n], p) for n, p in start.state_dict().items() if n in single["actor"])
+    for key, value in single["stats"].items():
+        assert sharded["stats"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+def _main(rank, world, argv):
+    """rlhf.py's main (the script shares its name with the rlhf package, so it is run by path)."""
+    runpy.run_path(str(ROOT / "rlhf.py"), run_name="rlhf_script")["main"](argv)
+
+
+def _tiny(out_dir, *extra) -> list[str]:
+    return ["--config", "configs/rlhf_tiny.yaml", "--train.out_dir", str(out_dir), "--data.task_samples", "200",
+            "--sft.steps", "6", "--reward.steps", "4", "--ppo.steps", "4", "--train.micro_batch_size", "4",
+            "--train.log_interval", "1", "--generation.max_new_tokens", "6", *extra]
+
+
+def _metrics(path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in open(path)]
+    return {r["step"]: r for r in rows if "policy loss" in r}
+
+
+def test_ppo_resumes_bit_exactly(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    args = ["--reward.source", "task", "--train.checkpoint_interval", "2", "--ppo.ema", "0.9"]
+    run_ranks(_main, world_size=1, args=(["ppo", *_tiny(straight, *args)],))
+    (resumed / "ppo" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(straight / "ppo" / "checkpoints" / "step_00000002",
+                    resumed / "ppo" / "checkpoints" / "step_00000002")
+    run_ranks(_main, world_size=1, args=(["ppo", *_tiny(resumed, *args), "--models.sft", str(straight / "sft" / "hf"),
+                                          "--resume", str(resumed / "ppo" / "checkpoints" / "step_00000002")],))
+    a, b = _metrics(straight / "ppo" / "metrics.jsonl"), _metrics(resumed / "ppo" / "metrics.jsonl")
+    assert sorted(b) == [3, 4]
+    for step in (3, 4):
+        for key in DETERMINISTIC:
+            assert a[step][key] == b[step][key], (step, key)
+    for name in ("hf", "hf-ema"):
+        wa = load_file(straight / "ppo" / name / "model.safetensors")
+        wb = load_file(resumed / "ppo" / name / "model.safetensors")
+        assert all(torch.equal(wa[k], wb[k]) for k in wa), name
+
+
+def test_dpo_raises_the_held_out_margin(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    run_ranks(_main, world_size=1, args=(["dpo", *_tiny(tmp_path, "--sft.steps", "20", "--dpo.steps", "20",
+                                                        "--dpo.lr", "1e-3", "--train.eval_interval", "100")],))
+    rows = [json.loads(line) for line in open(tmp_path / "dpo" / "metrics.jsonl")]
+    held_out = [r for r in rows if "held-out margin" in r]
+    start, end = held_out[0], held_out[-1]
+    assert start["step"] == 0 and end["step"] == 20
+    assert abs(start["held-out margin"]) < 1e-5  # the policy starts as the reference
+    assert end["held-out margin"] > 0.1 and end["held-out accuracy"] > 0.6
+
+
+def test_pipeline_on_two_nodes_of_two_with_zeropp(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    run_ranks(_main, world_size=4, ranks_per_node=2, timeout=600,
+              args=(["ppo", *_tiny(tmp_path, "--ppo.steps", "2", "--zero_optimization.ranks_per_node", "2")],))
+    for stage in ("sft", "reward", "ppo"):
+        assert (tmp_path / stage / "hf" / "config.json").is_file(), stage
+    rows = _metrics(tmp_path / "ppo" / "metrics.jsonl")
+    assert sorted(rows) == [1, 2]
+    assert rows[2]["cross-node generation (MB)"] > 0 and rows[2]["cross-node training (MB)"] > 0
+
+
+class _NaNOnce(WordTask):
+    """The word task, except that its 9th reward is NaN (step 3 of 4 rollouts per step)."""
+
+    calls = 0
+
+    def reward(self, prompt, response):
+        _NaNOnce.calls += 1
+        return float("nan") if _NaNOnce.calls == 9 else super().reward(prompt, response)
+
+
+def _main_with_nan_reward(rank, world, argv):
+    TASKS["word"] = _NaNOnce
+    _main(rank, world, argv)
+
+
+def test_non_finite_reward_is_reported_and_not_trained_on(tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(ROOT)
+    run_ranks(_main_with_nan_reward, world_size=1,
+              args=(["ppo", *_tiny(tmp_path, "--reward.source", "task", "--ppo.epochs", "1")],))
+    rows = _metrics(tmp_path / "ppo" / "metrics.jsonl")
+    assert [rows[s]["skipped steps"] for s in (1, 2, 3, 4)] == [0, 0, 1, 1]
+    assert "step 3: non-finite reward or loss" in capfd.readouterr().out
+    weights = load_file(tmp_path / "ppo" / "hf" / "model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())
