@@ -75,7 +75,16 @@ def sft_file(cfg: RLHFConfig, env: DistEnv) -> tuple[Path, str]:
     """The SFT records and their format: a task's demonstrations, or the chosen dialogues of HH pairs."""
     if cfg.data.task:
         return task_file(cfg, "sft", env), "completion"
-    return require_file(cfg.data.preferences, "data.preferences file"), "hh"
+    path = require_file(cfg.data.preferences, "data.preferences file")
+    if "prompt" not in next(iter_json_records(path)):
+        return path, "hh"
+    # prompt / chosen / rejected records: the chosen side as prompt / completion records
+    derived = Path(cfg.train.out_dir) / "data" / f"{path.name.split('.')[0]}_chosen.jsonl"
+    if env.is_main and not derived.is_file():
+        derived.parent.mkdir(parents=True, exist_ok=True)
+        write_jsonl([{"prompt": r["prompt"], "completion": r["chosen"]} for r in iter_json_records(path)], derived)
+    barrier()
+    return derived, "completion"
 
 
 def preference_file(cfg: RLHFConfig, env: DistEnv) -> Path:

@@ -1,0 +1,42 @@
+"""rlhf.py's configuration: the shipped presets parse, and bad values name their key."""
+
+from pathlib import Path
+
+import pytest
+
+from rlhf.config import STAGES, RLHFConfig, check
+from trainer.config import ConfigError, parse_args
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("rlhf_*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_presets_parse_and_check(path):
+    cfg = parse_args(["--config", str(path)], RLHFConfig())
+    for stage in STAGES:
+        check(cfg, stage)
+
+
+def test_one_preset_per_stage_and_one_for_the_pipeline():
+    names = {p.stem for p in CONFIGS}
+    assert {"rlhf_tiny", "rlhf_sft_hh", "rlhf_reward_hh", "rlhf_dpo_hh", "rlhf_ppo_task", "rlhf_grpo_task"} <= names
+
+
+@pytest.mark.parametrize("argv,key", [
+    (["--ppo.epochs", "0"], "ppo.epochs"),
+    (["--data.max_prompt_len", "300"], "data.max_prompt_len"),
+    (["--generation.top_p", "0"], "generation.top_p"),
+    (["--reward.source", "task", "--data.task", "", "--data.preferences", "pairs.jsonl"], "reward.source"),
+    (["--ppo.mini_batches", "16"], "ppo.mini_batches"),
+])
+def test_bad_values_name_the_key(argv, key):
+    cfg = parse_args(["--data.task", "word", *argv], RLHFConfig())
+    with pytest.raises(ConfigError, match=key):
+        check(cfg, "ppo")
+
+
+def test_unknown_stage_and_missing_data():
+    with pytest.raises(ConfigError, match="unknown stage 'rl'"):
+        check(RLHFConfig(), "rl")
+    with pytest.raises(ConfigError, match="data.task"):
+        check(RLHFConfig(), "dpo")
