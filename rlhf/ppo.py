@@ -19,16 +19,15 @@ from safetensors.torch import save_file
 
 from data.datasets import ResumableBatchSampler, SFTDataset, collate_sft
 from models.transformer import lm_loss, score_model_from
-from rlhf.common import (ModelRuntime, StageCheckpoint, all_finite, comm_scalars, global_max, global_sum, load_model,
-                         open_log, sequence_logprobs, tokenizer_of)
+from rlhf.common import (ModelRuntime, all_finite, comm_scalars, global_max, global_sum, load_model, sequence_logprobs,
+                         tokenizer_of)
 from rlhf.config import PPOSection, RLHFConfig
-from rlhf.data import load_prompts, sft_file, task, write_samples
+from rlhf.data import load_prompts, sft_file, task
 from rlhf.losses import (approx_kl, entropy_from_logits, gae, kl_controller, ppo_policy_loss, shape_rewards,
                          value_loss)
-from rlhf.rollout import (RolloutBatch, generate, global_masked_mean, global_stats, global_whiten, logprobs,
-                          model_rewards, response_text, task_rewards, values_of)
+from rlhf.online import OnlineAlgorithm, run_online
+from rlhf.rollout import RolloutBatch, global_masked_mean, global_whiten, logprobs, values_of
 from trainer.distributed import DistEnv
-from trainer.preemption import PreemptionSignal
 from zeropp.checkpoint import read_safetensors
 
 
@@ -144,114 +143,86 @@ class _EMA:
             p.copy_(current[n])
 
 
-def run_ppo(cfg: RLHFConfig, env: DistEnv) -> dict:
-    p = cfg.ppo
-    sft_path = cfg.sft_path()
-    tokenizer = tokenizer_of(sft_path)
-    prompts = load_prompts(cfg, tokenizer, env)
-    the_task = task(cfg)
-    optimizer_steps = p.steps * p.epochs * p.mini_batches
-    torch.manual_seed(cfg.train.seed)
-    actor = ModelRuntime("actor", load_model(sft_path, "models.sft"), cfg, env, lr=p.actor_lr, steps=optimizer_steps)
-    reference = ModelRuntime("reference", load_model(sft_path, "models.sft"), cfg, env, lr=None)
-    reward_model = None
-    if cfg.reward.source == "model":
-        reward_model = ModelRuntime("reward", load_model(cfg.reward_path(), "models.reward"), cfg, env, lr=None)
-        critic_start = load_model(cfg.reward_path(), "models.reward")  # DeepSpeed-Chat: critic from the RM
-    else:
-        critic_start = score_model_from(load_model(sft_path, "models.sft"))
-    critic = ModelRuntime("critic", critic_start, cfg, env, lr=p.critic_lr, steps=optimizer_steps)
-    models = [m for m in (actor, critic, reference, reward_model) if m is not None]
-    kl_ctl = kl_controller(p.kl_coef, p.kl_target or None, p.kl_horizon)
-    ema = _EMA(actor, p.ema) if p.ema > 0 else None
-    ckpt = StageCheckpoint(cfg, "ppo", env)
-    step = consumed = skipped = 0
-    path = ckpt.resume_path()
-    if path is not None:
-        state = ckpt.load(path, models, ema.load if ema else None)
-        step, consumed, skipped = state["step"], state["consumed_samples"], state["skipped"]
-        kl_ctl.load_state_dict(state["kl_controller"])
-    ptx = _ptx_batches(cfg, tokenizer, env, step * cfg.train.micro_batch_size * env.world_size * p.epochs *
-                       p.mini_batches) if p.ptx_coef > 0 else None
-    sampler = ResumableBatchSampler(prompts.train_indices, cfg.train.micro_batch_size, env.rank, env.world_size,
-                                    cfg.train.seed, consumed_samples=consumed)
-    batches = iter(sampler)
-    log = open_log(cfg, "ppo", p.steps, env, step)
-    if env.is_main:
-        source = f"from {cfg.reward_path()}" if reward_model else f"task {cfg.data.task}"
-        log.info(f"ppo: actor/reference {sft_path}, critic and reward {source} | "
-                 f"{prompts.source} | world size {env.world_size} | {cfg.train.micro_batch_size * env.world_size} "
-                 f"rollouts per step | runtime: {actor.runtime.describe()}")
-    preemption = PreemptionSignal(cfg.train.preempt_signal)
-    history = []
-    samples_file = cfg.stage_dir("ppo") / "samples.jsonl"
-    while step < p.steps:
-        start = time.perf_counter()
-        for m in models:
-            m.runtime.ledger.reset()
-        indices = next(batches)
-        batch, gen = generate(actor, [prompts.tokens[i] for i in indices], [prompts.texts[i] for i in indices],
-                              cfg.generation, tokenizer)
-        generation_mb = comm_scalars(models)["cross-node sent (MB)"]
-        gen_seconds = time.perf_counter() - start
-        scores = model_rewards(reward_model, batch) if reward_model else task_rewards(the_task, batch, tokenizer)
-        old_logp = logprobs(actor, batch)
-        ref_logp = logprobs(reference, batch)
+class PPO(OnlineAlgorithm):
+    """Actor and critic trained; reference and reward model (unless the reward is a task's) frozen."""
+
+    name = "ppo"
+    loss_keys = ("policy loss", "value loss")
+
+    def __init__(self, cfg: RLHFConfig, env: DistEnv, tokenizer):
+        self.cfg, self.p, self.env, self.tokenizer = cfg, cfg.ppo, env, tokenizer
+        p, sft = cfg.ppo, cfg.sft_path()
+        self.steps = p.steps
+        self.updates_per_rollout = p.epochs * p.mini_batches
+        torch.manual_seed(cfg.train.seed)
+        self.actor = ModelRuntime("actor", load_model(sft, "models.sft"), cfg, env, lr=p.actor_lr,
+                                  steps=p.steps * self.updates_per_rollout)
+        self.reference = ModelRuntime("reference", load_model(sft, "models.sft"), cfg, env, lr=None)
+        self.reward_model = None
+        if cfg.reward.source == "model":
+            self.reward_model = ModelRuntime("reward", load_model(cfg.reward_path(), "models.reward"), cfg, env,
+                                             lr=None)
+            critic_start = load_model(cfg.reward_path(), "models.reward")  # DeepSpeed-Chat: critic from the RM
+        else:
+            critic_start = score_model_from(load_model(sft, "models.sft"))
+        self.critic = ModelRuntime("critic", critic_start, cfg, env, lr=p.critic_lr,
+                                   steps=p.steps * self.updates_per_rollout)
+        self.models = [m for m in (self.actor, self.critic, self.reference, self.reward_model) if m is not None]
+        self.kl_ctl = kl_controller(p.kl_coef, p.kl_target or None, p.kl_horizon)
+        self.ema = _EMA(self.actor, p.ema) if p.ema > 0 else None
+        self.ptx = None
+
+    def resumed_at(self, step: int) -> None:
+        if self.p.ptx_coef > 0:  # the SFT batches consumed so far: one per rank per optimizer step
+            consumed = step * self.updates_per_rollout * self.cfg.train.micro_batch_size * self.env.world_size
+            self.ptx = _ptx_batches(self.cfg, self.tokenizer, self.env, consumed)
+
+    def update(self, step: int, batch: RolloutBatch, rewards: torch.Tensor) -> tuple[dict[str, float], int]:
+        before = comm_scalars(self.models)["cross-node sent (MB)"]
+        old_logp = logprobs(self.actor, batch)
+        ref_logp = logprobs(self.reference, batch)
         with torch.no_grad():
-            old_values = values_of(critic, batch)
-        exp, kl = make_experience(batch, scores, old_logp, ref_logp, old_values, kl_ctl.coef, p)
-        experience_mb = comm_scalars(models)["cross-node sent (MB)"] - generation_mb
-        train_start = time.perf_counter()
-        stats, bad = ppo_update(actor, critic, exp, p, step * p.epochs * p.mini_batches, ptx)
-        train_seconds = time.perf_counter() - train_start
-        skipped += bad
-        if ema is not None:
-            ema.update()
-        rows = global_sum(len(indices))[0]
+            old_values = values_of(self.critic, batch)
+        exp, kl = make_experience(batch, rewards, old_logp, ref_logp, old_values, self.kl_ctl.coef, self.p)
+        experience_mb = comm_scalars(self.models)["cross-node sent (MB)"] - before
+        start = time.perf_counter()
+        stats, skipped = ppo_update(self.actor, self.critic, exp, self.p, step * self.updates_per_rollout, self.ptx)
+        seconds = global_max(time.perf_counter() - start)
+        if self.ema is not None:
+            self.ema.update()
+        rows = global_sum(batch.tokens.shape[0])[0]
         kl_per_sequence = global_sum((kl * batch.mask).sum().item())[0] / rows
-        kl_ctl.update(kl_per_sequence, int(rows))
-        score_mean, score_std = global_stats(scores)
-        metrics = {"reward": score_mean, "reward std": score_std, "kl": kl_per_sequence, "kl coef": kl_ctl.coef,
-                   **stats,
-                   "response length": global_sum(batch.mask.sum().item())[0] / rows,
-                   "logprob gap": global_masked_mean((old_logp - batch.generation_logp).abs(), batch.mask)}
-        if the_task is not None and reward_model is not None:
-            metrics["task reward"] = global_stats(task_rewards(the_task, batch, tokenizer))[0]
-        new_tokens, gen_max = global_sum(gen.new_tokens)[0], global_max(gen_seconds)
-        metrics.update({
-            "generation tokens/s": new_tokens / gen_max, "inference copy (MB)": gen.inference_bytes / 2**20,
-            "training tokens/s": global_sum(batch.attention_mask.sum().item() * p.epochs)[0] / max(train_seconds, 1e-9),
-            "elapsed time per iteration (ms)": (time.perf_counter() - start) * 1e3,
-            "cross-node generation (MB)": generation_mb, "cross-node experience (MB)": experience_mb,
-            "cross-node training (MB)": comm_scalars(models)["cross-node sent (MB)"] - generation_mb - experience_mb,
-            "skipped steps": skipped})
-        if not all_finite(score_mean, metrics["policy loss"], metrics["value loss"]):
-            log.info(f"step {step + 1}: non-finite reward or loss (reward {score_mean}, policy loss "
-                     f"{metrics['policy loss']}, value loss {metrics['value loss']}): its updates were skipped")
-        step += 1
-        consumed += len(indices) * env.world_size
-        history.append(metrics)
-        if step % cfg.train.log_interval == 0 or step == p.steps:
-            log.scalars(step, metrics, total_steps=p.steps)
-            if env.is_main:
-                write_samples(samples_file, [{"step": step, "prompt": t, "response": response_text(tokenizer, r),
-                                              "reward": float(s)} for t, r, s in
-                                             zip(batch.prompt_texts[:2], batch.responses[:2], scores[:2])])
-        log.advance()
-        stop = global_sum(float(preemption.received))[0] > 0
-        interval = cfg.train.checkpoint_interval
-        if (interval and step % interval == 0) or step == p.steps or stop:
-            saved = ckpt.save(step, models, {"consumed_samples": consumed, "skipped": skipped,
-                                             "kl_controller": kl_ctl.state_dict()}, ema.save if ema else None)
-            if stop and step != p.steps:
-                log.info(f"preempted at step {step}: saved checkpoint {saved}")
-                break
-    preemption.close()
-    log.close()
-    if step == p.steps:
-        actor.export(cfg.stage_dir("ppo") / "hf", sft_path, tokenizer)
-        if ema is not None:
-            ema.export(cfg.stage_dir("ppo") / "hf-ema", sft_path, tokenizer)
-    for m in models:
-        m.close()
-    return {"history": history}
+        coef = self.kl_ctl.coef
+        self.kl_ctl.update(kl_per_sequence, int(rows))
+        return {"kl": kl_per_sequence, "kl coef": coef, **stats,
+                "logprob gap": global_masked_mean((old_logp - batch.generation_logp).abs(), batch.mask),
+                "training tokens/s": global_sum(batch.attention_mask.sum().item() * self.p.epochs)[0] / seconds,
+                "cross-node experience (MB)": experience_mb}, skipped
+
+    def state_dict(self) -> dict:
+        return {"kl_controller": self.kl_ctl.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.kl_ctl.load_state_dict(state["kl_controller"])
+
+    def save_tensors(self, directory) -> None:
+        if self.ema is not None:
+            self.ema.save(directory)
+
+    def load_tensors(self, directory) -> None:
+        if self.ema is not None:
+            self.ema.load(directory)
+
+    def export(self, out_dir, tokenizer_dir, tokenizer) -> None:
+        super().export(out_dir, tokenizer_dir, tokenizer)
+        if self.ema is not None:
+            self.ema.export(out_dir / "hf-ema", tokenizer_dir, tokenizer)
+
+
+def run_ppo(cfg: RLHFConfig, env: DistEnv) -> dict:
+    tokenizer = tokenizer_of(cfg.sft_path())
+    prompts = load_prompts(cfg, tokenizer, env)
+    algo = PPO(cfg, env, tokenizer)
+    source = f"the reward model {cfg.reward_path()}" if algo.reward_model else f"task {cfg.data.task}"
+    return run_online(algo, cfg, env, prompts, tokenizer, task(cfg), algo.reward_model,
+                      f"actor and reference {cfg.sft_path()}, critic and reward from {source}")

@@ -1,4 +1,4 @@
-"""Fixtures for data tests: the shared real data sets and tokenizers built from them."""
+"""Fixtures for data tests: tokenizers built from the shared data sets (tests/conftest.py) and the default corpus."""
 
 import json
 from pathlib import Path
@@ -9,31 +9,6 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from data.corpus import default_corpus
 from data.tokenizer import load_tokenizer, train_sentencepiece
-
-SHARED_DATA = (Path(__file__).resolve().parents[2] / ".." / "shared" / "data").resolve()
-
-
-def shared_file(name: str) -> Path:
-    path = SHARED_DATA / name
-    if not path.is_file():
-        pytest.skip(f"shared data file {path} is absent (see ../shared/data/README.md)")
-    return path
-
-
-@pytest.fixture(scope="session")
-def shakespeare() -> Path:
-    return shared_file("tinyshakespeare.txt")
-
-
-@pytest.fixture(scope="session")
-def alpaca_path() -> Path:
-    return shared_file("alpaca_en_demo.json")
-
-
-@pytest.fixture(scope="session")
-def hh_path() -> Path:
-    return shared_file("hh-rlhf-harmless-base-test.jsonl.gz")
-
 
 @pytest.fixture(scope="session")
 def sp_tokenizer(shakespeare, tmp_path_factory):

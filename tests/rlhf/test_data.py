@@ -1,8 +1,6 @@
 """Where the stages' examples come from: HH pairs and prompts, Alpaca prompts, prompt/chosen/rejected files."""
 
 import json
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -14,15 +12,7 @@ from rlhf.data import load_preferences, load_prompts, sft_file
 from rlhf.tasks import save_task_tokenizer
 from trainer.distributed import DistEnv
 
-SHARED = (Path(__file__).resolve().parents[2] / ".." / "shared" / "data").resolve()
 ENV = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-
-
-def shared(name: str) -> Path:
-    path = SHARED / name
-    if not path.is_file():
-        pytest.skip(f"shared data file {path} is absent (see ../shared/data/README.md)")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +28,8 @@ def _cfg(tmp_path, **data) -> RLHFConfig:
     return cfg
 
 
-def test_hh_pairs_prompts_and_sft_side(tmp_path, tokenizer):
-    hh = shared("hh-rlhf-harmless-base-test.jsonl.gz")
+def test_hh_pairs_prompts_and_sft_side(tmp_path, tokenizer, hh_path):
+    hh = hh_path
     cfg = _cfg(tmp_path, preferences=str(hh), max_len=512, max_prompt_len=64)
     prefs = load_preferences(cfg, tokenizer, ENV)
     assert len(prefs.train_indices) + len(prefs.valid_indices) == len(prefs.dataset)
@@ -52,8 +42,8 @@ def test_hh_pairs_prompts_and_sft_side(tmp_path, tokenizer):
     assert sft_file(cfg, ENV) == (hh, "hh")
 
 
-def test_alpaca_prompts(tmp_path, tokenizer):
-    alpaca = shared("alpaca_en_demo.json")
+def test_alpaca_prompts(tmp_path, tokenizer, alpaca_path):
+    alpaca = alpaca_path
     prompts = load_prompts(_cfg(tmp_path, prompts=str(alpaca)), tokenizer, ENV)
     first = json.loads(alpaca.read_text())[0]
     assert prompts.texts[0] == alpaca_prompt(first["instruction"], first.get("input"))

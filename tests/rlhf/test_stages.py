@@ -1,5 +1,6 @@
-"""The rlhf.py stages: a PPO update split over ranks equals one process's, a resumed PPO run
-continues bit-exactly, DPO raises the held-out margin, and the whole pipeline runs on 2 x 2 ranks."""
+"""The rlhf.py stages: PPO and GRPO updates split over ranks equal one process's, a resumed PPO
+run continues bit-exactly, a NaN reward is skipped, DPO raises the held-out margin, GRPO runs,
+and the whole pipeline runs on 2 x 2 ranks."""
 
 import json
 import runpy
@@ -14,6 +15,8 @@ from models.config import ModelConfig
 from models.transformer import Transformer, score_model_from
 from rlhf.common import ModelRuntime
 from rlhf.config import RLHFConfig
+from rlhf.grpo import grpo_update
+from rlhf.losses import grpo_advantages
 from rlhf.ppo import make_experience, ppo_update
 from rlhf.rollout import layout, logprobs, values_of
 from rlhf.tasks import TASKS, WordTask
@@ -37,17 +40,22 @@ def _rollouts(seed: int, n: int):
     return prompts, responses, logps, scores
 
 
-def _ppo_step(rank, world, rows, stage):
-    """One rollout's PPO update (2 epochs x 2 mini-batches) under DDP or ZeRO-3 (fp32 wire); the weights after."""
+def _setup(rank: int, world: int, stage: int):
+    """A tiny LM (the same on every rank), an fp32 config for `stage` (ZeRO-3: fp32 wire), this rank's env."""
     torch.manual_seed(0)
     lm = Transformer(ModelConfig.from_preset("gpt2-tiny", vocab_size=64))
-    critic_start = score_model_from(lm)
     cfg = RLHFConfig()
     cfg.zero_optimization.stage = stage
     if stage == 3:
         cfg.zero_optimization.communication_data_type = "fp32"
     cfg.train.precision = "fp32"
-    env = DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
+    return lm, cfg, DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
+
+
+def _ppo_step(rank, world, rows, stage):
+    """One rollout's PPO update (2 epochs x 2 mini-batches) under DDP or ZeRO-3 (fp32 wire); the weights after."""
+    lm, cfg, env = _setup(rank, world, stage)
+    critic_start = score_model_from(lm)
     actor = ModelRuntime("actor", lm, cfg, env, lr=1e-3, steps=4)
     critic = ModelRuntime("critic", critic_start, cfg, env, lr=1e-3, steps=4)
     reference = ModelRuntime("reference", Transformer(lm.config), cfg, env, lr=None)
@@ -169,3 +177,41 @@ def test_non_finite_reward_is_reported_and_not_trained_on(tmp_path, monkeypatch,
     assert "step 3: non-finite reward or loss" in capfd.readouterr().out
     weights = load_file(tmp_path / "ppo" / "hf" / "model.safetensors")
     assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def _grpo_step(rank, world, rows):
+    """Two GRPO updates (μ = 2, k3 KL to the reference) under ZeRO-3 (fp32 wire); the weights after."""
+    lm, cfg, env = _setup(rank, world, 3)
+    cfg.grpo.group_size, cfg.grpo.iterations, cfg.grpo.beta = 2, 2, 0.04
+    actor = ModelRuntime("actor", lm, cfg, env, lr=1e-3, steps=2)
+    reference = ModelRuntime("reference", Transformer(lm.config), cfg, env, lr=None)
+    prompts, responses, logps, scores = _rollouts(2, 8)
+    mine = rows[rank]
+    batch = layout([prompts[i] for i in mine], [responses[i] for i in mine], [logps[i] for i in mine],
+                   [""] * len(mine), 0, env.device)
+    advantages = grpo_advantages(scores[mine], cfg.grpo.group_size)
+    stats, _ = grpo_update(actor, batch, advantages, logprobs(reference, batch), cfg.grpo, 0)
+    out = {"actor": actor.runtime.full_state_dict(), "stats": stats}
+    actor.close()
+    reference.close()
+    return out
+
+
+def test_grpo_update_on_two_ranks_equals_one_process():
+    sharded = run_ranks(_grpo_step, world_size=2, args=({0: [0, 1, 2, 3], 1: [4, 5, 6, 7]},))[0]
+    single = run_ranks(_grpo_step, world_size=1, args=({0: list(range(8))},))[0]
+    for name, tensor in single["actor"].items():
+        torch.testing.assert_close(sharded["actor"][name], tensor, rtol=0, atol=1e-5, msg=name)
+    for key, value in single["stats"].items():
+        assert sharded["stats"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+def test_grpo_runs_on_a_task_and_logs_its_statistics(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    run_ranks(_main, world_size=2, args=(["grpo", *_tiny(tmp_path, "--reward.source", "task", "--grpo.steps", "2",
+                                                         "--grpo.group_size", "4", "--grpo.beta", "0.04",
+                                                         "--train.micro_batch_size", "2")],))
+    rows = [json.loads(line) for line in open(tmp_path / "grpo" / "metrics.jsonl")]
+    last = [r for r in rows if "zero-advantage groups" in r][-1]
+    assert last["step"] == 2 and 0 <= last["zero-advantage groups"] <= 1 and last["kl"] >= 0
+    assert (tmp_path / "grpo" / "hf" / "config.json").is_file()
