@@ -10,7 +10,6 @@ trainer can drive runs RLHF too.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from rlhf.config import RLHFConfig
 from rlhf.losses import token_logprobs
 from trainer.checkpoint import load_checkpoint, read_state, resolve_checkpoint, save_checkpoint
 from trainer.config import ConfigError, TrainSection, to_dict
-from trainer.distributed import DistEnv, all_reduce_sum, init_distributed
+from trainer.distributed import DistEnv, all_reduce_sum, barrier, init_distributed
 from trainer.loop import autocast_for
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, lr_at
@@ -107,11 +106,6 @@ class ModelRuntime:
 
     def close(self) -> None:
         self.runtime.close()
-
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def sequence_logprobs(model: ModelRuntime, tokens: torch.Tensor, attention_mask: torch.Tensor,
@@ -209,12 +203,6 @@ def open_log(cfg: RLHFConfig, stage: str, steps: int, env: DistEnv, start_step: 
     section = TrainSection(steps=steps, out_dir=str(cfg.stage_dir(stage)), tensorboard=cfg.train.tensorboard,
                            progress_bar=cfg.train.progress_bar)
     return MetricsLogger(section, env.is_main, start_step=start_step)
-
-
-def write_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    tmp.replace(path)
 
 
 def tokenizer_of(path: str | Path) -> Tokenizer:

@@ -17,14 +17,14 @@ import torch
 from data.datasets import PreferenceDataset, alpaca_prompt, prompt_ids, split_hh_dialogue, split_train_valid
 from data.sources import iter_json_records, require_file
 from data.tokenizer import Tokenizer
-from models.config import ModelConfig
 from models.hf import save_hf_checkpoint
 from models.transformer import Transformer
-from rlhf.common import barrier, tokenizer_of
+from rlhf.common import tokenizer_of
 from rlhf.config import RLHFConfig
 from rlhf.tasks import VerifiableTask, get_task, save_task_tokenizer, task_records, write_jsonl
-from trainer.config import ConfigError
-from trainer.distributed import DistEnv
+from trainer.config import Config, ConfigError
+from trainer.loop import build_model_config
+from trainer.distributed import DistEnv, barrier
 
 
 def task(cfg: RLHFConfig) -> VerifiableTask | None:
@@ -46,13 +46,10 @@ def base_model_dir(cfg: RLHFConfig, env: DistEnv) -> Path:
     if env.is_main and not (out / "config.json").is_file():
         tokenizer_dir = save_task_tokenizer(cfg.stage_dir("base") / "tokenizer")
         tokenizer = tokenizer_of(tokenizer_dir)
-        m = cfg.model
-        overrides = {k: getattr(m, k) for k in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "max_seq_len")
-                     if getattr(m, k) is not None}
-        multiple = m.make_vocab_size_divisible_by
-        overrides["vocab_size"] = -(-tokenizer.vocab_size // multiple) * multiple
+        shape = Config(model=cfg.model)  # the model keys of train.py, checked the same way
+        shape.data.seq_len = cfg.data.max_len - 1
         torch.manual_seed(cfg.train.seed)
-        model = Transformer(ModelConfig.from_preset(m.preset, **overrides))
+        model = Transformer(build_model_config(shape, tokenizer.vocab_size))
         save_hf_checkpoint(model, out, tokenizer_dir=tokenizer_dir,
                            token_ids={"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
                                       "pad_token_id": tokenizer.pad_id})

@@ -40,6 +40,14 @@ def _rollouts(seed: int, n: int):
     return prompts, responses, logps, scores
 
 
+def _my_rollouts(seed: int, mine: list[int]):
+    """This rank's rows of 8 hand-made rollouts, laid out as one batch, and their scores."""
+    prompts, responses, logps, scores = _rollouts(seed, 8)
+    batch = layout([prompts[i] for i in mine], [responses[i] for i in mine], [logps[i] for i in mine],
+                   [""] * len(mine), 0, torch.device("cpu"))
+    return batch, scores[mine]
+
+
 def _setup(rank: int, world: int, stage: int):
     """A tiny LM (the same on every rank), an fp32 config for `stage` (ZeRO-3: fp32 wire), this rank's env."""
     torch.manual_seed(0)
@@ -59,15 +67,12 @@ def _ppo_step(rank, world, rows, stage):
     actor = ModelRuntime("actor", lm, cfg, env, lr=1e-3, steps=4)
     critic = ModelRuntime("critic", critic_start, cfg, env, lr=1e-3, steps=4)
     reference = ModelRuntime("reference", Transformer(lm.config), cfg, env, lr=None)
-    prompts, responses, logps, scores = _rollouts(1, 8)
-    mine = rows[rank]
-    batch = layout([prompts[i] for i in mine], [responses[i] for i in mine], [logps[i] for i in mine],
-                   [""] * len(mine), 0, env.device)
+    batch, scores = _my_rollouts(1, rows[rank])
     old_logp, ref_logp = logprobs(actor, batch), logprobs(reference, batch)
     with torch.no_grad():
         old_values = values_of(critic, batch)
     cfg.ppo.epochs, cfg.ppo.mini_batches = 2, 2
-    exp, _ = make_experience(batch, scores[mine], old_logp, ref_logp, old_values, 0.1, cfg.ppo)
+    exp, _ = make_experience(batch, scores, old_logp, ref_logp, old_values, 0.1, cfg.ppo)
     stats, skipped = ppo_update(actor, critic, exp, cfg.ppo, 0)
     out = {"actor": actor.runtime.full_state_dict(), "critic": critic.runtime.full_state_dict(), "stats": stats}
     for m in (actor, critic, reference):
@@ -185,11 +190,8 @@ def _grpo_step(rank, world, rows):
     cfg.grpo.group_size, cfg.grpo.iterations, cfg.grpo.beta = 2, 2, 0.04
     actor = ModelRuntime("actor", lm, cfg, env, lr=1e-3, steps=2)
     reference = ModelRuntime("reference", Transformer(lm.config), cfg, env, lr=None)
-    prompts, responses, logps, scores = _rollouts(2, 8)
-    mine = rows[rank]
-    batch = layout([prompts[i] for i in mine], [responses[i] for i in mine], [logps[i] for i in mine],
-                   [""] * len(mine), 0, env.device)
-    advantages = grpo_advantages(scores[mine], cfg.grpo.group_size)
+    batch, scores = _my_rollouts(2, rows[rank])
+    advantages = grpo_advantages(scores, cfg.grpo.group_size)
     stats, _ = grpo_update(actor, batch, advantages, logprobs(reference, batch), cfg.grpo, 0)
     out = {"actor": actor.runtime.full_state_dict(), "stats": stats}
     actor.close()
