@@ -8,7 +8,7 @@ where a knob is named, defaulted and checked.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 import torch
@@ -20,6 +20,98 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 class ZeroConfigError(ValueError):
     """Keys of `zero_optimization` that contradict each other or the run; the message names them."""
+
+
+@dataclass
+class GradientCompression:
+    """`zero_optimization.gradient_compression`: SEPARATE (seed 002, docs/separate.md) on the
+    gradient reduce of ZeRO-3 / ZeRO++ (in place of the reduce-scatter or qgZ) or of DDP (a comm
+    hook); torch's PowerSGD hook under DDP as the low-rank baseline."""
+
+    # none; separate (paper Algorithm 1); g-separate (Algorithm 3: per-unit ratio and beta adapted
+    # from a measured cosine similarity); powersgd (DDP only: torch's PowerSGD hook).
+    method: Literal["none", "separate", "g-separate", "powersgd"] = "none"
+    # Compression ratio CR: each block of block_size elements travels as block_size / ratio
+    # projections (the paper's default 16; it tried 8-128). A power of two for hadamard.
+    ratio: int = 16
+    # Moving-average error feedback e <- (1 - beta) e + beta (h - C(h)); 1 is plain error feedback.
+    # The paper's 0.95; below 0.8 it diverged.
+    beta: float = 0.95
+    # The error is reset to zero every this many rounds (the paper's T = 128; 0 never resets).
+    reset_interval: int = 128
+    # Elements per projected block (blocks are cut inside each rank's shard, never across two).
+    block_size: int = 1024
+    # hadamard: random signs + a fast Walsh-Hadamard transform + a random subset of its rows (a
+    # subsampled randomized Hadamard transform, O(b log b) per block, no Gaussian draws);
+    # gaussian: the paper's N(0, I) directions, generated per block and round in chunks.
+    projection: Literal["hadamard", "gaussian"] = "hadamard"
+    # unbiased: the paper's reconstruction (E[P^T P] = I); contractive: that times 1/CR, a projection
+    # that never lengthens the gradient (docs/separate.md: with error feedback, the unbiased one
+    # multiplies the error's expected square by (1 - beta)^2 + (CR - 1) beta^2 per round).
+    reconstruction: Literal["contractive", "unbiased"] = "contractive"
+    # Dtype of the per-rank error buffer (one copy of the model per rank, not sharded).
+    error_dtype: Literal["fp32", "bf16"] = "fp32"
+    # The common seed of the random directions (every rank draws the same ones).
+    seed: int = 0
+    # G-SEPARATE: every adapt_interval rounds a unit also runs one exact reduce and measures the
+    # cosine similarity of its reconstructed and exact mean gradient; above target_cosine its
+    # ratio doubles (up to max_ratio) and beta grows, below it the ratio halves (down to
+    # min_ratio) and beta shrinks; beta stays in [0.90, 0.99].
+    adapt_interval: int = 200
+    target_cosine: float = 0.3
+    min_ratio: int = 4
+    max_ratio: int = 128
+    # PowerSGD's rank (method powersgd).
+    powersgd_rank: int = 4
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    @property
+    def separate(self) -> bool:
+        return self.method in ("separate", "g-separate")
+
+    def describe(self) -> str:
+        if self.method == "powersgd":
+            return f"PowerSGD rank {self.powersgd_rank}"
+        return (f"{'G-SEPARATE' if self.method == 'g-separate' else 'SEPARATE'} CR {self.ratio} "
+                f"({self.projection}, beta {self.beta}, reset {self.reset_interval})")
+
+    def validate(self, stage: int) -> None:
+        key = "zero_optimization.gradient_compression"
+        if self.method == "none":
+            return
+        if self.method == "powersgd":
+            if stage != 0:
+                raise ZeroConfigError(f"{key}.method=powersgd is torch's DDP comm hook: it needs "
+                                      f"zero_optimization.stage 0 (use separate or g-separate under ZeRO-3)")
+            if self.powersgd_rank < 1:
+                raise ZeroConfigError(f"{key}.powersgd_rank={self.powersgd_rank}: must be >= 1")
+            return
+        pow2 = lambda v: v >= 1 and v & (v - 1) == 0  # noqa: E731
+        if self.ratio < 1:
+            raise ZeroConfigError(f"{key}.ratio={self.ratio}: must be >= 1")
+        if self.block_size < self.ratio:
+            raise ZeroConfigError(f"{key}.block_size={self.block_size} is smaller than ratio={self.ratio}: "
+                                  f"a block must keep at least one projection")
+        if self.projection == "hadamard" and not (pow2(self.block_size) and pow2(self.ratio)):
+            raise ZeroConfigError(f"{key}: projection hadamard needs a power-of-two block_size and ratio, got "
+                                  f"block_size={self.block_size}, ratio={self.ratio}")
+        if not 0.0 <= self.beta <= 1.0:
+            raise ZeroConfigError(f"{key}.beta={self.beta}: must be in [0, 1] (0: no error feedback)")
+        if self.reset_interval < 0:
+            raise ZeroConfigError(f"{key}.reset_interval={self.reset_interval}: must be >= 0 (0: never reset)")
+        if self.method == "g-separate":
+            if self.adapt_interval < 1:
+                raise ZeroConfigError(f"{key}.adapt_interval={self.adapt_interval}: must be >= 1")
+            if not 1 <= self.min_ratio <= self.ratio <= self.max_ratio <= self.block_size:
+                raise ZeroConfigError(f"{key}: g-separate needs 1 <= min_ratio <= ratio <= max_ratio <= block_size, "
+                                      f"got {self.min_ratio}, {self.ratio}, {self.max_ratio}, {self.block_size}")
+            if self.projection == "hadamard" and not (pow2(self.min_ratio) and pow2(self.max_ratio)):
+                raise ZeroConfigError(f"{key}: projection hadamard needs power-of-two min_ratio and max_ratio")
+            if not 0.0 < self.target_cosine < 1.0:
+                raise ZeroConfigError(f"{key}.target_cosine={self.target_cosine}: must be in (0, 1)")
 
 
 @dataclass
@@ -63,6 +155,8 @@ class ZeroConfig:
     # Elements per quantization block (one scale each), for weights and gradients. Blocks never
     # straddle two parameters; a multiple of 32 keeps qwZ weights exportable to GGUF exactly.
     zero_quantization_block_size: int = 256
+    # Gradient compression on the reduce path (SEPARATE; PowerSGD under DDP): docs/separate.md.
+    gradient_compression: GradientCompression = field(default_factory=GradientCompression)
 
     @property
     def comm_dtype(self) -> torch.dtype:
@@ -79,7 +173,7 @@ class ZeroConfig:
     def describe(self) -> str:
         """E.g. "ZeRO-3 + qwZ int8 + hpZ + qgZ int4 (bf16 communication)", or "DDP"."""
         if self.stage == 0:
-            return "DDP"
+            return "DDP" + (f" + {self.gradient_compression.describe()}" if self.gradient_compression.enabled else "")
         parts = ["ZeRO-3"]
         if self.zero_quantized_weights:
             parts.append(f"qwZ int{self.zero_quantized_weights_bits}")
@@ -87,6 +181,8 @@ class ZeroConfig:
             parts.append("hpZ")
         if self.zero_quantized_gradients:
             parts.append(f"qgZ int{self.zero_quantized_gradients_bits}")
+        if self.gradient_compression.enabled:
+            parts.append(self.gradient_compression.describe())
         if self.zero_quantized_nontrainable_weights:
             parts.append(f"frozen weights int{self.zero_quantized_weights_bits}")
         return " + ".join(parts) + f" ({self.communication_data_type} communication)"
@@ -132,9 +228,14 @@ class ZeroConfig:
         if self.zero_quantized_gradients_stages < 1:
             raise ZeroConfigError(f"zero_optimization.zero_quantized_gradients_stages="
                                   f"{self.zero_quantized_gradients_stages}: must be >= 1")
+        self.gradient_compression.validate(self.stage)
+        if self.gradient_compression.separate and self.zero_quantized_gradients:
+            raise ZeroConfigError("zero_optimization.gradient_compression.method="
+                                  f"{self.gradient_compression.method} replaces the gradient reduce that "
+                                  "zero_quantized_gradients (qgZ) would do; set one of them")
         if self.stage == 0:
             changed = [f.name for f in fields(self)
-                       if f.name not in ("stage", "ranks_per_node") and getattr(self, f.name) != f.default]
+                       if f.name not in ("stage", "ranks_per_node", "gradient_compression") and getattr(self, f.name) != f.default]
             if changed:
                 raise ZeroConfigError(
                     f"zero_optimization.{changed[0]} applies to the sharded runtime, but zero_optimization.stage "

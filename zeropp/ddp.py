@@ -3,21 +3,31 @@
 Every rank holds the whole model and optimizer; gradients are all-reduced in DDP's buckets
 by a communication hook that divides by the gradient divide factor and records each bucket
 in the ledger, so a DDP run's traffic is reported like ZeRO's. One process: no wrapper.
+
+`gradient_compression` swaps the hook: SEPARATE all-reduces each bucket's projections and
+reconstructs (its error buffers are saved per rank beside the full checkpoint), or torch's
+own PowerSGD hook runs (the low-rank baseline; its traffic is not in the ledger).
 """
 
 from __future__ import annotations
 
+import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from zeropp.checkpoint import FULL, load_full, save_full
+from zeropp.checkpoint import FULL, CheckpointError, load_full, read_safetensors, save_full
 from zeropp.comm import Comm, CommLedger
 from zeropp.config import ZeroConfig
 from zeropp.engine import partition_units, unit_numels, zero3_cross_node_bytes
 from zeropp.runtime import Runtime, Timings
+from zeropp.separate import Separate
 from zeropp.topology import build_mesh
 
 
@@ -30,7 +40,7 @@ class DDPRuntime(Runtime):
         self.timings = Timings()
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.gradient_divide_factor = float(self.world_size)
-        self.mesh = self.comm = self._ddp = None
+        self.mesh = self.comm = self._ddp = self.compressor = self._powersgd = None
         self.ledger = CommLedger()
         if self.world_size > 1:
             self.mesh = build_mesh(ranks_per_node=self.config.ranks_per_node, thread_groups=False)
@@ -39,8 +49,29 @@ class DDPRuntime(Runtime):
             device = device or torch.device("cpu")
             # find_unused_parameters also keeps DDP from rebuilding its buckets after the first
             # step; a rebuild changes the summation order, so a resumed run would not be bit-exact.
+            # torch's PowerSGD hook issues its later all-reduces from the first one's callback; on
+            # gloo those threads race another bucket's (ranks disagree on the order and gloo
+            # aborts), so under gloo it gets one bucket.
+            one_bucket = (self.config.gradient_compression.method == "powersgd" and device.type != "cuda")
+            bucket_mb = sum(p.numel() * p.element_size() for p in model.parameters()) // 2**20 + 1
             self._ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
-                                                find_unused_parameters=True)
+                                                find_unused_parameters=True,
+                                                bucket_cap_mb=bucket_mb if one_bucket else None)
+            self._register_hook(device)
+
+    def _register_hook(self, device: torch.device) -> None:
+        compression = self.config.gradient_compression
+        if compression.method == "powersgd":
+            # Its own group: the hook chains all-reduces in gloo's callbacks, which must not
+            # interleave with DDP's own all-reduces (the unused-parameter map) on the default group.
+            self._powersgd = powerSGD_hook.PowerSGDState(
+                process_group=dist.new_group(), matrix_approximation_rank=compression.powersgd_rank,
+                start_powerSGD_iter=2, random_seed=compression.seed)
+            self._ddp.register_comm_hook(self._powersgd, self._powersgd_hook)
+        elif compression.separate:
+            self.compressor = Separate(compression, device)
+            self._ddp.register_comm_hook(None, self._separate_hook)
+        else:
             self._ddp.register_comm_hook(None, self._all_reduce_hook)
 
     def _all_reduce_hook(self, _, bucket):
@@ -49,6 +80,26 @@ class DDPRuntime(Runtime):
             buffer.div_(self.gradient_divide_factor)
         work = self.comm.all_reduce(buffer, tag="gradient reduce", async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
+
+    def _powersgd_hook(self, state, bucket):
+        """torch's PowerSGD hook averages over the ranks: pre-scale so the result is sum / factor."""
+        if self.gradient_divide_factor != self.world_size:
+            bucket.buffer().mul_(self.world_size / self.gradient_divide_factor)
+        return powerSGD_hook.powerSGD_hook(state, bucket)
+
+    def _separate_hook(self, _, bucket):
+        """Each bucket is one row of blocks: all-reduce its projections, reconstruct it whole."""
+        buffer = bucket.buffer()
+        if self.gradient_divide_factor != 1:
+            buffer.div_(self.gradient_divide_factor)
+        with self.timings.timer("gradient compression"):
+            rnd = self.compressor.compress(f"bucket{bucket.index()}", buffer.view(1, -1))
+        summed = rnd.projections.to(buffer.dtype).reshape(-1)  # DDP's wire dtype: the gradients'; fp32
+        work = self.comm.all_reduce(summed, tag="gradient reduce", async_op=True)
+
+        def finish(fut):  # runs on gloo's thread: not timed, Timings is per calling thread
+            return buffer.copy_(self.compressor.decompress(rnd, fut.value()[0], 0))
+        return work.get_future().then(finish)
 
     def __call__(self, *args, **kwargs):
         return (self._ddp or self.module)(*args, **kwargs)
@@ -67,14 +118,41 @@ class DDPRuntime(Runtime):
 
     def save(self, directory, optimizer) -> None:
         save_full(directory, self.module, optimizer, dist.get_rank() if dist.is_initialized() else 0)
+        if self.compressor is not None:  # each rank's error buffers and round counters
+            state = {k: v.detach().cpu().contiguous() for k, v in self.compressor.state_dict().items()}
+            save_file(state, str(self._compressor_file(directory)), metadata={"world_size": str(self.world_size)})
 
     def load(self, directory, optimizer) -> None:
         load_full(directory, self.module, optimizer)
+        if self.compressor is None:
+            return
+        path = self._compressor_file(directory)
+        if not path.is_file():
+            warnings.warn(f"{directory}: no SEPARATE state for rank {dist.get_rank()} ({path.name}); the "
+                          f"error feedback starts from zero")
+            return
+        state = read_safetensors(path)  # a clear error for a truncated or corrupt file
+        with safe_open(str(path), "pt") as f:
+            saved_world = (f.metadata() or {}).get("world_size")
+        if saved_world != str(self.world_size):
+            warnings.warn(f"{path}: SEPARATE state saved on {saved_world} ranks cannot continue on "
+                          f"{self.world_size}; the error feedback starts from zero")
+            return
+        try:
+            self.compressor.load_state_dict(state)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+
+    @staticmethod
+    def _compressor_file(directory) -> Path:
+        return Path(directory) / f"compressor.rank{dist.get_rank():05d}.safetensors"
 
     def describe(self) -> str:
         if self.mesh is None:
             return "one process"
-        return f"DDP (fp32 all-reduce) | topology: {self.mesh.describe()}"
+        compression = self.config.gradient_compression
+        reduce = compression.describe() if compression.enabled else "fp32 all-reduce"
+        return f"DDP ({reduce}) | topology: {self.mesh.describe()}"
 
     def zero3_cross_node_bytes(self) -> dict[str, int]:
         if self.mesh is None:

@@ -42,7 +42,8 @@ from zeropp.checkpoint import SHARDED, load_shards, save_shards
 from zeropp.comm import Comm
 from zeropp.config import DTYPES, ZeroConfig, ZeroConfigError
 from zeropp.quantized import PlainCodec, QuantizedCodec
-from zeropp.reducers import ExactReduceScatter, QuantizedReduce
+from zeropp.reducers import ExactReduceScatter, ProjectedReduce, QuantizedReduce
+from zeropp.separate import Separate
 from zeropp.runtime import InferenceWeights, Runtime, Timings
 from zeropp.topology import Mesh, build_mesh
 from zeropp.unit import Phase, Unit
@@ -210,11 +211,7 @@ class Zero3Engine(Runtime):
             stored_quantized = frozen and cfg.zero_quantized_nontrainable_weights
             self.units[name] = Unit(name, params, world, rank, self.device, frozen_codec if frozen else codec,
                                     stored_quantized, cfg.param_align(frozen), cfg.shard_align(frozen))
-        self.reducer = (QuantizedReduce(self.comm, cfg.zero_quantized_gradients_bits, cfg.zero_quantization_block_size,
-                                        cfg.zero_quantized_gradients_hops or (2 if self.mesh.num_nodes > 1 else 1),
-                                        cfg.zero_quantized_gradients_stages,
-                                        cfg.zero_quantized_gradients_error_feedback)
-                        if cfg.zero_quantized_gradients else ExactReduceScatter(self.comm, self.comm_dtype))
+        self.reducer = self._build_reducer()
         # A block's units (trainable, then frozen) are gathered, computed and freed together.
         self.block_groups = [[self.units[n] for n in (f"blocks.{i}", f"blocks.{i}{FROZEN_SUFFIX}") if n in self.units]
                              for i in range(len(model.blocks))]
@@ -397,6 +394,17 @@ class Zero3Engine(Runtime):
             pos = self._position[id(units[0])]
             self._prefetch(self._order[pos - 1] if pos > 0 else None)
 
+    def _build_reducer(self):
+        cfg = self.config
+        if cfg.gradient_compression.separate:
+            return ProjectedReduce(self.comm, Separate(cfg.gradient_compression, self.device), self.comm_dtype,
+                                   self.timings)
+        if cfg.zero_quantized_gradients:
+            return QuantizedReduce(self.comm, cfg.zero_quantized_gradients_bits, cfg.zero_quantization_block_size,
+                                   cfg.zero_quantized_gradients_hops or (2 if self.mesh.num_nodes > 1 else 1),
+                                   cfg.zero_quantized_gradients_stages, cfg.zero_quantized_gradients_error_feedback)
+        return ExactReduceScatter(self.comm, self.comm_dtype)
+
     def _reduce(self, unit: Unit) -> None:
         if unit.pending_reduce is not None:  # a temporary buffer's earlier reduce (rare path)
             self._wait_reduce(unit)
@@ -557,11 +565,14 @@ class Zero3Engine(Runtime):
 
     def model_state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Per-rank model-state memory by kind: master, comm copy, gradient shard, hpZ secondary,
-        and the optimizer's states when given."""
+        the reducer's error-feedback buffers, and the optimizer's states when given."""
         totals: dict[str, int] = {}
         for u in self.units.values():
             for k, v in u.model_state_bytes().items():
                 totals[k] = totals.get(k, 0) + v
+        for k, v in self.reducer.state_dict().items():  # qgZ's or SEPARATE's error feedback
+            if v.dim() > 0:
+                totals["gradient error feedback"] = totals.get("gradient error feedback", 0) + v.numel() * v.element_size()
         if optimizer is not None:
             totals["optimizer states"] = sum(
                 t.numel() * t.element_size() for state in optimizer.state.values()

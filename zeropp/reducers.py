@@ -9,13 +9,17 @@ reducer owns the wire format, the collectives, and any state it keeps between st
   QuantizedReduce      qgZ: block-quantized all-to-all, 1 hop or 2 (inside the node, then
                        across), optionally pipelined; with error feedback, the local
                        quantization error of each step is added to the next step's gradient
+  ProjectedReduce      SEPARATE (zeropp.separate): a reduce-scatter of random projections,
+                       1/CR of the gradient; each rank reconstructs its own shard
 """
 
 from __future__ import annotations
 
 import torch
 
-from zeropp.comm import Comm
+from zeropp.comm import Comm, _CallbackWork
+from zeropp.runtime import Timings
+from zeropp.separate import Separate
 
 TAG = "gradient reduce"
 
@@ -83,3 +87,54 @@ class QuantizedReduce(GradientReducer):
     def describe(self) -> str:
         ef = " + error feedback" if self.error_feedback else ""
         return f"qgZ int{self.bits}, {self.hops} hop(s){ef}"
+
+
+class ProjectedReduce(GradientReducer):
+    """SEPARATE on the ZeRO reduce path: the unit's gradient, as `world` shard rows, is projected
+    blockwise; the projections are reduce-scattered (in the communication dtype) and each rank
+    adds the reconstruction of its own shard. G-SEPARATE's measuring rounds also reduce-scatter
+    the exact gradient and all-reduce three sums for the cosine similarity."""
+
+    def __init__(self, comm: Comm, compressor: Separate, wire_dtype: torch.dtype, timings: Timings):
+        self.comm, self.compressor, self.wire_dtype, self.timings = comm, compressor, wire_dtype, timings
+        self.cosines: dict[str, float] = {}  # G-SEPARATE: each unit's last measured cosine
+
+    def reduce(self, unit, shard, grad, async_op):
+        world, rank = self.comm.mesh.size("dp"), self.comm.mesh.group_rank("dp")
+        exact = exact_work = None
+        if self.compressor.adapt_round(unit):  # the raw gradient's exact mean, before e is added
+            exact = torch.zeros_like(shard)
+            exact_work = self.comm.reduce_scatter(exact, grad.to(self.wire_dtype), tag=TAG + " (exact, G-SEPARATE)",
+                                                  async_op=True, accumulate=True)
+        with self.timings.timer("gradient compression"):
+            rnd = self.compressor.compress(unit, grad.view(world, -1))
+        summed = torch.zeros(rnd.projections.shape[1], device=shard.device)
+        work = self.comm.reduce_scatter(summed, rnd.projections.to(self.wire_dtype).reshape(-1), tag=TAG,
+                                        async_op=True, accumulate=True)
+
+        def finish():
+            work.wait()
+            with self.timings.timer("gradient compression"):
+                estimate = self.compressor.decompress(rnd, summed, rank)
+            shard.add_(estimate)
+            if exact is not None:
+                exact_work.wait()
+                sums = torch.stack([(estimate * exact).sum(), estimate.square().sum(), exact.square().sum()]).double()
+                self.comm.all_reduce(sums, tag="G-SEPARATE cosine")
+                cosine = float(sums[0] / (sums[1].sqrt() * sums[2].sqrt()).clamp_min(1e-30))
+                self.cosines[unit] = cosine
+                self.compressor.adapt(unit, cosine)
+
+        if async_op:
+            return _CallbackWork(finish)
+        finish()
+        return None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.compressor.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.compressor.load_state_dict(state)
+
+    def describe(self) -> str:
+        return f"a reduce-scatter of projections ({str(self.wire_dtype).replace('torch.', '')})"

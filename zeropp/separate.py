@@ -1,0 +1,258 @@
+"""SEPARATE (seed 002): gradients travel as shared random projections, with moving-average
+error feedback (docs/separate.md).
+
+One round, for one unit's (or DDP bucket's) gradient on one rank (paper Algorithm 1):
+
+    h = g + e                        the error-compensated local gradient
+    p = P_k h                        m = b / CR projections per block of b elements
+    p̄ = sum over ranks of p          the only communication (a reduce-scatter under ZeRO)
+    ĥ = P_k^T p̄                      unbiased: E[P_k^T P_k] = I
+    e <- (1 - beta) e + beta (h - P_k^T P_k h),  or e <- 0 every reset_interval rounds
+
+P_k is fresh every round k and common to all ranks: it is drawn from (seed, key, k, chunk), never
+sent. The gradient is viewed as `chunks` rows (the ZeRO shards; one row under DDP) and each row
+is cut into blocks of b elements, the last one zero-padded, so a block never straddles two
+shards: the reduce-scatter of the projections hands each rank the summed projections of its own
+shard's blocks, and it reconstructs only its shard. The error term needs this rank's own
+P^T P h over the whole unit, computed in the same pass as the projection.
+
+Two projections (`projection`):
+  gaussian  the paper's: m directions ~ N(0, I_b) per block, p = Xi x, ĥ = Xi^T p̄ / m; the
+            draws are d·m numbers per round, generated chunk by chunk and never stored whole.
+  hadamard  a subsampled randomized Hadamard transform: random signs D per block, the
+            orthonormal Walsh-Hadamard H_b (as two Kronecker-factor matmuls), a random subset
+            S of m of its b rows per round: p = sqrt(b/m) S H D x, ĥ = sqrt(b/m) D H S^T p̄.
+            O(b log b)-like work and d random signs per round; with ratio 1 it is orthogonal,
+            so the reconstruction is exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+from zeropp.config import DTYPES, GradientCompression
+
+_DRAW_NUMEL = 1 << 22  # Gaussian directions generated per draw (16 MB of fp32)
+
+
+def _seed(*parts) -> int:
+    """A 63-bit generator seed from (seed, key, round, chunk): the same on every rank."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def _hadamard(n: int, device: torch.device) -> torch.Tensor:
+    """The orthonormal n x n Sylvester-Hadamard matrix (n a power of two)."""
+    h = torch.ones(1, 1, device=device)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+@dataclass
+class Round:
+    """What one compression round needs to be undone: which directions, on what layout."""
+
+    key: str
+    index: int  # the round k: the directions are drawn from (seed, key, k, chunk)
+    ratio: int
+    block: int  # b: elements per block
+    directions: int  # m: projections per block
+    blocks: int  # blocks per chunk
+    numel: int  # elements per chunk (before padding)
+    projections: torch.Tensor  # (chunks, blocks * m) fp32, this rank's p
+
+
+class Separate:
+    """The compressor: per key (a unit, a DDP bucket), the round counter, the error buffer, and
+    under G-SEPARATE the adapted ratio and beta; `state_dict` makes a resumed run bit-exact."""
+
+    def __init__(self, cfg: GradientCompression, device: torch.device):
+        self.cfg, self.device = cfg, device
+        self.error_dtype = DTYPES[cfg.error_dtype]
+        self.contractive = cfg.reconstruction == "contractive"
+        self.rounds: dict[str, int] = {}
+        self.errors: dict[str, torch.Tensor] = {}
+        self.ratios: dict[str, int] = {}
+        self.betas: dict[str, float] = {}
+        self._hadamards: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._last_subset: dict[str, tuple] = {}  # key -> ((round, b, m), rows): reused by decompress
+
+    # ------------------------------------------------------------------ one round
+
+    def compress(self, key: str, grad: torch.Tensor) -> Round:
+        """Project this rank's gradient `grad` (chunks x numel) and update the error; the returned
+        round holds the projections (chunks x blocks·m, fp32) to be summed over ranks."""
+        k = self.rounds.get(key, 0)
+        self.rounds[key] = k + 1
+        chunks, numel = grad.shape
+        ratio = self.ratios.get(key, self.cfg.ratio)
+        block = self._block(numel)
+        m = max(1, block // ratio)
+        blocks = -(-numel // block)
+        error = self.errors.get(key)
+        if error is None:
+            error = self.errors[key] = torch.zeros(chunks, numel, dtype=self.error_dtype, device=grad.device)
+        h = grad.float() + error
+        reset = self.cfg.reset_interval and k % self.cfg.reset_interval == 0
+        beta = self.betas.get(key, self.cfg.beta)
+        feedback = not reset and beta > 0
+        projections = torch.empty(chunks, blocks * m, device=grad.device)
+        for c in range(chunks):
+            x = torch.zeros(blocks * block, device=grad.device)
+            x[:numel] = h[c]
+            p, back = self._project(x.view(blocks, block), key, k, c, m, roundtrip=feedback)
+            projections[c] = p.reshape(-1)
+            if back is not None and self.contractive:
+                back.mul_(m / block)
+            if feedback:  # e <- (1 - beta) e + beta (h - P^T P h), in fp32
+                new = error[c].float().mul_(1 - beta).add_(h[c] - back.reshape(-1)[:numel], alpha=beta)
+                error[c].copy_(new)
+        if reset:
+            error.zero_()
+        return Round(key, k, ratio, block, m, blocks, numel, projections)
+
+    def decompress(self, rnd: Round, summed: torch.Tensor, chunk: int) -> torch.Tensor:
+        """The reconstruction (numel, fp32) of chunk `chunk` from its summed projections."""
+        p = summed.float().view(rnd.blocks, rnd.directions)
+        out = self._reconstruct(p, rnd.key, rnd.index, chunk, rnd.block).reshape(-1)[:rnd.numel]
+        return out.mul_(rnd.directions / rnd.block) if self.contractive else out
+
+    def _block(self, numel: int) -> int:
+        """Elements per block: the configured size, smaller for a chunk that is smaller."""
+        if self.cfg.projection == "hadamard":
+            return min(self.cfg.block_size, 1 << max(0, (numel - 1).bit_length()))
+        return min(self.cfg.block_size, numel)
+
+    # ------------------------------------------------------------------ projections
+
+    def _subset(self, key: str, k: int, block: int, m: int, device) -> torch.Tensor:
+        """The round's m of the b Hadamard rows, shared by every block (the signs differ per block)."""
+        cached = self._last_subset.get(key)
+        if cached is None or cached[0] != (k, block, m):
+            subset = torch.randperm(block, generator=_generator(device, _seed(self.cfg.seed, key, k)), device=device)
+            cached = self._last_subset[key] = ((k, block, m), subset[:m].sort().values)
+        return cached[1]
+
+    def _factors(self, block: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """H_b = H_b1 (x) H_b2 with b1·b2 = b: a (rows, b) @ H_b is two small matmuls."""
+        if block not in self._hadamards:
+            n = block.bit_length() - 1
+            self._hadamards[block] = (_hadamard(1 << (n - n // 2), device), _hadamard(1 << (n // 2), device))
+        return self._hadamards[block]
+
+    def _transform(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        """x (rows, b) -> x H_b (orthonormal, symmetric, its own inverse)."""
+        h1, h2 = self._factors(block, x.device)
+        y = (x.reshape(-1, h2.shape[0]) @ h2).view(-1, h1.shape[0], h2.shape[0])  # one GEMM, then per block
+        return torch.matmul(h1, y).reshape(-1, block)
+
+    def _signs(self, key: str, k: int, chunk: int, shape, device) -> torch.Tensor:
+        g = _generator(device, _seed(self.cfg.seed, key, k, chunk))
+        return torch.randint(0, 2, shape, generator=g, device=device).mul_(-2).add_(1).float()
+
+    def _gaussian_draws(self, key: str, k: int, chunk: int, blocks: int, block: int, m: int, device):
+        """(first block, directions (n, m, b)) for consecutive draws covering the chunk's blocks."""
+        g = _generator(device, _seed(self.cfg.seed, key, k, chunk))
+        per_draw = max(1, _DRAW_NUMEL // (m * block))
+        for start in range(0, blocks, per_draw):
+            n = min(per_draw, blocks - start)
+            yield start, torch.randn(n, m, block, generator=g, device=device)
+
+    def _project(self, x: torch.Tensor, key: str, k: int, chunk: int, m: int, roundtrip: bool):
+        """x (blocks, b) -> (p (blocks, m), P^T p or None)."""
+        blocks, block = x.shape
+        if self.cfg.projection == "hadamard":
+            signs = self._signs(key, k, chunk, x.shape, x.device)
+            subset = self._subset(key, k, block, m, x.device)
+            scale = math.sqrt(block / m)
+            p = self._transform(x * signs, block)[:, subset] * scale
+            if not roundtrip:
+                return p, None
+            z = torch.zeros_like(x)
+            z[:, subset] = p * scale
+            return p, self._transform(z, block) * signs
+        p = torch.empty(blocks, m, device=x.device)
+        back = torch.empty_like(x) if roundtrip else None
+        for start, xi in self._gaussian_draws(key, k, chunk, blocks, block, m, x.device):
+            rows = slice(start, start + xi.shape[0])
+            p[rows] = torch.bmm(xi, x[rows].unsqueeze(2)).squeeze(2)
+            if roundtrip:
+                back[rows] = torch.bmm(p[rows].unsqueeze(1), xi).squeeze(1) / m
+        return p, back
+
+    def _reconstruct(self, p: torch.Tensor, key: str, k: int, chunk: int, block: int) -> torch.Tensor:
+        """P^T p for one chunk: p (blocks, m) -> (blocks, b)."""
+        blocks, m = p.shape
+        if self.cfg.projection == "hadamard":
+            z = torch.zeros(blocks, block, device=p.device)
+            z[:, self._subset(key, k, block, m, p.device)] = p * math.sqrt(block / m)
+            return self._transform(z, block) * self._signs(key, k, chunk, z.shape, p.device)
+        out = torch.empty(blocks, block, device=p.device)
+        for start, xi in self._gaussian_draws(key, k, chunk, blocks, block, m, p.device):
+            rows = slice(start, start + xi.shape[0])
+            out[rows] = torch.bmm(p[rows].unsqueeze(1), xi).squeeze(1) / m
+        return out
+
+    # ------------------------------------------------------------------ G-SEPARATE
+
+    def adapt(self, key: str, cosine: float) -> None:
+        """G-SEPARATE's step 6 (our reading of the garbled formula, docs/separate.md): an accurate
+        estimate (cosine above the target) earns a doubled ratio and a larger beta, a poor one a
+        halved ratio and a smaller beta; ratio in [min_ratio, max_ratio], beta in [0.90, 0.99]."""
+        cfg = self.cfg
+        ratio, beta = self.ratios.get(key, cfg.ratio), self.betas.get(key, cfg.beta)
+        gap = (cosine - cfg.target_cosine) / cfg.target_cosine
+        if gap >= 0:
+            ratio = min(ratio * 2, cfg.max_ratio)
+        else:
+            ratio = max(ratio // 2, cfg.min_ratio)
+        self.ratios[key] = ratio
+        self.betas[key] = min(max(beta * (1 + 0.05 * max(-1.0, min(1.0, gap))), 0.90), 0.99)
+
+    def adapt_round(self, key: str) -> bool:
+        """Whether the round about to run for `key` is one where G-SEPARATE measures the cosine."""
+        return self.cfg.method == "g-separate" and (self.rounds.get(key, 0) + 1) % self.cfg.adapt_interval == 0
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """By "<key>.<name>": error, round, and under G-SEPARATE ratio and beta."""
+        out = {}
+        for key, k in self.rounds.items():
+            out[f"{key}.round"] = torch.tensor(k, dtype=torch.int64)
+            out[f"{key}.error"] = self.errors[key]
+            if key in self.ratios:
+                out[f"{key}.ratio"] = torch.tensor(self.ratios[key], dtype=torch.int64)
+                out[f"{key}.beta"] = torch.tensor(self.betas[key], dtype=torch.float64)
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        names = {"round", "error", "ratio", "beta"}
+        bad = [k for k in state if k.rpartition(".")[2] not in names]
+        if bad:
+            raise ValueError(f"SEPARATE cannot load compressor state {bad[:4]}: expected <key>.{sorted(names)}")
+        self.rounds, self.errors, self.ratios, self.betas = {}, {}, {}, {}
+        for name, value in state.items():
+            key, _, what = name.rpartition(".")
+            if what == "round":
+                self.rounds[key] = int(value)
+            elif what == "error":
+                self.errors[key] = value.to(self.device, self.error_dtype).clone()
+            elif what == "ratio":
+                self.ratios[key] = int(value)
+            else:
+                self.betas[key] = float(value)
+
+    def error_bytes(self) -> int:
+        return sum(e.numel() * e.element_size() for e in self.errors.values())
