@@ -17,6 +17,7 @@ from pathlib import Path
 from scripts.bench import report, runner
 from scripts.bench.cluster import parse_rate
 from scripts.bench.runner import SEQ, Job
+from scripts.bench.suite import Quick, main_one, options
 
 TITLE = "## 1. Throughput ablation (paper Fig. 10 / Table 1)"
 ZERO3 = {"stage": 3}
@@ -25,29 +26,21 @@ CONFIGS = {  # key -> (label, zero_optimization keys)
     "zero3": ("ZeRO-3", ZERO3), "qwz": ("ZeRO-3 + qwZ", {**ZERO3, **QWZ}), "hpz": ("ZeRO-3 + hpZ", {**ZERO3, **HPZ}),
     "qgz": ("ZeRO-3 + qgZ", {**ZERO3, **QGZ}), "zeropp": ("ZeRO++", {**ZERO3, **QWZ, **HPZ, **QGZ}),
 }
-RATES = ["100mbit", "1gbit"]
-MICRO_BATCHES = [4, 8]
 
 
 def add_args(p) -> None:
-    p.add_argument("--rates", nargs="+", help=f"link rates (default {' '.join(RATES)}; quick 100mbit)")
-    p.add_argument("--micro-batches", type=int, nargs="+",
-                   help=f"micro-batch sizes x {SEQ} tokens per rank (default {' '.join(map(str, MICRO_BATCHES))})")
-    p.add_argument("--configs", nargs="+", choices=list(CONFIGS))
-    p.add_argument("--steps", type=int, help="steps per run (default 5, quick 4)")
+    p.add_argument("--rates", nargs="+", default=Quick(["100mbit", "1gbit"], ["100mbit"]),
+                   help="link rates (default %(default)s)")
+    p.add_argument("--micro-batches", type=int, nargs="+", default=Quick([4, 8], [4]),
+                   help=f"micro-batch sizes x {SEQ} tokens per rank (default %(default)s)")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=Quick(list(CONFIGS), ["zero3", "zeropp"]))
+    p.add_argument("--steps", type=int, default=Quick(5, 4), help="steps per run (default %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="steps not timed")
     p.add_argument("--timeout", type=float, default=900)
 
 
-def resolve(args) -> dict:
-    return {"rates": args.rates or (["100mbit"] if args.quick else RATES),
-            "micro_batches": args.micro_batches or ([4] if args.quick else MICRO_BATCHES),
-            "configs": args.configs or (["zero3", "zeropp"] if args.quick else list(CONFIGS)),
-            "steps": args.steps or (4 if args.quick else 5), "warmup": args.warmup, "timeout": args.timeout}
-
-
 def run(args, progress=print) -> dict:
-    plan = resolve(args)
+    plan = options(args)
     result = {"plan": plan, "model": runner.model_summary(), "nodes": runner.NODES,
               "ranks_per_node": runner.RANKS_PER_NODE, "rows": []}
     why = runner.cluster_unavailable()
@@ -102,9 +95,7 @@ def markdown(result: dict) -> str:
              "12·n_layer·d_model·seq for attention. Physical bytes: what each node's link sent per step "
              "(veth counters at step boundaries, frame bytes); wire time = the busier direction's bytes at the "
              "tbf rate, i.e. the least time the step can take on that link.", "",
-             *report.md_table(result["rows"], COLUMNS), "",
-             "The \"wire time\" column is what the busier direction of a node's link needs for the bytes it "
-             "carried (at exactly the tbf rate): the least time the step can take on that link.", ""]
+             *report.md_table(result["rows"], COLUMNS), ""]
     rows = [r for r in result["rows"] if r["ok"]]
     rates = sorted({r["setting"] for r in rows}, key=parse_rate)
     find = {(r["key"], r["setting"], r["micro_batch"]): r for r in rows}.get
@@ -132,6 +123,4 @@ def markdown(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    from scripts.bench.suite import main_one
-
     sys.exit(main_one("ablation"))

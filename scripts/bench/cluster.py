@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import ctypes
 import itertools
 import json
 import os
@@ -39,6 +40,7 @@ RDZV_PORT = 29400           # every cluster has its own network stack, so a fixe
 _NS_RE = re.compile(r"^zpp-(\d+)-(\d+)-(hub|n\d+)$")
 _SEQ = itertools.count()
 _LIVE: list["EmulatedCluster"] = []   # clusters not yet torn down, for the atexit fallback
+_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 class ClusterRequirementError(RuntimeError):
@@ -47,9 +49,6 @@ class ClusterRequirementError(RuntimeError):
 
 class ClusterError(RuntimeError):
     """Setting up the emulated network failed for another reason."""
-
-
-# ---------------------------------------------------------------- rates and shaping parameters
 
 
 _UNITS = {  # tc's units: "bit" is bits per second, "bps" is BYTES per second
@@ -82,9 +81,6 @@ def tbf_params(rate_bits: int) -> tuple[int, str]:
     return burst, "100ms"
 
 
-# ---------------------------------------------------------------- shell helpers and requirements
-
-
 def _sh(args: list[str], check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
     proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
@@ -108,49 +104,30 @@ def check_requirements() -> None:
         raise ClusterRequirementError("the emulated cluster needs: " + "; ".join(missing))
 
 
-def _tbf_hint(stderr: str) -> str:
-    return (f"tc could not add a tbf qdisc ({stderr.strip()}). The kernel needs the token bucket "
-            "filter: CONFIG_NET_SCH_TBF (load it with `modprobe sch_tbf`; in a container the host "
-            "must provide it).")
-
-
-# ---------------------------------------------------------------- leftovers
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def list_namespaces() -> list[str]:
     out = _sh(["ip", "netns", "list"], check=False).stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def _kill_namespace_pids(ns: str) -> None:
-    """SIGKILL every process still inside a namespace (a namespace outlives `ip netns del`
-    while processes are in it)."""
-    for _ in range(3):
-        pids = [int(p) for p in _sh(["ip", "netns", "pids", ns], check=False).stdout.split() if p.isdigit()]
-        pids = [p for p in pids if p != os.getpid()]
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.1)
-
-
 def _delete_namespace(ns: str) -> None:
-    _kill_namespace_pids(ns)
+    """SIGKILL what still runs inside `ns` (a namespace outlives `ip netns del` while processes are
+    in it), then delete it."""
+    for _ in range(3):
+        pids = [int(p) for p in _sh(["ip", "netns", "pids", ns], check=False).stdout.split()
+                if p.isdigit() and int(p) != os.getpid()]
+        if not pids:
+            break
+        for pid in pids:
+            _signal(pid, signal.SIGKILL)
+        time.sleep(0.1)
     _sh(["ip", "netns", "del", ns], check=False)
+
+
+def _signal(pid: int, sig: int, group: bool = False) -> None:
+    try:
+        (os.killpg if group else os.kill)(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def cleanup_leftovers(prefix: str = PREFIX, force: bool = False) -> list[str]:
@@ -162,19 +139,14 @@ def cleanup_leftovers(prefix: str = PREFIX, force: bool = False) -> list[str]:
     removed = []
     for ns in list_namespaces():
         m = _NS_RE.match(ns)
-        if not m or not ns.startswith(prefix):
-            continue
+        if not m or not ns.startswith(prefix) or any(ns.startswith(c.prefix + "-") for c in _LIVE):
+            continue  # not ours, or a cluster of this very process that is up
         owner = int(m.group(1))
-        if any(ns.startswith(c.prefix + "-") for c in _LIVE):
-            continue                      # a cluster of this very process that is up
-        if not force and owner != os.getpid() and _pid_alive(owner):
+        if not force and owner != os.getpid() and Path(f"/proc/{owner}").exists():
             continue
         _delete_namespace(ns)
         removed.append(ns)
     return removed
-
-
-# ---------------------------------------------------------------- results
 
 
 @dataclass
@@ -196,22 +168,10 @@ class RunResult:
         return [o + e for o, e in zip(self.node_stdout, self.node_stderr)]
 
     def summary(self) -> dict:
-        return {
-            "returncode": self.returncode,
-            "timed_out": self.timed_out,
-            "wall_s": round(self.wall_s, 3),
-            "rate_mbit": self.rate_bits / 1e6,
-            "run_dir": str(self.run_dir),
-            "nodes": [{"node": k, "returncode": rc, "tx_bytes": lb["tx"], "rx_bytes": lb["rx"]}
-                      for k, (rc, lb) in enumerate(zip(self.returncodes, self.link_bytes))],
-        }
-
-
-def _exit_code(rc: int) -> int:
-    return 128 - rc if rc < 0 else rc
-
-
-# ---------------------------------------------------------------- the cluster
+        return {"returncode": self.returncode, "timed_out": self.timed_out, "wall_s": round(self.wall_s, 3),
+                "rate_mbit": self.rate_bits / 1e6, "run_dir": str(self.run_dir),
+                "nodes": [{"node": k, "returncode": rc, "tx_bytes": lb["tx"], "rx_bytes": lb["rx"]}
+                          for k, (rc, lb) in enumerate(zip(self.returncodes, self.link_bytes))]}
 
 
 @dataclass
@@ -239,30 +199,25 @@ class EmulatedCluster:
         self.rate_bits = parse_rate(rate)
         self.rdzv_port = rdzv_port
         self.burst, self.latency = tbf_params(self.rate_bits)
-        seq = next(_SEQ)
-        pid = os.getpid()
+        seq, pid = next(_SEQ), os.getpid()
         self.prefix = f"{PREFIX}{pid}-{seq}"
         # Interface names are limited to 15 characters: z<pid hex><seq hex>n<k> / ...h<k>.
         self.if_tag = f"z{pid:x}{seq:x}"
         self.hub_ns = f"{self.prefix}-hub"
-        octet = (pid * 7 + seq) % 250 + 1    # run-specific; only ever used inside our namespaces
-        self.subnet = f"10.77.{octet}.0/24"
+        octet = (pid * 7 + seq) % 250 + 1    # a run-specific /24, only ever used inside our namespaces
         self.nodes = [_Node(k, f"{self.prefix}-n{k}", f"{self.if_tag}n{k}", f"{self.if_tag}h{k}",
                             f"10.77.{octet}.{k + 1}") for k in range(nodes)]
         self._run_dir_arg = Path(run_dir) if run_dir else None
         self.run_dir: Path | None = None
-        self._procs: list[subprocess.Popen] = []
+        self._procs: list[subprocess.Popen] = []    # what run() and measure_throughput() launched
+        self._anchors: list[subprocess.Popen] = []  # a `sleep` per node: its /proc/<pid>/net/dev is the node's
         self._lock = threading.RLock()
-        self._created: list[str] = []
         self._up = False
         self._runs = 0
         self._old_handlers: dict = {}
 
-    # -- lifecycle
-
     def __enter__(self) -> "EmulatedCluster":
-        self.setup()
-        return self
+        return self.setup()
 
     def __exit__(self, *exc) -> None:
         self.teardown()
@@ -273,10 +228,7 @@ class EmulatedCluster:
         _LIVE.append(self)
         self._up = True
         try:
-            # a crashed run of an earlier process with our pid would collide with our names
-            for ns in list_namespaces():
-                if ns.startswith(self.prefix + "-"):
-                    _delete_namespace(ns)
+            self._remove_namespaces()  # a crashed run of an earlier process with our pid would collide
             # without a run_dir, outputs live in a temp dir removed at teardown (they are in the result)
             self.run_dir = self._run_dir_arg or Path(tempfile.mkdtemp(prefix=f"{self.prefix}-"))
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -295,6 +247,7 @@ class EmulatedCluster:
                 self._ip(node.ns, "link", "set", node.ifname, "up")
                 self._shape(node.ns, node.ifname)          # node -> hub: what the node sends
                 self._shape(self.hub_ns, node.hub_ifname)  # hub -> node: what the node receives
+            self._start_anchors()
         except BaseException:
             self.teardown()
             raise
@@ -306,22 +259,39 @@ class EmulatedCluster:
             raise ClusterRequirementError(
                 f"`ip netns add {ns}` failed: {proc.stderr.strip()} (needs root with CAP_SYS_ADMIN "
                 "and a kernel with network namespaces, CONFIG_NET_NS)")
-        self._created.append(ns)
         # No IPv6: its neighbour discovery / MLD chatter would show up in the link counters.
-        subprocess.run(["ip", "netns", "exec", ns, "sh", "-c",
-                        "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6; "
-                        "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6"],
-                       capture_output=True)
+        _sh(["ip", "netns", "exec", ns, "sh", "-c", "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6; "
+             "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6"], check=False)
 
     def _ip(self, ns: str, *args: str) -> None:
         _sh(["ip", "-n", ns, *args])
 
     def _shape(self, ns: str, dev: str) -> None:
-        proc = _sh(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
-                    "rate", f"{self.rate_bits}bit", "burst", str(self.burst), "latency", self.latency],
-                   check=False)
+        proc = _sh(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{self.rate_bits}bit",
+                    "burst", str(self.burst), "latency", self.latency], check=False)
         if proc.returncode != 0:
-            raise ClusterRequirementError(_tbf_hint(proc.stderr))
+            raise ClusterRequirementError(
+                f"tc could not add a tbf qdisc ({proc.stderr.strip()}). The kernel needs the token bucket "
+                "filter: CONFIG_NET_SCH_TBF (load it with `modprobe sch_tbf`; in a container the host must "
+                "provide it).")
+
+    def _start_anchors(self) -> None:
+        """One idle process per node, so that reading a node's counters (20 times a second while a job
+        runs) is reading a file, not spawning `ip netns exec`."""
+        self._anchors = [subprocess.Popen(["ip", "netns", "exec", node.ns, "sleep", "1000000"],
+                                          start_new_session=True, preexec_fn=_set_parent_death_signal)
+                         for node in self.nodes]
+        deadline = time.monotonic() + 10
+        # `ip netns exec` enters the namespace, then execs sleep: until then /proc/<pid>/net is the root's
+        while any(Path(f"/proc/{p.pid}/comm").read_text().strip() != "sleep" for p in self._anchors):
+            if time.monotonic() > deadline:
+                raise ClusterError("`ip netns exec ... sleep` did not enter the node namespaces in 10 s")
+            time.sleep(0.01)
+
+    def _remove_namespaces(self) -> None:
+        for ns in list_namespaces():
+            if ns.startswith(self.prefix + "-"):
+                _delete_namespace(ns)
 
     def teardown(self) -> None:
         """Kill everything launched, delete the namespaces. Idempotent; signals are blocked
@@ -329,16 +299,13 @@ class EmulatedCluster:
         with self._lock:
             if not self._up:
                 return
-            blocked = _block_signals()
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
             try:
                 self._kill_procs()
-                for ns in reversed(self._created):
-                    _delete_namespace(ns)
-                # also anything of ours a crash between `netns add` and bookkeeping left behind
-                for ns in list_namespaces():
-                    if ns.startswith(self.prefix + "-"):
-                        _delete_namespace(ns)
-                self._created.clear()
+                for anchor in self._anchors:
+                    anchor.kill()
+                    anchor.wait()
+                self._remove_namespaces()
                 if self._run_dir_arg is None and self.run_dir is not None:
                     shutil.rmtree(self.run_dir, ignore_errors=True)
                 self._up = False
@@ -346,9 +313,7 @@ class EmulatedCluster:
                     _LIVE.remove(self)
                 self._restore_signal_handlers()
             finally:
-                _unblock_signals(blocked)
-
-    # -- signals
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -360,17 +325,14 @@ class EmulatedCluster:
                 raise KeyboardInterrupt
             raise SystemExit(128 + signum)
 
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in _SIGNALS:
             self._old_handlers[sig] = signal.signal(sig, handler)
 
     def _restore_signal_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig, old in self._old_handlers.items():
-            signal.signal(sig, old)
-        self._old_handlers.clear()
-
-    # -- processes
+        if threading.current_thread() is threading.main_thread():
+            for sig, old in self._old_handlers.items():
+                signal.signal(sig, old)
+            self._old_handlers.clear()
 
     def _popen(self, node: _Node, argv: list[str], **kw) -> subprocess.Popen:
         # Own session = own process group, killable as a whole (torchrun and its workers).
@@ -384,13 +346,10 @@ class EmulatedCluster:
 
     def _kill_procs(self, grace: float = 3.0) -> None:
         live = [p for p in self._procs if p.poll() is None]
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
             for p in live:
-                try:
-                    os.killpg(p.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            deadline = time.monotonic() + (grace if sig == signal.SIGTERM else 5.0)
+                _signal(p.pid, sig, group=True)
+            deadline = time.monotonic() + wait
             for p in live:
                 try:
                     p.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -399,24 +358,17 @@ class EmulatedCluster:
             live = [p for p in live if p.poll() is None]
             if not live:
                 break
-        # stragglers in the same groups (children whose parent already exited)
-        for p in self._procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        for p in self._procs:  # stragglers in the same groups (children whose parent already exited)
+            _signal(p.pid, signal.SIGKILL, group=True)
         self._procs = [p for p in self._procs if p.poll() is None]
-
-    # -- measurements
 
     def link_counters(self) -> list[dict]:
         """Per node: bytes its veth has sent ("tx") and received ("rx") so far."""
         out = []
-        for node in self.nodes:
-            stats = f"/sys/class/net/{node.ifname}/statistics"
-            text = _sh(["ip", "netns", "exec", node.ns, "cat", f"{stats}/tx_bytes", f"{stats}/rx_bytes"]).stdout
-            tx, rx = (int(v) for v in text.split())
-            out.append({"tx": tx, "rx": rx})
+        for node, anchor in zip(self.nodes, self._anchors):
+            lines = Path(f"/proc/{anchor.pid}/net/dev").read_text().splitlines()
+            fields = next(ln for ln in lines if ln.strip().startswith(node.ifname + ":")).split(":", 1)[1].split()
+            out.append({"tx": int(fields[8]), "rx": int(fields[0])})
         return out
 
     def measure_throughput(self, src: int = 0, dst: int = 1, seconds: float = 2.0) -> dict:
@@ -442,20 +394,15 @@ class EmulatedCluster:
                 raise ClusterError(f"throughput measurement failed: {err} {send.stderr.read()}")
         finally:
             self._kill_procs()
-        nbytes, secs = out.split()
-        nbytes, secs = int(nbytes), float(secs)
-        after = self.link_counters()
-        link_tx = after[src]["tx"] - before[src]["tx"]
+        nbytes, secs = int(out.split()[0]), float(out.split()[1])
+        link_tx = self.link_counters()[src]["tx"] - before[src]["tx"]
         return {"mbit_s": nbytes * 8 / secs / 1e6, "bytes": nbytes, "seconds": secs,
                 "link_mbit_s": link_tx * 8 / secs / 1e6, "rate_mbit": self.rate_bits / 1e6}
-
-    # -- running
 
     def torchrun_argv(self, node: _Node, cmd: list[str], nproc_per_node: int) -> list[str]:
         """`python -m torch.distributed.run ...` for one node. `cmd` is `python script.py args`,
         `python -m module args`, `script.py args`, or any other executable (run --no-python)."""
-        cmd = list(cmd)
-        mode: list[str] = []
+        cmd, mode = list(cmd), []
         if cmd and Path(cmd[0]).name.startswith("python"):
             cmd = cmd[1:]
             if cmd[:1] == ["-m"]:
@@ -464,12 +411,11 @@ class EmulatedCluster:
             mode = ["--no-python"]
         if not cmd:
             raise ValueError("empty command")
-        node0 = self.nodes[0]
         return [
             sys.executable, "-m", "torch.distributed.run",
             "--nnodes", str(self.num_nodes), "--node-rank", str(node.index),
             "--nproc-per-node", str(nproc_per_node),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{node0.addr}:{self.rdzv_port}",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.nodes[0].addr}:{self.rdzv_port}",
             "--rdzv-id", self.prefix,
             # torchrun decides who hosts the rendezvous store by matching the endpoint against the
             # machine's hostname/IPs, which knows nothing of our namespace addresses: say it.
@@ -495,28 +441,24 @@ class EmulatedCluster:
             raise ClusterError("cluster is not set up (use `with EmulatedCluster(...)` or setup())")
         cmd = [str(c) for c in cmd]
         run_id, self._runs = self._runs, self._runs + 1
-        files, procs = [], []
+        logs, procs, timed_out = [], [], False
         before = self.link_counters()
         start = time.monotonic()
-        timed_out = False
         try:
             for node in self.nodes:
-                node_env = dict(os.environ)
-                node_env.update(GLOO_SOCKET_IFNAME=node.ifname, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                                ZPP_NODE_INDEX=str(node.index), ZPP_NODE_ADDR=node.addr)
-                node_env.update({k: str(v) for k, v in (env or {}).items()})
+                node_env = {**os.environ, "GLOO_SOCKET_IFNAME": node.ifname, "OMP_NUM_THREADS": "1",
+                            "PYTHONUNBUFFERED": "1", "ZPP_NODE_INDEX": str(node.index), "ZPP_NODE_ADDR": node.addr,
+                            **{k: str(v) for k, v in (env or {}).items()}}
                 argv = self.torchrun_argv(node, cmd, nproc_per_node) if torchrun else cmd
                 tag = f"node{node.index}" + (f".run{run_id}" if run_id else "")
-                out = open(self.run_dir / f"{tag}.out", "w+")
-                err = open(self.run_dir / f"{tag}.err", "w+")
-                files.append((out, err))
-                procs.append(self._popen(node, argv, stdout=out, stderr=err, env=node_env,
-                                         cwd=str(cwd) if cwd else None, stdin=subprocess.DEVNULL))
-            deadline = start + timeout if timeout else None
+                logs.append((self.run_dir / f"{tag}.out", self.run_dir / f"{tag}.err"))
+                with open(logs[-1][0], "w") as out, open(logs[-1][1], "w") as err:
+                    procs.append(self._popen(node, argv, stdout=out, stderr=err, env=node_env,
+                                             cwd=str(cwd) if cwd else None, stdin=subprocess.DEVNULL))
             first_fail = None
             while any(p.poll() is None for p in procs):
                 now = time.monotonic()
-                if deadline and now > deadline:
+                if timeout and now > start + timeout:
                     timed_out = True
                     break
                 if first_fail is None and any(p.poll() not in (None, 0) for p in procs):
@@ -529,41 +471,23 @@ class EmulatedCluster:
             self._kill_procs()   # a no-op when all exited; else the timeout / Ctrl-C / failure path
         wall = time.monotonic() - start
         after = self.link_counters()
-        stdouts, stderrs = [], []
-        for out, err in files:
-            for f, dst in ((out, stdouts), (err, stderrs)):
-                f.flush()
-                f.seek(0)
-                dst.append(f.read())
-                f.close()
         rcs = [p.returncode for p in procs]
         # nodes that failed on their own come before those we killed after a peer failed
-        failing = [rc for rc, k in zip(rcs, killed) if rc != 0 and not k] + \
-                  [rc for rc, k in zip(rcs, killed) if rc != 0 and k]
-        rc = 124 if timed_out else (_exit_code(failing[0]) if failing else 0)
+        failing = [rc for rc, k in zip(rcs, killed) if rc and not k] + [rc for rc, k in zip(rcs, killed) if rc and k]
+        first = failing[0] if failing else 0
+        rc = 124 if timed_out else (128 - first if first < 0 else first)
         return RunResult(
             command=cmd, returncode=rc, returncodes=rcs, wall_s=wall, timed_out=timed_out,
             link_bytes=[{"tx": a["tx"] - b["tx"], "rx": a["rx"] - b["rx"]} for a, b in zip(after, before)],
-            node_stdout=stdouts, node_stderr=stderrs, run_dir=self.run_dir, rate_bits=self.rate_bits)
+            node_stdout=[o.read_text() for o, _ in logs], node_stderr=[e.read_text() for _, e in logs],
+            run_dir=self.run_dir, rate_bits=self.rate_bits)
 
 
 def _set_parent_death_signal() -> None:
     try:
-        import ctypes
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))   # PR_SET_PDEATHSIG
     except Exception:
         pass
-
-
-def _block_signals():
-    if hasattr(signal, "pthread_sigmask"):
-        return signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    return None
-
-
-def _unblock_signals(old) -> None:
-    if old is not None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 @atexit.register
@@ -573,9 +497,6 @@ def _teardown_all() -> None:
             cluster.teardown()
         except Exception:
             pass
-
-
-# ---------------------------------------------------------------- throughput
 
 
 _RECEIVER = r"""
@@ -602,15 +523,10 @@ c.shutdown(socket.SHUT_WR); c.recv(1); c.close()
 """
 
 
-# ---------------------------------------------------------------- CLI
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    cmd: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, cmd = argv[:i], argv[i + 1:]
+    cmd = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(
         description="Run a command on N emulated nodes (network namespaces, tbf-shaped links) via torchrun.",
         usage="%(prog)s [options] -- python train.py ARGS...   |   %(prog)s --cleanup [--force]")
@@ -630,33 +546,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_requirements()
         if args.cleanup is not None:
-            removed = cleanup_leftovers(args.cleanup, force=args.force)
-            print(json.dumps({"removed": removed}))
+            print(json.dumps({"removed": cleanup_leftovers(args.cleanup, force=args.force)}))
             return 0
         if not cmd:
             parser.error("no command: put it after `--`")
-        env = dict(kv.split("=", 1) for kv in args.env)
         cluster = EmulatedCluster(nodes=args.nodes, rate=args.rate, run_dir=args.run_dir)
         if args.run_dir is None:
             cluster._run_dir_arg = Path(__file__).resolve().parents[2] / "runs" / "cluster" / cluster.prefix
         with cluster:
-            measured = None
-            if args.measure and args.nodes >= 2:
-                measured = cluster.measure_throughput(0, 1)
+            measured = cluster.measure_throughput(0, 1) if args.measure and args.nodes >= 2 else None
+            if measured:
                 print(f"[cluster] node0 -> node1: {measured['mbit_s']:.1f} Mbit/s achieved "
                       f"(rate {measured['rate_mbit']:g} Mbit/s)", file=sys.stderr)
-            result = cluster.run(cmd, nproc_per_node=args.nproc_per_node, env=env, timeout=args.timeout,
-                                 torchrun=not args.no_torchrun)
+            result = cluster.run(cmd, nproc_per_node=args.nproc_per_node, env=dict(kv.split("=", 1) for kv in args.env),
+                                 timeout=args.timeout, torchrun=not args.no_torchrun)
         for k, (out, err) in enumerate(zip(result.node_stdout, result.node_stderr)):
             print(f"===== node {k} (exit {result.returncodes[k]}) =====")
             sys.stdout.write(out)
             if err:
                 print(f"----- node {k} stderr -----")
                 sys.stdout.write(err if err.endswith("\n") else err + "\n")
-        summary = result.summary()
-        if measured:
-            summary["throughput"] = measured
-        print(json.dumps(summary), flush=True)
+        print(json.dumps({**result.summary(), **({"throughput": measured} if measured else {})}), flush=True)
         return result.returncode
     except ClusterRequirementError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -24,11 +24,13 @@ from collections import defaultdict
 from pathlib import Path
 
 from scripts.bench import report, runner
+from scripts.bench.runner import NODES, RANKS_PER_NODE
+from scripts.bench.suite import main_one
 
 TITLE = "## 3. Communication volume per collective (paper Table 4)"
 TAGS = ["forward gather", "backward gather", "gradient reduce", "grad norm"]
 PAPER = {"forward gather": 0.5, "backward gather": 0.0, "gradient reduce": 0.25, "total": 0.25}
-RANKS, RANKS_PER_NODE = 4, 2
+RANKS = NODES * RANKS_PER_NODE
 REFERENCE = dict(preset="gpt2-small-cpu", n_layer=12, d_model=256, n_head=8, vocab=4096, seq=128, micro_batch=4)
 TINY = dict(preset="gpt2-tiny", n_layer=2, d_model=64, n_head=4, vocab=512, seq=32, micro_batch=2)
 
@@ -51,26 +53,27 @@ def model_config(m: dict):
 
 
 def _fenced(comm, ifname: str) -> dict:
-    """Make comm's collectives synchronous, fenced by barriers, and count this node's link bytes during
-    each: tag -> [tx, rx, calls]. Every rank calls the same collectives in the same order, so the barriers
+    """Make comm's collectives synchronous, fenced by barriers, and count the bytes this node's link sent
+    during each: tag -> bytes. Every rank calls the same collectives in the same order, so the barriers
     match up; the bytes of an empty fenced window (the barriers themselves) are subtracted."""
     import torch.distributed as dist
 
-    stats = defaultdict(lambda: [0.0, 0.0, 0])
-    base = f"/sys/class/net/{ifname}/statistics"
+    sent = defaultdict(float)
+    tx_bytes = Path(f"/sys/class/net/{ifname}/statistics/tx_bytes")
 
-    def window(fn=lambda: None):
+    def window(fn=lambda: None) -> int:
         dist.barrier()
-        t0, r0 = (int(Path(f"{base}/{k}_bytes").read_text()) for k in ("tx", "rx"))
+        before = int(tx_bytes.read_text())
         dist.barrier()
         fn()
         dist.barrier()
-        return [int(Path(f"{base}/{k}_bytes").read_text()) - v for k, v in (("tx", t0), ("rx", r0))]
+        return int(tx_bytes.read_text()) - before
 
-    fence = [sum(x) / 20 for x in zip(*(window() for _ in range(20)))]
+    fence = sum(window() for _ in range(20)) / 20
 
     def wrap(name):
-        fn, default_tag = getattr(comm, name), inspect.signature(getattr(comm, name)).parameters["tag"].default
+        fn = getattr(comm, name)
+        default_tag = inspect.signature(fn).parameters["tag"].default
 
         def fenced(*args, **kwargs):
             work = []
@@ -80,9 +83,7 @@ def _fenced(comm, ifname: str) -> dict:
                 if work[0] is not None:
                     work[0].wait()
 
-            tx, rx = window(call)
-            s = stats[kwargs.get("tag", default_tag)]
-            s[0], s[1], s[2] = s[0] + tx - fence[0], s[1] + rx - fence[1], s[2] + 1
+            sent[kwargs.get("tag", default_tag)] += window(call) - fence
             return work[0]
 
         setattr(comm, name, fenced)
@@ -90,11 +91,12 @@ def _fenced(comm, ifname: str) -> dict:
     for name in ("all_gather", "reduce_scatter", "quantized_reduce_scatter", "all_reduce", "all_to_all"):
         if hasattr(comm, name):
             wrap(name)
-    return stats
+    return sent
 
 
 def one_step(rank: int, world: int, zero_kwargs: dict, m: dict, physical_if: str | None = None) -> dict:
-    """One training step on this rank; returns the ledger's totals (and physical bytes per tag)."""
+    """One training step on this rank: the ledger's totals (and, on the cluster, the bytes the node's link
+    sent per tag)."""
     import torch
 
     from models.transformer import Transformer, lm_loss
@@ -104,22 +106,20 @@ def one_step(rank: int, world: int, zero_kwargs: dict, m: dict, physical_if: str
     from zeropp.config import ZeroConfig
 
     torch.manual_seed(0)
-    model = Transformer(model_config(m))
-    n_params = sum(p.numel() for p in model.parameters())
-    runtime = build_runtime(model, ZeroConfig(stage=3, ranks_per_node=RANKS_PER_NODE, **zero_kwargs),
-                            torch.device("cpu"))
+    zero = ZeroConfig(stage=3, ranks_per_node=RANKS_PER_NODE, **zero_kwargs)
+    runtime = build_runtime(Transformer(model_config(m)), zero, torch.device("cpu"))
     optimizer = runtime.attach_optimizer(build_optimizer(runtime.module, OptimSection()))
-    stats = _fenced(runtime.comm, physical_if) if physical_if else None
+    sent = _fenced(runtime.comm, physical_if) if physical_if else None
     g = torch.Generator().manual_seed(1 + rank)
     sample = torch.randint(0, m["vocab"], (m["micro_batch"], m["seq"] + 1), generator=g)
     runtime.ledger.reset()
     runtime.backward(lm_loss(runtime(sample[:, :-1]), sample[:, 1:]))
     runtime.clip_grad_norm_(1.0)
     optimizer.step()
-    out = {"rank": rank, "params": n_params, "ledger": runtime.ledger.totals()}
+    out = {"rank": rank, "ledger": runtime.ledger.totals()}
     runtime.close()
-    if stats is not None:
-        out["physical"] = {tag: {"tx": s[0], "rx": s[1], "calls": s[2]} for tag, s in stats.items()}
+    if sent is not None:
+        out["physical"] = dict(sent)
     return out
 
 
@@ -159,8 +159,8 @@ def summarize(per_rank: list[dict]) -> dict:
                     "sent": sum(e.get("sent", 0) for e in es) / len(es),
                     "cross_node_sent": sum(e.get("cross_node_sent", 0) for e in es) / len(es)}
         if "physical" in per_rank[0]:
-            ph = [r["physical"].get(tag, {"tx": 0}) for r in per_rank if r["rank"] % RANKS_PER_NODE == 0]  # per node
-            out[tag]["physical_tx_node"] = max(0.0, sum(p["tx"] for p in ph) / len(ph))
+            per_node = [r["physical"].get(tag, 0) for r in per_rank if r["rank"] % RANKS_PER_NODE == 0]
+            out[tag]["physical_tx_node"] = max(0.0, sum(per_node) / len(per_node))
     return out
 
 
@@ -177,14 +177,14 @@ def add_args(p) -> None:
 
 
 def run(args, progress=print) -> dict:
-    from models.config import num_params
     from trainer.spawn import run_ranks
 
     m = {k: getattr(args, k) if getattr(args, k, None) is not None else v
          for k, v in (TINY if args.tiny else REFERENCE).items()}
     mc = model_config(m)
-    result = {"model": {**m, "params": num_params(mc), "params_non_embedding": num_params(mc, False),
-                        "embedding_share": mc.vocab_size * mc.d_model / num_params(mc)},
+    facts = runner.model_facts(mc, m["preset"], m["seq"])
+    result = {"model": {**facts, "micro_batch": m["micro_batch"],
+                        "embedding_share": mc.vocab_size * mc.d_model / facts["params"]},
               "block_size": args.block_size, "ranks": RANKS, "ranks_per_node": RANKS_PER_NODE, "configs": {}}
     configs, t0 = zero_configs(args.block_size), time.monotonic()
     per_rank = run_ranks(_steps, RANKS, args=(configs, m), ranks_per_node=RANKS_PER_NODE, timeout=900)
@@ -198,16 +198,13 @@ def run(args, progress=print) -> dict:
         result["physical_skipped"] = f"emulated cluster unavailable: {why}"
         progress(f"  comm_volume: physical bytes skipped ({why})")
     elif physical:
-        from scripts.bench.cluster import EmulatedCluster
-
-        with tempfile.TemporaryDirectory(prefix="bench-comm-") as tmp, \
-                EmulatedCluster(nodes=RANKS // RANKS_PER_NODE, rate=args.rate) as cluster:
+        with tempfile.TemporaryDirectory(prefix="bench-comm-") as tmp, runner.cluster_at(args.rate) as cluster:
             for name, zero in configs.items():
                 t0, spec, res = time.monotonic(), Path(tmp) / f"{name}.json", Path(tmp) / f"{name}.result.json"
                 spec.write_text(json.dumps({"zero": zero, "model": m}))
                 rc, output = runner.launch([sys.executable, __file__, "--worker", spec, res], cluster)
                 if rc or not res.is_file():
-                    raise RuntimeError(f"physical run failed ({rc}): {output[-1500:]}")
+                    raise RuntimeError(f"physical run failed ({rc}): {runner.error_tail(output)}")
                 for tag, v in summarize(json.loads(res.read_text())).items():
                     result["configs"][name]["tags"].setdefault(tag, {})["physical_tx_node"] = v["physical_tx_node"]
                 progress(f"  comm_volume: {name} physical bytes on the emulated cluster "
@@ -256,21 +253,17 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
     report.bars(ax, [r["collective"] for r in rows],
                 {"ZeRO-3 (bf16)": [r["zero3_cross_mb"] for r in rows],
                  "ZeRO++ (int8 qwZ, hpZ, int4 qgZ)": [r["zeropp_cross_mb"] for r in rows]},
-                labels={"ZeRO++ (int8 qwZ, hpZ, int4 qgZ)": [fmt_ratio(r.get("ratio")) for r in rows]})
+                labels={"ZeRO++ (int8 qwZ, hpZ, int4 qgZ)": [report.fmt(r.get("ratio"), "{:.2f}x") for r in rows]})
     ax.set_ylabel("cross-node MB per rank, one step (ledger)")
     ax.set_title(f"{result['model']['params'] / 1e6:.2f}M-parameter GPT-2, 2 nodes x 2 ranks")
     return [report.save(fig, out_dir, "comm_volume")]
 
 
-def fmt_ratio(ratio) -> str:
-    return "" if ratio is None else f"{ratio:.2f}x"
-
-
 def markdown(result: dict) -> str:
     m = result["model"]
     lines = [f"One training step of a {m['preset']}-shaped GPT-2 with {m['n_layer']} layers, d_model {m['d_model']}, "
-             f"vocabulary {m['vocab']}: **{m['params'] / 1e6:.2f}M parameters** (embedding "
-             f"{100 * m['embedding_share']:.0f}% of them), {m['micro_batch']}x{m['seq']} tokens per rank, on "
+             f"vocabulary {m['vocab_size']}: **{m['params'] / 1e6:.2f}M parameters** (embedding "
+             f"{100 * m['embedding_share']:.0f}% of them), {m['micro_batch']}x{m['seq_len']} tokens per rank, on "
              f"{result['ranks']} ranks as 2 nodes x {result['ranks_per_node']}. ZeRO-3 communicates bf16; ZeRO++ = "
              f"8-bit qwZ + hpZ (one node) + 4-bit qgZ (2 hops), block size {result['block_size']}, scales "
              "included. Ledger = logical bytes this rank sends across the node boundary (mean over ranks), as in the "
@@ -292,6 +285,4 @@ def markdown(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    from scripts.bench.suite import main_one
-
     sys.exit(main_one("comm_volume"))

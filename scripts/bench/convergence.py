@@ -20,6 +20,7 @@ from pathlib import Path
 
 from scripts.bench import report, runner
 from scripts.bench.report import ROOT
+from scripts.bench.suite import Quick, main_one, options
 
 TITLE = "## 4. Convergence (paper Table 5 / Fig. 9)"
 DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -30,9 +31,11 @@ MODEL_ARGS = ["--config", str(ROOT / "configs" / "shakespeare.yaml"), "--model.p
 ZPP = {"stage": 3, "zero_hpz_partition_size": 0, "zero_quantized_gradients": True,
        "zero_quantized_gradients_bits": 4, "zero_quantized_weights": True}
 
+
 def add_args(p) -> None:
-    p.add_argument("--steps", type=int, help="training steps (default 250, quick 60)")
-    p.add_argument("--bits", type=int, nargs="+", help="qwZ bit widths (default 8 6 4, quick 8)")
+    p.add_argument("--steps", type=int, default=Quick(250, 60), help="training steps (default %(default)s)")
+    p.add_argument("--bits", type=int, nargs="+", default=Quick([8, 6, 4], [8]),
+                   help="qwZ bit widths (default %(default)s)")
     p.add_argument("--eval-interval", type=int, help="default: steps / 10 (quick: steps / 4)")
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--micro-batch", type=int, default=4)
@@ -43,11 +46,8 @@ def add_args(p) -> None:
 
 
 def resolve(args) -> dict:
-    steps = args.steps or (60 if args.quick else 250)
-    return {"steps": steps, "bits": args.bits or ([8] if args.quick else [8, 6, 4]),
-            "eval_interval": args.eval_interval or max(1, steps // (4 if args.quick else 10)),
-            "eval_batches": args.eval_batches, "micro_batch": args.micro_batch, "seq": args.seq, "lr": args.lr,
-            "data": str(args.data), "timeout": args.timeout}
+    return {**options(args), "data": str(args.data),
+            "eval_interval": args.eval_interval or max(1, args.steps // (4 if args.quick else 10))}
 
 
 def train_args(plan: dict) -> list[str]:
@@ -70,8 +70,8 @@ def run(args, progress=print) -> dict:
     result["model"] = runner.model_summary(config_args=train_args(plan))
     runs = {"zero3": ("ZeRO-3 (bf16)", runner.zero_args(stage=3))}
     for b in plan["bits"]:
-        runs[f"zeropp-w{b}"] = (f"ZeRO++ {b}-bit qwZ, hpZ, 4-bit qgZ", runner.zero_args(**ZPP,
-                                                                                     zero_quantized_weights_bits=b))
+        runs[f"zeropp-w{b}"] = (f"ZeRO++ {b}-bit qwZ, hpZ, 4-bit qgZ",
+                                runner.zero_args(**ZPP, zero_quantized_weights_bits=b))
     with tempfile.TemporaryDirectory(prefix="bench-convergence-") as tmp:
         for i, (key, (label, zargs)) in enumerate(runs.items(), 1):
             out, t0 = Path(tmp) / key, time.monotonic()
@@ -129,6 +129,4 @@ def markdown(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    from scripts.bench.suite import main_one
-
     sys.exit(main_one("convergence"))

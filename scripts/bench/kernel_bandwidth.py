@@ -18,6 +18,7 @@ import torch
 
 import kernels as K
 from scripts.bench import report
+from scripts.bench.suite import Quick, main_one
 
 TITLE = "## 5. Quantization kernels vs memory-copy bandwidth"
 
@@ -59,31 +60,27 @@ def _cases(numel, bits, dtype, impl):
     }
 
 
-def measure(sizes, bits_list, dtype_name="fp32", repeats=10, impl="torch", progress=print) -> list[dict]:
-    """Rows of {op, numel, bits, seconds, input_gbps, vs_copy} (copy_ first for each size)."""
+def measure(sizes, bits_list, dtype_name="fp32", repeats=10, impl="torch"):
+    """Yields {op, numel, bits, seconds, input_gbps, vs_copy}, copy_ first for each size."""
     dtype = DTYPES[dtype_name]
-    rows = []
     for numel in sizes:
         src, dst = torch.randn(numel).to(dtype), torch.empty(numel, dtype=dtype)
         copy_s = _best_time(lambda: dst.copy_(src), repeats)
-        copy_bytes = numel * src.element_size()
-        rows.append(dict(op="copy_", numel=numel, bits=None, seconds=copy_s, input_gbps=copy_bytes / copy_s / 1e9,
-                         vs_copy=1.0))
-        progress(f"{'copy_':<22}{numel:>10}{'-':>5}{copy_s * 1e3:>9.2f}{copy_bytes / copy_s / 1e9:>9.2f}{1.0:>8.2f}")
+        yield dict(op="copy_", numel=numel, bits=None, seconds=copy_s,
+                   input_gbps=numel * src.element_size() / copy_s / 1e9, vs_copy=1.0)
         for bits in bits_list:
             for op, (fn, nbytes) in _cases(numel, bits, dtype, impl).items():
                 s = _best_time(fn, repeats)
-                rows.append(dict(op=op, numel=numel, bits=bits, seconds=s, input_gbps=nbytes / s / 1e9,
-                                 vs_copy=s / copy_s))
-                progress(f"{op:<22}{numel:>10}{bits:>5}{s * 1e3:>9.2f}{nbytes / s / 1e9:>9.2f}{s / copy_s:>8.2f}")
-    return rows
+                yield dict(op=op, numel=numel, bits=bits, seconds=s, input_gbps=nbytes / s / 1e9, vs_copy=s / copy_s)
 
 
 def add_args(parser) -> None:
-    parser.add_argument("--sizes", type=int, nargs="+", help="elements (default 1M 16M; quick 1M)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=Quick([1 << 20, 16 << 20], [1 << 20]),
+                        help="elements (default 1M 16M, quick 1M)")
     parser.add_argument("--bits", type=int, nargs="+", default=[8, 4])
     parser.add_argument("--dtype", choices=DTYPES, default="fp32")
-    parser.add_argument("--repeats", type=int, help="timed calls, best kept (default 10; quick 5)")
+    parser.add_argument("--repeats", type=int, default=Quick(10, 5),
+                        help="timed calls, best kept (default %(default)s)")
     parser.add_argument("--impl", choices=["torch", "triton"], default="torch")
     parser.add_argument("--threads", type=int, nargs="+",
                         help="torch thread counts to measure (default: 1 and torch's choice; on a busy machine "
@@ -91,8 +88,6 @@ def add_args(parser) -> None:
 
 
 def run(args, progress=print) -> dict:
-    sizes = args.sizes or ([1 << 20] if args.quick else [1 << 20, 16 << 20])
-    repeats = args.repeats or (5 if args.quick else 10)
     default = torch.get_num_threads()
     threads = args.threads or sorted({1, default})
     rows = []
@@ -102,12 +97,14 @@ def run(args, progress=print) -> dict:
             progress(f"  kernels: torch {torch.__version__}, {t} thread(s), impl={args.impl}, input {args.dtype}, "
                      f"block {BLOCK}")
             progress(f"  {'op':<22}{'numel':>10}{'bits':>5}{'ms':>9}{'in GB/s':>9}{'x copy':>8}")
-            for r in measure(sizes, args.bits, args.dtype, repeats, args.impl, progress=lambda s: progress("  " + s)):
+            for r in measure(args.sizes, args.bits, args.dtype, args.repeats, args.impl):
                 rows.append(dict(r, threads=t, ms=r["seconds"] * 1e3, ok=True))
+                progress(f"  {r['op']:<22}{r['numel']:>10}{r['bits'] or '-':>5}{r['seconds'] * 1e3:>9.2f}"
+                         f"{r['input_gbps']:>9.2f}{r['vs_copy']:>8.2f}")
     finally:
         torch.set_num_threads(default)
     return dict(torch=torch.__version__, threads=threads, impl=args.impl, dtype=args.dtype, block_size=BLOCK,
-                repeats=repeats, sizes=sizes, rows=rows)
+                repeats=args.repeats, sizes=args.sizes, rows=rows)
 
 
 def _size(numel: int) -> str:
@@ -155,6 +152,4 @@ def markdown(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    from scripts.bench.suite import main_one
-
     sys.exit(main_one("kernel_bandwidth"))

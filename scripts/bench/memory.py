@@ -11,6 +11,9 @@ and whether those were allocated once (the same storage before and after the ste
 
 import sys
 
+from scripts.bench.report import md_table
+from scripts.bench.suite import main_one
+
 TITLE = "## Per-rank model-state memory of ZeRO-3"
 
 
@@ -75,8 +78,6 @@ def run(args, progress=print) -> dict:
 
 
 def markdown(result: dict) -> str:
-    from scripts.bench.report import md_table
-
     return "\n".join([
         f"{result['preset']}: {result['params'] / 1e6:.2f}M parameters on {result['ranks']} ranks, {result['comm']} "
         f"communication. Largest deviation from the formula: {100 * result['largest_deviation']:.2f}%; "
@@ -87,6 +88,4 @@ def markdown(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    from scripts.bench.suite import main_one
-
     sys.exit(main_one("memory"))

@@ -23,7 +23,9 @@ import torch
 from scripts.bench import report, runner
 from scripts.bench.ablation import CONFIGS
 from scripts.bench.runner import RANKS_PER_NODE, SEQ, Job
+from scripts.bench.suite import Quick, main_one, options
 from zeropp.comm import CommLedger
+from zeropp.config import DTYPES
 from zeropp.runtime import Runtime, Timings
 
 TITLE = "## 2. Peers: DDP, PyTorch FSDP2, DeepSpeed ZeRO-3"
@@ -49,7 +51,6 @@ FULL = {"100mbit": ["zeropp", "zero3-bf16", "zero3-fp32", "ddp", "fsdp2-fp32", "
                     "deepspeed-bf16", "deepspeed-hpz-regather-fp32"],
         "loopback": ["zeropp", "zero3-bf16", "zero3-fp32", "deepspeed-fp32", "deepspeed-bf16", "deepspeed-zeropp"]}
 QUICK = {"100mbit": ["zeropp", "ddp", "fsdp2-fp32", "deepspeed-fp32"]}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 # ---------------------------------------------------------------- the peer runtimes
@@ -191,9 +192,9 @@ def worker(argv: list[str]) -> int:
     from trainer.loop import Trainer
 
     key, cfg = argv[0], parse_args(argv[1:])
-    _, family, options = RUNTIMES[key]
+    _, family, peer_options = RUNTIMES[key]
     peer = {"fsdp2": FSDP2, "deepspeed": DeepSpeed}[family]
-    trainer = Trainer(cfg, build_runtime=lambda model, zero_cfg, device: peer(model, cfg, **options))
+    trainer = Trainer(cfg, build_runtime=lambda model, zero_cfg, device: peer(model, cfg, **peer_options))
     try:
         trainer.run()
     finally:
@@ -210,23 +211,21 @@ def deepspeed_installed() -> bool:
 
 def add_args(p) -> None:
     p.add_argument("--rate", default="100mbit", help="the slow link (default 100mbit)")
-    p.add_argument("--settings", nargs="+", choices=["slow", "loopback"],
-                   help="slow = the emulated cluster at --rate; loopback = 4 local ranks, unshaped")
+    p.add_argument("--settings", nargs="+", choices=["slow", "loopback"], default=Quick(["slow", "loopback"], ["slow"]),
+                   help="slow: the emulated cluster at --rate; loopback: 4 local ranks, unshaped (default %(default)s)")
     p.add_argument("--runtimes", nargs="+", choices=list(RUNTIMES))
     p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--steps", type=int, help="steps per run (default 5, quick 2)")
-    p.add_argument("--warmup", type=int, help="steps not timed (default 2, quick 1)")
+    p.add_argument("--steps", type=int, default=Quick(5, 2), help="steps per run (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=Quick(2, 1), help="steps not timed (default %(default)s)")
     p.add_argument("--timeout", type=float, default=900)
 
 
 def resolve(args) -> dict:
-    table = QUICK if args.quick else FULL
-    settings = args.settings or (["slow"] if args.quick else ["slow", "loopback"])
-    plan = {args.rate if s == "slow" else "loopback": args.runtimes or table.get("100mbit" if s == "slow" else s, [])
-            for s in settings}
-    return {"rate": args.rate, "settings": plan, "micro_batch": args.micro_batch,
-            "steps": args.steps or (2 if args.quick else 5),
-            "warmup": args.warmup if args.warmup is not None else (1 if args.quick else 2), "timeout": args.timeout}
+    """The plan: the runtimes to run in each setting (a link rate, or loopback)."""
+    table, settings = QUICK if args.quick else FULL, {}
+    for s in args.settings:  # slow: the cluster at --rate, whose runtimes the tables list under 100mbit
+        settings[args.rate if s == "slow" else s] = args.runtimes or table.get("100mbit" if s == "slow" else s, [])
+    return {**options(args), "settings": settings}
 
 
 def _reusable(reuse: dict | None, key: str, setting: str, plan: dict) -> dict | None:
@@ -250,16 +249,17 @@ def run(args, progress=print) -> dict:
             result["notes"].append(f"{setting}: skipped, emulated cluster unavailable: {why}")
             continue
         for key in keys:
-            label, family, options = RUNTIMES[key]
+            label, family, runtime_args = RUNTIMES[key]
             row = {"key": key, "label": label, "family": family, "setting": setting, "micro_batch": plan["micro_batch"]}
             prior = _reusable(getattr(args, "reuse", None), key, setting, plan)
             if prior:
                 row = {**prior, **row, "reused_from": "ablation"}
             elif family == "deepspeed" and not deepspeed_installed():
                 row.update(ok=False, error="not installed (pip install -r requirements-bench.txt)")
-            else:  # measured below
-                jobs.append(Job(key, label, options, plan["micro_batch"], setting) if family in ("ours", "ddp") else
-                            Job(key, label, [], plan["micro_batch"], setting, script=[__file__, "--worker", key]))
+            elif family in ("ours", "ddp"):  # measured below, as train.py
+                jobs.append(Job(key, label, runtime_args, plan["micro_batch"], setting))
+            else:  # measured below, through this script's --worker
+                jobs.append(Job(key, label, [], plan["micro_batch"], setting, script=[__file__, "--worker", key]))
             rows.append(row)
             if "ok" in row:
                 progress(f"  peers: {label} @ {setting}: " + ("from the ablation run" if prior else row["error"]))
@@ -325,6 +325,4 @@ def markdown(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    from scripts.bench.suite import main_one
-
     sys.exit(main_one("peers"))

@@ -12,14 +12,13 @@ In one run, on Tiny Shakespeare (skipped with a message if absent):
    forward used) and the fp run with round-to-nearest (RTN) at every b;
 4. evaluates the mean token NLL of each over the WHOLE validation split train.py uses.
 As a check of the export's exactness, each qwZ export's loss over the batches train.py's own final
-evaluation used is compared with the validation loss train.py printed (its forward was qwZ's).
+evaluation used is compared with the validation loss train.py logged (its forward was qwZ's).
 """
 
 from __future__ import annotations
 
 import datetime
 import math
-import re
 import sys
 import time
 from pathlib import Path
@@ -27,14 +26,17 @@ from pathlib import Path
 from scripts.bench import report, runner
 from scripts.bench.convergence import DATA
 from scripts.bench.report import ROOT
+from scripts.bench.suite import Quick, main_one, options
 
 TITLE = "## Perplexity of quantized exports"
 DOCS = ROOT / "docs" / "export.md"
 
 
 def add_args(p) -> None:
-    p.add_argument("--steps", type=int, help="pretraining steps of the base model (default 500; quick 30)")
-    p.add_argument("--finetune-steps", type=int, help="fine-tuning steps per run (default 150; quick 10)")
+    p.add_argument("--steps", type=int, default=Quick(500, 30),
+                   help="pretraining steps of the base model (default %(default)s)")
+    p.add_argument("--finetune-steps", type=int, default=Quick(150, 10),
+                   help="fine-tuning steps per run (default %(default)s)")
     p.add_argument("--bits", type=int, nargs="+", default=[8, 6, 4, 3, 2], help="bit widths (8, 6, 4, 3, 2)")
     p.add_argument("--block-size", type=int, default=64, help="qwZ / export block size (a multiple of 32)")
     p.add_argument("--lr", type=float, default=3e-3, help="pretraining peak lr (cosine to lr/10)")
@@ -70,17 +72,6 @@ def _train_cmd(a, out_dir: Path, steps: int, *extra) -> list:
             *runner.zero_args(stage=3, zero_quantization_block_size=a.block_size), *extra]
 
 
-def _final_val_loss(output: str) -> float:
-    found = re.findall(r"^validation loss ([0-9.naif]+) \|", output, re.M)
-    if not found:
-        raise RuntimeError("train.py printed no final validation loss")
-    return float(found[-1])
-
-
-def _latest(out_dir: Path) -> Path:
-    return out_dir / "checkpoints" / (out_dir / "checkpoints" / "latest").read_text().strip()
-
-
 def evaluate(model, data, micro_batch_size: int, trainer_batches: int) -> dict:
     """Mean token NLL over the whole validation split (in order, batches of micro_batch_size), and over its
     first `trainer_batches` full batches: the tokens train.py's own evaluation used."""
@@ -106,31 +97,31 @@ def run(args, progress=print) -> dict:
         raise ValueError("--block-size must be a multiple of 32 (GGUF-exact blocks)")
     if not Path(args.data).is_file():
         return {"skipped": f"{args.data} not found (the shared data sets live in ../shared/data beside the project)"}
-    args.steps = args.steps or (30 if args.quick else 500)
-    args.finetune_steps = args.finetune_steps or (10 if args.quick else 150)
     t_start, out = time.monotonic(), args.out / "quantized_perplexity"
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    # 1. the fp32 base model; 2. fine-tunes: the fp reference and qwZ at each width
+    # 1. the fp32 base model; 2. fine-tunes: the fp reference and qwZ at each width. A run's checkpoints/
+    # dir stands for its latest checkpoint wherever a checkpoint is read (resume, export, load_source).
     _run(_train_cmd(args, out / "base", args.steps, "--optim.lr", args.lr, "--optim.min_lr", args.lr / 10,
                     "--optim.warmup_steps", max(1, args.steps // 20)), logs / "base.log", progress)
-    base = _latest(out / "base")
+    base = out / "base" / "checkpoints"
     ft = ["--resume", base, "--optim.lr", args.finetune_lr, "--optim.decay", "constant"]
-    total, runs, printed = args.steps + args.finetune_steps, {}, {}
+    total, runs, logged = args.steps + args.finetune_steps, {}, {}
     for b in ["fp", *args.bits]:
-        runs[b] = out / f"ft_{'fp' if b == 'fp' else f'qwz{b}'}"
+        run_dir = out / f"ft_{'fp' if b == 'fp' else f'qwz{b}'}"
         qwz = [] if b == "fp" else runner.zero_args(zero_quantized_weights=True, zero_quantized_weights_bits=b)
-        printed[b] = _final_val_loss(_run(_train_cmd(args, runs[b], total, *ft, *qwz), logs / f"{runs[b].name}.log",
-                                          progress))
+        _run(_train_cmd(args, run_dir, total, *ft, *qwz), logs / f"{run_dir.name}.log", progress)
+        runs[b] = run_dir / "checkpoints"
+        logged[b] = [m for m in runner.read_metrics(run_dir) if "validation loss" in m][-1]["validation loss"]
     # 3. exports
     exports = {}
     for b in args.bits:
         exports["rtn", b], exports["qwz", b] = out / "exports" / f"fp_rtn{b}", out / "exports" / f"qwz{b}"
-        text = _run([sys.executable, ROOT / "scripts" / "export_quantized.py", _latest(runs["fp"]), exports["rtn", b],
+        text = _run([sys.executable, ROOT / "scripts" / "export_quantized.py", runs["fp"], exports["rtn", b],
                      "--format", "safetensors", "--bits", b, "--block-size", args.block_size],
                     logs / f"export_rtn{b}.log", progress)
         assert "RTN baseline" in text, text
-        text = _run([sys.executable, ROOT / "scripts" / "export_quantized.py", _latest(runs[b]), exports["qwz", b],
+        text = _run([sys.executable, ROOT / "scripts" / "export_quantized.py", runs[b], exports["qwz", b],
                      "--format", "safetensors"], logs / f"export_qwz{b}.log", progress)
         assert "exact" in text and f"{b} bits, block size {args.block_size}" in text, text
     # 4. evaluation on the validation split train.py uses
@@ -150,21 +141,21 @@ def run(args, progress=print) -> dict:
 
     base_model = load_source(base).model
     result = {"date": datetime.date.today().isoformat(), "block_size": args.block_size,
-              "settings": {k: v for k, v in vars(args).items() if k not in ("out", "update_docs", "reuse")},
+              "settings": options(args),
               "model": {"preset": args.preset, "n_params": sum(p.numel() for p in base_model.parameters()),
                         "config": base_model.config.__dict__},
               "eval_split": "train.py's validation split (data.valid_fraction 0.05, seed 1234), every sample",
-              "base": ev(base_model), "fp": {**ev(load_source(_latest(runs["fp"])).model),
-                                             "train_py_val_loss": printed["fp"]}, "rows": []}
+              "base": ev(base_model), "fp": {**ev(load_source(runs["fp"]).model),
+                                             "train_py_val_loss": logged["fp"]}, "rows": []}
     fp = result["fp"]["ppl"]
     for b in args.bits:
         rtn, qwz = ev(load_lowbit(exports["rtn", b])[0]), ev(load_lowbit(exports["qwz", b])[0])
         result["rows"].append({
             "bits": b, "fp_ppl": fp, "rtn_nll": rtn["nll"], "rtn_ppl": rtn["ppl"], "rtn_rel": rtn["ppl"] / fp - 1,
             "qwz_nll": qwz["nll"], "qwz_ppl": qwz["ppl"], "qwz_rel": qwz["ppl"] / fp - 1, "tokens": qwz["tokens"],
-            "qwz_train_py_val_loss": printed[b], "exactness_diff": qwz["trainer_subset_nll"] - printed[b]})
+            "qwz_train_py_val_loss": logged[b], "exactness_diff": qwz["trainer_subset_nll"] - logged[b]})
         progress(f"  {b} bits: fp {fp:.3f} | RTN {rtn['ppl']:.3f} | qwZ {qwz['ppl']:.3f} "
-                 f"(qwZ export vs train.py's printed loss: {result['rows'][-1]['exactness_diff']:+.2e})")
+                 f"(qwZ export vs train.py's logged loss: {result['rows'][-1]['exactness_diff']:+.2e})")
     result["wall_s"] = time.monotonic() - t_start
     return result
 
@@ -237,12 +228,10 @@ def markdown(result: dict) -> str:
         "", *report.md_table(table, [("bits", "bits", "{}"), ("fp_ppl", "fp ppl", "{:.3f}"),
                                      ("rtn", "RTN ppl (vs fp)", "{}"), ("qwz", "qwZ fine-tuned ppl (vs fp)", "{}")]),
         "", "Exactness check: over the batches `train.py`'s own final evaluation used, each qwZ export's loss equals "
-        "the validation loss its qwZ run printed (the qwZ forward's) within "
-        f"{max(abs(r['exactness_diff']) for r in rows):.1e}, i.e. within the 4 printed decimals.", "",
+        "the validation loss its qwZ run logged (the qwZ forward's) within "
+        f"{max(abs(r['exactness_diff']) for r in rows):.1e}.", "",
         findings(result)])
 
 
 if __name__ == "__main__":
-    from scripts.bench.suite import main_one
-
     sys.exit(main_one("quantized_perplexity"))

@@ -9,6 +9,9 @@ uses the faster exact ring from zeropp.comm. Gives seconds per call and ratios t
 import sys
 import time
 
+from scripts.bench.report import md_table
+from scripts.bench.suite import main_one
+
 TITLE = "## gloo's reduce-scatter vs our ring"
 
 
@@ -59,14 +62,10 @@ def run(args, progress=print) -> dict:
 
 
 def markdown(result: dict) -> str:
-    from scripts.bench.report import md_table
-
     return "\n".join([f"{result['ranks']} ranks, {result['numel']} x {result['dtype']}, gloo, ms per call.", "",
                       *md_table(result["rows"], [("op", "collective", "{}"), ("ms", "ms", "{:.1f}"),
                                                  ("vs_ring", "x the ring", "{:.2f}")])])
 
 
 if __name__ == "__main__":
-    from scripts.bench.suite import main_one
-
     sys.exit(main_one("reduce_scatter"))

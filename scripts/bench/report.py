@@ -38,11 +38,15 @@ def md_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> list[str]
     return lines
 
 
+def write_json(path: Path, obj) -> Path:
+    path.write_text(json.dumps(obj, indent=1, default=str))  # default=str: paths, dtypes
+    return path
+
+
 def write_results(result: dict, out_dir: Path, name: str) -> list[Path]:
     """<name>.json (everything) and <name>.csv (the rows, scalar columns only)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / f"{name}.json"]
-    paths[0].write_text(json.dumps(result, indent=1, default=str))
+    paths = [write_json(out_dir / f"{name}.json", result)]
     rows = result.get("rows") or []
     if rows:
         keys = list(dict.fromkeys(k for r in rows for k, v in r.items() if not isinstance(v, (list, dict))))

@@ -5,20 +5,15 @@ ZeRO++ blog reports 2.25x faster generation and 1.26x faster training in RLHF).
     python scripts/bench/rlhf.py --quick          # 3-layer model, 1 x (ZeRO-3, ZeRO++) x 4 PPO steps
     python scripts/bench/rlhf.py --n-layer 8 --steps 8 --repeats 3 --rate 1gbit
 
-`rlhf.py ppo` (actor and critic trained, reference and reward model frozen, all four under the
-runtime) on 2 emulated nodes x 2 ranks, the links shaped to `--rate`, once under plain ZeRO-3
-(bf16 wire) and once under ZeRO++ (qwZ int8 + hpZ + qgZ int4, frozen models kept as int8 codes:
-zero_quantized_nontrainable_weights), the runs interleaved on one cluster. The built-in "word"
-task needs no data files; the SFT and reward models are made once beforehand, in one process
-outside the cluster (a few steps: their quality does not matter here), and both configurations'
-PPO runs start from them, so only PPO is timed. Per configuration the medians over the timed
-steps (the first `--warmup` of each run are not) of what rlhf/ppo.py logs per step; the
-cross-node bytes are rank 0's ledger per phase, the physical bytes each node's link carried.
+`rlhf.py ppo` on 2 emulated nodes x 2 ranks, once under plain ZeRO-3 and once under ZeRO++ (frozen
+models kept as int8 codes too), the runs interleaved on one cluster. The SFT and reward models are
+made once beforehand, in one process outside the cluster, and both configurations' PPO runs start
+from them, so only PPO is timed; what a row reports is said in markdown() below, i.e. in the docs.
 """
 
 from __future__ import annotations
 
-import math
+import json
 import shutil
 import statistics
 import sys
@@ -28,6 +23,7 @@ from pathlib import Path
 
 from scripts.bench import report, runner
 from scripts.bench.runner import NODES, RANKS_PER_NODE, ROOT, STEP_KEY
+from scripts.bench.suite import Quick, main_one, options
 
 TITLE = "## 6. RLHF: PPO generation and step time, ZeRO++ vs ZeRO-3"
 # Every zero_optimization key either configuration sets, stated in full: the base config
@@ -56,40 +52,26 @@ MIB = {"cross_gen_mb", "cross_exp_mb", "cross_train_mb", "inference_copy_mb"}  #
 
 def add_args(p) -> None:
     p.add_argument("--rate", default="100mbit", help="link rate of each node, tc units (default 100mbit)")
-    p.add_argument("--n-layer", type=int, help=f"layers of the {PRESET} model (default 6, quick 3)")
+    p.add_argument("--n-layer", type=int, default=Quick(6, 3),
+                   help=f"layers of the {PRESET} model (default %(default)s)")
     p.add_argument("--d-model", type=int, help="its width (default the preset's, 256)")
-    p.add_argument("--steps", type=int, help="PPO steps per run (default 6, quick 4)")
-    p.add_argument("--warmup", type=int, help="steps of each run not timed (default 2, quick 1)")
-    p.add_argument("--repeats", type=int, help="runs per configuration, interleaved (default 2, quick 1)")
+    p.add_argument("--steps", type=int, default=Quick(6, 4), help="PPO steps per run (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=Quick(2, 1), help="steps of each run not timed (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=Quick(2, 1),
+                   help="runs per configuration, interleaved (default %(default)s)")
     p.add_argument("--micro-batch", type=int, default=8, help="prompts per rank and PPO step (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=8, help="response length limit (default 8)")
     p.add_argument("--epochs", type=int, default=1, help="PPO epochs per rollout (default 1, as DeepSpeed-Chat)")
     p.add_argument("--prep-steps", type=int, default=6, help="sft and reward steps of the prepared models")
-    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), help="default both")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), help="default both")
     p.add_argument("--timeout", type=float, default=600, help="seconds per PPO run")
-
-
-def resolve(args) -> dict:
-    quick = args.quick
-    return {"rate": args.rate, "preset": PRESET, "n_layer": args.n_layer or (3 if quick else 6),
-            "d_model": args.d_model, "steps": args.steps or (4 if quick else 6),
-            "warmup": args.warmup if args.warmup is not None else (1 if quick else 2),
-            "repeats": args.repeats or (1 if quick else 2), "micro_batch": args.micro_batch,
-            "max_new_tokens": args.max_new_tokens, "epochs": args.epochs, "prep_steps": args.prep_steps,
-            "configs": args.configs or list(CONFIGS), "timeout": args.timeout}
-
-
-def zero_args(keys: dict) -> list[str]:
-    return [a for k, v in keys.items() for a in (f"--zero_optimization.{k}", str(v).lower())]
 
 
 def common_args(plan: dict, out_dir: Path) -> list[str]:
     """The rlhf.py arguments of the preparation and of every PPO run: the built-in task, no data files."""
     return ["--config", str(BASE_CONFIG), "--data.task", "word", "--reward.source", "model",
             "--train.out_dir", str(out_dir), "--train.micro_batch_size", str(plan["micro_batch"]),
-            "--train.seed", "1234", "--train.log_interval", "1", "--train.checkpoint_interval", "0",
-            "--train.eval_interval", str(10**6), "--train.eval_batches", "1",
-            "--train.progress_bar", "false", "--train.tensorboard", "false"]
+            "--train.seed", "1234", *runner.TIMED]
 
 
 def prepare(plan: dict, work: Path) -> tuple[dict, str | None]:
@@ -99,7 +81,8 @@ def prepare(plan: dict, work: Path) -> tuple[dict, str | None]:
     model = ["--model.preset", PRESET, "--model.n_layer", str(plan["n_layer"])]
     model += ["--model.d_model", str(plan["d_model"])] if plan["d_model"] else []
     cmd = [sys.executable, ROOT / "rlhf.py", "reward", *common_args(plan, out), *model,
-           "--sft.steps", str(plan["prep_steps"]), "--reward.steps", str(plan["prep_steps"]), *zero_args(PREP)]
+           "--sft.steps", str(plan["prep_steps"]), "--reward.steps", str(plan["prep_steps"]),
+           *runner.zero_args(**PREP)]
     start = time.monotonic()
     rc, output = runner.launch(cmd, None, nproc=None, timeout=plan["timeout"])
     paths = {"sft": out / "sft" / "hf", "reward": out / "reward" / "hf", "seconds": time.monotonic() - start}
@@ -109,50 +92,29 @@ def prepare(plan: dict, work: Path) -> tuple[dict, str | None]:
 
 
 def model_info(sft_dir: Path) -> dict:
-    """Size of the actor (the reference is the same model; the critic and reward model differ only by
-    their 1-output score head)."""
-    import json
+    """The actor (the reference is the same model; the critic and reward model differ only by their
+    1-output score head)."""
+    from models.hf import config_from_hf
 
-    from safetensors import safe_open
-
-    cfg = json.loads((sft_dir / "config.json").read_text())
-    with safe_open(str(sft_dir / "model.safetensors"), "pt") as f:
-        params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
-    return {"preset": PRESET, "n_layer": cfg.get("n_layer"), "d_model": cfg.get("n_embd"),
-            "n_head": cfg.get("n_head"), "vocab_size": cfg.get("vocab_size"), "params": params}
+    mc = config_from_hf(json.loads((sft_dir / "config.json").read_text()), str(sft_dir / "config.json"))
+    return runner.model_facts(mc, PRESET, mc.max_seq_len)
 
 
 def ppo_run(key: str, repeat: int, plan: dict, models: dict, work: Path, cluster) -> dict:
-    """One `rlhf.py ppo` run on the cluster; per-step metrics and the link's bytes over the timed steps."""
+    """One `rlhf.py ppo` run on the cluster: its timed steps' metrics and what the links carried."""
     label, zero = CONFIGS[key]
     out_dir = work / f"{key}-{repeat}"
-    steps, warmup = plan["steps"], plan["warmup"]
     cmd = [sys.executable, ROOT / "rlhf.py", "ppo", *common_args(plan, out_dir),
            "--models.sft", models["sft"], "--models.reward", models["reward"],
-           "--ppo.steps", str(steps), "--ppo.epochs", str(plan["epochs"]),
-           "--generation.max_new_tokens", str(plan["max_new_tokens"]), *zero_args(zero)]
-    run = {"key": key, "label": label, "repeat": repeat}
-    start = time.monotonic()
-    sampler = runner.LinkSampler(cluster, out_dir / "ppo" / "metrics.jsonl")
-    sampler.start()
-    try:
-        rc, output = runner.launch(cmd, cluster, timeout=plan["timeout"])
-    finally:
-        sampler.stop()
-    run["wall_s"] = time.monotonic() - start
-    metrics = [m for m in runner.read_metrics(out_dir / "ppo") if STEP_KEY in m]
+           "--ppo.steps", str(plan["steps"]), "--ppo.epochs", str(plan["epochs"]),
+           "--generation.max_new_tokens", str(plan["max_new_tokens"]), *runner.zero_args(**zero)]
+    run = {"key": key, "label": label, "repeat": repeat, **runner.measured_launch(
+        cmd, out_dir / "ppo" / "metrics.jsonl", cluster, plan["steps"], plan["warmup"], plan["timeout"])}
     shutil.rmtree(out_dir, ignore_errors=True)
-    if rc != 0 or len(metrics) < steps:
-        return {**run, "ok": False, "error": runner.error_tail(output) if rc else f"{len(metrics)} of {steps} "
-                "steps logged"}
-    timed = metrics[warmup:] or metrics
-    run.update(ok=True, steps=[{k: m.get(name) for k, name in METRICS.items()} for m in timed],
-               step_ms_all=[m[STEP_KEY] for m in metrics], reward=[m.get("reward") for m in metrics])
-    win = sampler.window(warmup, steps)
-    if win:
-        n = len(timed)
-        run["phys_tx_mb_node"] = statistics.mean(win["tx"]) / n / 1e6
-        run["wire_ms"] = max(max(win["tx"]), max(win["rx"])) / n * 8 / cluster.rate_bits * 1e3
+    if run["ok"]:
+        metrics = run.pop("metrics")
+        run.update(steps=[{k: m.get(name) for k, name in METRICS.items()} for m in metrics[plan["warmup"]:]],
+                   step_ms_all=[m[STEP_KEY] for m in metrics], reward=[m.get("reward") for m in metrics])
     return run
 
 
@@ -205,7 +167,7 @@ def ratios(rows: list[dict]) -> dict:
 
 
 def run(args, progress=print) -> dict:
-    plan = resolve(args)
+    plan = {**options(args), "preset": PRESET}
     result = {"plan": plan, "nodes": NODES, "ranks_per_node": RANKS_PER_NODE, "rows": [], "runs": [], "notes": []}
     why = runner.cluster_unavailable()
     if why:
@@ -234,7 +196,8 @@ def run(args, progress=print) -> dict:
                     text = f"{med:.0f} ms/step, {gen:.0f} generated tokens/s"
                 else:
                     text = f"FAILED: {r['error']}"
-                progress(f"  rlhf [{i + 1}/{len(order)}] {r['label']} @ {plan['rate']}: {text} ({r['wall_s']:.0f} s)")
+                progress(f"  rlhf [{i + 1}/{len(order)}] {r['label']} @ {plan['rate']}: {text} "
+                         f"({r['wall_s']:.0f} s)")
     result["rows"] = [aggregate(key, result["runs"], plan) for key in plan["configs"]]
     result["ratios"] = ratios(result["rows"])
     for r in result["runs"]:
@@ -282,10 +245,6 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
     return paths
 
 
-def _x(v) -> str:
-    return "–" if v is None else f"{v:.2f}x"
-
-
 def markdown(result: dict) -> str:
     plan, m = result["plan"], result.get("model", {})
     params = f"{m['params'] / 1e6:.2f}M" if m.get("params") else "?"
@@ -295,8 +254,8 @@ def markdown(result: dict) -> str:
         f"reward model frozen, each of the four under the runtime. Models: {m.get('preset', PRESET)} with "
         f"{m.get('n_layer')} layers, d_model {m.get('d_model')}, the built-in \"word\" task's vocabulary of "
         f"{m.get('vocab_size')}: **{params} parameters** each (critic and reward model: a 1-output score head). "
-        f"{plan['micro_batch']} prompts per rank and step ({plan['micro_batch'] * result['nodes'] * result['ranks_per_node']}"
-        f" rollouts), responses of at most {plan['max_new_tokens']} tokens, {plan['epochs']} PPO epoch(s) per "
+        f"{plan['micro_batch']} prompts per rank and step ({plan['micro_batch'] * NODES * RANKS_PER_NODE} "
+        f"rollouts), responses of at most {plan['max_new_tokens']} tokens, {plan['epochs']} PPO epoch(s) per "
         f"rollout. The SFT and reward models were made once ({plan['prep_steps']} steps each, one process, "
         f"{result.get('prep_seconds', 0):.0f} s) and both configurations' runs start from them; "
         f"{plan['repeats']} run(s) per configuration, interleaved on one cluster, {plan['steps']} PPO steps each, "
@@ -306,27 +265,26 @@ def markdown(result: dict) -> str:
         "physical MB what each node's link carried per timed step (veth counters, frame bytes); wire time = "
         "the busier direction's bytes at the tbf rate.", "",
         *report.md_table(result["rows"], COLUMNS), ""]
-    rat = result.get("ratios") or {}
+    rat = result.get("ratios")
     if rat:
-        lines += [
-            "| ZeRO++ / ZeRO-3 | ours (CPU emulation) | DeepSpeed's ZeRO++ blog (GPUs) |",
-            "| --- | ---: | ---: |",
-            f"| generation throughput (tokens/s) | {_x(rat.get('generation'))} | {_x(DEEPSPEED['generation'])} |",
-            f"| generation time per step | {_x(rat.get('generation_time'))} | – |",
-            f"| PPO step (1 / step time) | {_x(rat.get('step'))} | {_x(DEEPSPEED['training'])} (their training figure) |",
-            f"| training phase (training tokens/s) | {_x(rat.get('training'))} | {_x(DEEPSPEED['training'])} (the same figure) |",
-            f"| cross-node bytes per step (ledger, rank 0) | {rat['cross_node_bytes']:.3f} | – |"
-            if rat.get("cross_node_bytes") is not None else "| cross-node bytes per step | – | – |",
-            "",
-            "DeepSpeed's figures are from its ZeRO++ blog (RLHF training with DeepSpeed-Chat on GPU clusters, with "
-            "models far larger than ours); ours are a CPU emulation with models of a few million parameters, where every rank of both 'nodes' shares the same few cores. Only the ratios, measured "
-            "in one session, compare; the absolute numbers do not. The generation speedup depends on how many "
-            "tokens a rollout decodes per weight gather (the rollout gathers the actor once, qwZ halves those "
-            "bytes): the word task's responses are a few tokens, so its generation time is mostly that gather.", ""]
+        ds_gen, ds_train = (f"{DEEPSPEED[k]:.2f}x" for k in ("generation", "training"))
+        table = [("generation throughput (tokens/s)", "generation", "{:.2f}x", ds_gen),
+                 ("generation time per step", "generation_time", "{:.2f}x", None),
+                 ("PPO step (1 / step time)", "step", "{:.2f}x", f"{ds_train} (their training figure)"),
+                 ("training phase (training tokens/s)", "training", "{:.2f}x", f"{ds_train} (the same figure)"),
+                 ("cross-node bytes per step (ledger, rank 0)", "cross_node_bytes", "{:.3f}", None)]
+        lines += [*report.md_table([{"what": what, "ours": report.fmt(rat.get(key), spec), "theirs": theirs}
+                                    for what, key, spec, theirs in table],
+                                   [("what", "ZeRO++ / ZeRO-3", "{}"), ("ours", "ours (CPU emulation)", "{}"),
+                                    ("theirs", "DeepSpeed's ZeRO++ blog (GPUs)", "{}")]), "",
+                  "DeepSpeed's figures are from its ZeRO++ blog (RLHF training with DeepSpeed-Chat on GPU clusters, "
+                  "with models far larger than ours); ours are a CPU emulation with models of a few million "
+                  "parameters, where every rank of both 'nodes' shares the same few cores. Only the ratios, measured "
+                  "in one session, compare; the absolute numbers do not. The generation speedup depends on how many "
+                  "tokens a rollout decodes per weight gather (the rollout gathers the actor once, qwZ halves those "
+                  "bytes): the word task's responses are a few tokens, so its generation time is mostly that gather."]
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    from scripts.bench.suite import main_one
-
     sys.exit(main_one("rlhf"))

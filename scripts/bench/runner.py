@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -37,34 +36,42 @@ MODEL_ARGS = ["--model.preset", "gpt2-small-cpu", "--model.n_layer", "12", "--mo
 SEQ = 128
 NODES, RANKS_PER_NODE = 2, 2
 STEP_KEY = "elapsed time per iteration (ms)"
+# train.py / rlhf.py arguments of a timed job: every step logged, nothing else (no evaluation, checkpoint,
+# progress bar or TensorBoard) in the steps
+TIMED = ["--train.log_interval", "1", "--train.eval_interval", str(10**6), "--train.eval_batches", "1",
+         "--train.checkpoint_interval", "0", "--train.progress_bar", "false", "--train.tensorboard", "false"]
 
 
 def train_args(micro_batch: int, steps: int) -> list[str]:
     """The config arguments every runtime of a comparison gets."""
-    return ["--config", str(ROOT / "configs" / "quickstart.yaml"), *MODEL_ARGS,
-            "--data.seq_len", str(SEQ), "--data.cache_dir", str(ROOT / "cache"),
-            "--train.micro_batch_size", str(micro_batch), "--train.steps", str(steps), "--train.log_interval", "1",
-            "--train.eval_interval", str(10**6), "--train.eval_batches", "1", "--train.checkpoint_interval", "0",
-            "--train.progress_bar", "false", "--train.tensorboard", "false"]
+    return ["--config", str(ROOT / "configs" / "quickstart.yaml"), *MODEL_ARGS, "--data.seq_len", str(SEQ),
+            "--data.cache_dir", str(ROOT / "cache"), "--train.micro_batch_size", str(micro_batch),
+            "--train.steps", str(steps), *TIMED]
 
 
 def zero_args(**keys) -> list[str]:
     """train.py arguments setting these zero_optimization keys."""
-    return [a for k, v in keys.items() for a in (f"--zero_optimization.{k}", str(v).lower() if v is True else str(v))]
+    return [a for k, v in keys.items()
+            for a in (f"--zero_optimization.{k}", str(v).lower() if isinstance(v, bool) else str(v))]
 
 
 def model_summary(config_args: list[str] | None = None) -> dict:
     """Size and FLOPs per token of the model a job with these arguments builds (vocabulary from the config)."""
-    from models.config import flops_per_token, num_params
     from trainer.config import parse_args
     from trainer.loop import build_model_config
 
     cfg = parse_args(config_args or train_args(1, 1))
-    mc = build_model_config(cfg, cfg.data.vocab_size)
-    return {"preset": cfg.model.preset, "n_layer": mc.n_layer, "d_model": mc.d_model, "n_head": mc.n_head,
-            "vocab_size": mc.vocab_size, "seq_len": cfg.data.seq_len, "params": num_params(mc),
+    return model_facts(build_model_config(cfg, cfg.data.vocab_size), cfg.model.preset, cfg.data.seq_len)
+
+
+def model_facts(mc, preset: str, seq_len: int) -> dict:
+    """What the docs say of a model (a models.config.ModelConfig)."""
+    from models.config import flops_per_token, num_params
+
+    return {"preset": preset, "n_layer": mc.n_layer, "d_model": mc.d_model, "n_head": mc.n_head,
+            "vocab_size": mc.vocab_size, "seq_len": seq_len, "params": num_params(mc),
             "params_non_embedding": num_params(mc, include_embeddings=False),
-            "flops_per_token": flops_per_token(mc, cfg.data.seq_len)}
+            "flops_per_token": flops_per_token(mc, seq_len)}
 
 
 # ---------------------------------------------------------------- the cluster
@@ -94,37 +101,21 @@ def cluster_at(rate: str | None):
 
 
 class LinkSampler(threading.Thread):
-    """Samples every node's veth counters with rank 0's logged step count, 20 times a second.
-
-    Counters are read from /proc/<pid>/net/dev of a `sleep` started inside each node's namespace
-    (no process spawn per sample). `window(a, b)` gives per-node bytes between the first samples at
-    which a and b steps had been logged.
-    """
+    """Samples every node's link counters with rank 0's logged step count, 20 times a second, so that
+    `window(a, b)` gives per-node bytes between the first samples at which a and b steps had been logged."""
 
     def __init__(self, cluster, metrics: Path, interval: float = 0.05):
         super().__init__(daemon=True)
         self.cluster, self.metrics, self.interval = cluster, metrics, interval
-        self.samples: list[tuple[float, int, list[tuple[int, int]]]] = []
+        self.samples: list[tuple[float, int, list[tuple[int, int]]]] = []  # (time, steps, [(tx, rx) per node])
         self._halt = threading.Event()
-        self._sleepers = [subprocess.Popen(["ip", "netns", "exec", node.ns, "sleep", "86400"],
-                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                           start_new_session=True) for node in cluster.nodes]
-        time.sleep(0.2)  # let `ip netns exec` enter the namespace and exec sleep
-
-    def _counters(self) -> list[tuple[int, int]]:
-        out = []
-        for node, proc in zip(self.cluster.nodes, self._sleepers):
-            text = Path(f"/proc/{proc.pid}/net/dev").read_text()
-            line = next(ln for ln in text.splitlines() if ln.strip().startswith(node.ifname + ":"))
-            fields = line.split(":", 1)[1].split()
-            out.append((int(fields[8]), int(fields[0])))  # (tx bytes, rx bytes)
-        return out
 
     def run(self) -> None:
         while not self._halt.is_set():
             try:
                 steps = self.metrics.read_text().count(f'"{STEP_KEY}"') if self.metrics.is_file() else 0
-                self.samples.append((time.monotonic(), steps, self._counters()))
+                self.samples.append((time.monotonic(), steps,
+                                     [(c["tx"], c["rx"]) for c in self.cluster.link_counters()]))
             except (OSError, StopIteration, ValueError):
                 pass
             self._halt.wait(self.interval)
@@ -132,12 +123,6 @@ class LinkSampler(threading.Thread):
     def stop(self) -> None:
         self._halt.set()
         self.join(timeout=5)
-        for proc in self._sleepers:  # ours, killed by pid
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            proc.wait(timeout=5)
 
     def window(self, first: int, last: int) -> dict | None:
         a = next((s for s in self.samples if s[1] >= first), None)
@@ -200,7 +185,6 @@ class Job:
     micro_batch: int
     setting: str
     script: list[str] = field(default_factory=lambda: [str(ROOT / "train.py")])
-    meta: dict = field(default_factory=dict)
 
 
 def run_jobs(name: str, jobs: list[Job], steps: int, warmup: int, timeout: float, progress=print) -> list[dict]:
@@ -225,9 +209,40 @@ def run_job(job: Job, steps: int, warmup: int, work: Path, cluster=None, timeout
     if cluster is None:  # 4 loopback ranks laid out as 2 nodes x 2
         cmd += zero_args(ranks_per_node=RANKS_PER_NODE)
     row = {"key": job.key, "label": job.label, "setting": job.setting, "micro_batch": micro_batch,
-           "tokens_per_rank": micro_batch * SEQ, "steps": steps, "warmup": warmup, **job.meta}
+           "tokens_per_rank": micro_batch * SEQ, "steps": steps, "warmup": warmup,
+           **measured_launch(cmd, out_dir / "metrics.jsonl", cluster, steps, warmup, timeout)}
+    shutil.rmtree(out_dir, ignore_errors=True)
+    if not row["ok"]:
+        return row
+    metrics = row.pop("metrics")
+    timed, last = metrics[warmup:] or metrics, metrics[-1]
+    step_s = statistics.mean(m[STEP_KEY] for m in timed) / 1e3
+    row.update(step_ms=step_s * 1e3, step_ms_all=[m[STEP_KEY] for m in metrics],
+               tokens_per_s=micro_batch * SEQ * world / step_s,
+               # every step does the same FLOPs: the last logged step's rate at the mean step time
+               tflops_per_rank=last["TFLOP/s per rank"] * last[STEP_KEY] / 1e3 / step_s,
+               final_loss=last["lm loss"], losses=[m["lm loss"] for m in metrics])
+    # the runtime's per-step timings (waiting for gathers / reductions, weight encode / decode) in ms;
+    # the rest of the step is compute and everything else
+    kinds = sorted({k[:-5] for m in metrics for k in m if k.endswith(" (ms)") and k != STEP_KEY})
+    if kinds:
+        row["timing_kinds"] = kinds
+        for kind in kinds:
+            row[f"{kind} ms"] = statistics.mean(m.get(f"{kind} (ms)", 0.0) for m in timed)
+        row["rest ms"] = row["step_ms"] - sum(row[f"{kind} ms"] for kind in kinds)
+    if last.get("cross-node sent (MB)"):
+        row["ledger_cross_mb_rank"] = last["cross-node sent (MB)"] * 2**20 / 1e6  # logged in MiB
+    if "wire_ms" in row:
+        row["link_busy_pct"] = 100 * row["wire_ms"] / row["step_ms"]
+    return row
+
+
+def measured_launch(cmd: list, metrics: Path, cluster, steps: int, warmup: int, timeout: float) -> dict:
+    """Launch a job that logs STEP_KEY per step into `metrics`: {"ok", "wall_s", "error" or "metrics" (the
+    logged steps) and, on the cluster, what each node's link carried per step after the warm-up: MB sent and
+    received (mean over nodes) and the wire time, the busier direction's bytes at the tbf rate}."""
     start = time.monotonic()
-    sampler = LinkSampler(cluster, out_dir / "metrics.jsonl") if cluster else None
+    sampler = LinkSampler(cluster, metrics) if cluster else None
     if sampler:
         sampler.start()
     try:
@@ -235,36 +250,16 @@ def run_job(job: Job, steps: int, warmup: int, work: Path, cluster=None, timeout
     finally:
         if sampler:
             sampler.stop()
-    row["wall_s"] = time.monotonic() - start
-    metrics = [m for m in read_metrics(out_dir) if STEP_KEY in m]
-    shutil.rmtree(out_dir, ignore_errors=True)
-    if rc != 0 or len(metrics) < steps:
-        return {**row, "ok": False, "error": error_tail(output) if rc else f"{len(metrics)} of {steps} steps logged"}
-    times = [m[STEP_KEY] for m in metrics]
-    step_s = statistics.mean(times[warmup:] or times) / 1e3
-    last = metrics[-1]
-    tflop_per_step = last["TFLOP/s per rank"] * last[STEP_KEY] / 1e3 * world  # constant: from any logged step
-    row.update(ok=True, step_ms=step_s * 1e3, step_ms_all=times, tokens_per_s=micro_batch * SEQ * world / step_s,
-               tflops_per_rank=tflop_per_step / step_s / world, final_loss=last["lm loss"],
-               losses=[m["lm loss"] for m in metrics])
-    # the runtime's per-step timings (waiting for gathers / reductions, weight encode / decode) in ms;
-    # the rest of the step is compute and everything else
-    kinds = sorted({k[:-5] for m in metrics for k in m if k.endswith(" (ms)") and k != STEP_KEY})
-    if kinds:
-        row["timing_kinds"] = kinds
-        for kind in kinds:
-            row[f"{kind} ms"] = statistics.mean(m.get(f"{kind} (ms)", 0.0) for m in metrics[warmup:] or metrics)
-        row["rest ms"] = row["step_ms"] - sum(row[f"{kind} ms"] for kind in kinds)
-    if last.get("cross-node sent (MB)"):
-        row["ledger_cross_mb_rank"] = last["cross-node sent (MB)"] * 2**20 / 1e6  # logged in MiB
-    win = sampler.window(warmup, steps) if sampler else None
+    out = {"wall_s": time.monotonic() - start}
+    logged = [m for m in read_metrics(metrics.parent) if STEP_KEY in m]
+    if rc != 0 or len(logged) < steps:
+        return {**out, "ok": False, "error": error_tail(output) if rc else f"{len(logged)} of {steps} steps logged"}
+    win, n = sampler and sampler.window(warmup, steps), steps - warmup
     if win:
-        n = steps - warmup
-        row["phys_tx_mb_node"] = statistics.mean(win["tx"]) / n / 1e6  # per node and step
-        row["phys_rx_mb_node"] = statistics.mean(win["rx"]) / n / 1e6
-        row["wire_ms"] = max(max(win["tx"]), max(win["rx"])) / n * 8 / cluster.rate_bits * 1e3  # at the tbf rate
-        row["link_busy_pct"] = 100 * row["wire_ms"] / row["step_ms"]
-    return row
+        out.update(phys_tx_mb_node=statistics.mean(win["tx"]) / n / 1e6,
+                   phys_rx_mb_node=statistics.mean(win["rx"]) / n / 1e6,
+                   wire_ms=max(max(win["tx"]), max(win["rx"])) / n * 8 / cluster.rate_bits * 1e3)
+    return {**out, "ok": True, "metrics": logged}
 
 
 def describe_row(row: dict) -> str:

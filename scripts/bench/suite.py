@@ -10,10 +10,11 @@ every benchmark.
 
 The registry: SUITE in its run order (cheapest first), then the benchmarks that run on their own
 (memory, reduce_scatter, quantized_perplexity: its section is in docs/export.md). A benchmark is a
-module of this package with `TITLE` (its docs heading), `add_args(parser)`, `run(args, progress) ->
-result` (a dict: `rows` are its table, `skipped` says why it could not run), `markdown(result)` and
-optionally `plots(result, out_dir) -> [png]`, `DOCS` (its page) and `worker(argv)` (what `NAME.py
---worker ...` runs on each rank). Results go to `<out>/<name>.json` and `.csv`, plots to
+module of this package with `TITLE` (its docs heading), `add_args(parser)` (a default that differs
+under --quick is a `Quick(full, quick)`), `run(args, progress) -> result` (a dict: `rows` are its
+table, `skipped` says why it could not run), `markdown(result)` and optionally `plots(result,
+out_dir) -> [png]`, `DOCS` (its page) and `worker(argv)` (what `NAME.py --worker ...` runs on each
+rank). Results go to `<out>/<name>.json` and `.csv`, plots to
 `<out>/plots/`, the suite's to `<out>/suite.json` and, unless `--no-docs`, docs/benchmarks.md (plots
 copied to docs/benchmarks/). The cluster parts need root and iproute2; without them they say so and
 the rest still runs.
@@ -30,6 +31,7 @@ import shlex
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 from scripts.bench import report
@@ -44,10 +46,38 @@ def module(name: str):
     return importlib.import_module(f"scripts.bench.{name}")
 
 
+@dataclass(frozen=True)
+class Quick:
+    """An option's default: `full` in a full run, `quick` under --quick (help: "default %(default)s")."""
+    full: object
+    quick: object
+
+    def __str__(self) -> str:
+        return f"{_words(self.full)}, quick {_words(self.quick)}"
+
+
+def _words(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+class _Parser(argparse.ArgumentParser):
+    def parse_known_args(self, args=None, namespace=None):
+        ns, rest = super().parse_known_args(args, namespace)
+        for key, value in vars(ns).items():
+            if isinstance(value, Quick):
+                setattr(ns, key, value.quick if ns.quick else value.full)
+        return ns, rest
+
+
+def options(args) -> dict:
+    """A benchmark's own options as parsed, for its result's "plan"."""
+    return {k: v for k, v in vars(args).items() if k not in ("quick", "out", "update_docs", "render", "reuse")}
+
+
 def parser(name: str) -> argparse.ArgumentParser:
     mod = module(name)
-    p = argparse.ArgumentParser(prog=f"scripts/bench/{name}.py", description=mod.__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog=f"scripts/bench/{name}.py", description=mod.__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     mod.add_args(p)
     p.add_argument("--quick", action="store_true", help="the reduced set the suite's --quick runs")
     p.add_argument("--out", type=Path, help=f"results directory (default runs/bench/{name}-<time>)")
@@ -117,42 +147,37 @@ def main_one(name: str, argv: list[str] | None = None) -> int:
 # ---------------------------------------------------------------- the summary
 
 
-def _find(rows, **match):
-    return next((r for r in rows if r.get("ok") and all(r.get(k) == v for k, v in match.items())), None)
-
-
-def _ratio(a: dict | None, b: dict | None, key: str = "tokens_per_s") -> float | None:
-    return a[key] / b[key] if a and b and a.get(key) and b.get(key) else None
+def _find(rows, **match) -> dict:
+    return next((r for r in rows if r.get("ok") and all(r.get(k) == v for k, v in match.items())), {})
 
 
 def summary(results: dict) -> list[dict]:
-    """The issue's target ratios, each with what was measured (None when not measured)."""
+    """The issue's target ratios, as the sections below compute them (None when not measured)."""
     out = []
 
     def target(what, target, value, ok, percent=False):
         out.append({"what": what, "target": target, "value": value, "percent": percent,
                     "met": None if value is None else bool(ok(value))})
 
-    rows = results.get("ablation", {}).get("rows", [])
-    z3, zpp = (_find(rows, key=key, setting="100mbit", micro_batch=4) for key in ("zero3", "zeropp"))
-    target("ZeRO++ / our ZeRO-3 throughput, 100 Mbit/s, 4x128 tokens/rank", ">= 3", _ratio(zpp, z3), lambda v: v >= 3)
+    zpp = _find(results.get("ablation", {}).get("rows", []), key="zeropp", setting="100mbit", micro_batch=4)
+    target("ZeRO++ / our ZeRO-3 throughput, 100 Mbit/s, 4x128 tokens/rank", ">= 3", zpp.get("speedup_vs_zero3"),
+           lambda v: v >= 3)
     target("physical cross-node bytes per step, ZeRO++ / ZeRO-3 (node link, tx)", "<= 0.28",
-           _ratio(zpp, z3, "phys_tx_mb_node"), lambda v: v <= 0.28)
+           zpp.get("phys_ratio_vs_zero3"), lambda v: v <= 0.28)
     target("ledger cross-node bytes of one step, ZeRO++ / ZeRO-3 (comm_volume, scales included)", "<= 0.28",
            results.get("comm_volume", {}).get("total_ratio"), lambda v: v <= 0.28)
     peers = results.get("peers", {})
     prow, slow = peers.get("rows", []), peers.get("plan", {}).get("rate", "100mbit")
     best = max((r for r in prow if r.get("ok") and r.get("setting") == slow
-                and r.get("family") in ("ddp", "fsdp2", "deepspeed")), key=lambda r: r["tokens_per_s"], default=None)
+                and r.get("family") in ("ddp", "fsdp2", "deepspeed")), key=lambda r: r["tokens_per_s"], default={})
     target(f"ZeRO++ / fastest of DDP, FSDP2, DeepSpeed ZeRO-3 at {slow}"
-           + (f" (fastest: {best['label']})" if best else ""), ">= 3",
-           _ratio(_find(prow, key="zeropp", setting=slow), best), lambda v: v >= 3)
+           + (f" (fastest: {best['label']})" if best else ""), ">= 3", best.get("zeropp_speedup"), lambda v: v >= 3)
     for setting in (slow, "loopback"):
         for dtype in ("fp32", "bf16"):
             target(f"our ZeRO-3 / DeepSpeed ZeRO-3 throughput, {dtype} wire, "
                    f"{'unshaped loopback' if setting == 'loopback' else setting}"
                    + (" (DeepSpeed bf16 also computes in bf16)" if dtype == "bf16" else ""), ">= 1.2",
-                   _ratio(*(_find(prow, key=f"{k}-{dtype}", setting=setting) for k in ("zero3", "deepspeed"))),
+                   _find(prow, key=f"zero3-{dtype}", setting=setting).get("vs_deepspeed_same_dtype"),
                    lambda v: v >= 1.2)
     conv = results.get("convergence", {})
     for r in conv.get("rows", []):
@@ -161,11 +186,11 @@ def summary(results: dict) -> list[dict]:
                    "(8-bit qwZ) vs ZeRO-3, relative", "within 1%", r.get("rel_diff"), lambda v: abs(v) <= 0.01,
                    percent=True)
     rlhf = results.get("rlhf", {})
+    rate = rlhf.get("plan", {}).get("rate", "100mbit")
     for what, key, theirs in (("generation tokens/s", "generation", 2.25), ("PPO step time", "step", 1.26)):
         # DeepSpeed's ZeRO++ blog figure is a reference (GPUs, far larger models), not a target: no verdict
-        out.append({"what": f"RLHF: ZeRO++ / ZeRO-3 speedup of the {what}, {rlhf.get('plan', {}).get('rate', '100mbit')}",
-                    "target": f"DeepSpeed (GPUs): {theirs}x", "value": (rlhf.get("ratios") or {}).get(key),
-                    "percent": False, "met": None})
+        out.append({"what": f"RLHF: ZeRO++ / ZeRO-3 speedup of the {what}, {rate}", "target": f"DeepSpeed (GPUs): "
+                    f"{theirs}x", "value": (rlhf.get("ratios") or {}).get(key), "percent": False, "met": None})
     return out
 
 
@@ -224,7 +249,7 @@ def render(path: Path) -> int:
     images = {name: report.copy_images(plots(name, result, out)) for name, result in results.items()}
     items = summary(results)
     write_docs(results, images, saved["machine"], saved["command"], saved["quick"], saved["seconds"], items)
-    path.write_text(json.dumps({**saved, "summary": items}, indent=1, default=str))
+    report.write_json(path, {**saved, "summary": items})
     print("\n".join(summary_markdown(items)))
     print(f"wrote {report.DOCS} and {report.DOCS_IMAGES}/ from {path}")
     return 0
@@ -264,9 +289,9 @@ def main(argv=None) -> int:
     seconds = time.monotonic() - start
     items = summary(results)
     info["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
-    (out / "suite.json").write_text(json.dumps({
+    report.write_json(out / "suite.json", {
         "machine": info, "command": command, "quick": args.quick, "seconds": seconds, "summary": items,
-        "timings": {n: r.get("seconds") for n, r in results.items()}, "results": results}, indent=1, default=str))
+        "timings": {n: r.get("seconds") for n, r in results.items()}, "results": results})
     print("\nsummary:\n" + "\n".join(summary_markdown(items)))
     if not args.no_docs and names == SUITE:
         write_docs(results, images, info, command, args.quick, seconds, items)
@@ -281,4 +306,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from scripts.bench import suite  # this file as the package's module: the one whose Quick the benchmarks use
+
+    sys.exit(suite.main())

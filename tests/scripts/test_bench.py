@@ -32,17 +32,18 @@ def test_every_benchmark_parses_quick_and_full(name):
 
 
 def test_quick_plans_are_reduced_and_full_plans_cover_the_issue():
-    quick, full = ablation.resolve(_args("ablation", "--quick")), ablation.resolve(_args("ablation"))
-    assert quick["rates"] == ["100mbit"] and quick["micro_batches"] == [4] and quick["configs"] == ["zero3", "zeropp"]
-    assert full["rates"] == ["100mbit", "1gbit"] and len(full["micro_batches"]) == 2
-    assert full["configs"] == ["zero3", "qwz", "hpz", "qgz", "zeropp"]
+    quick, full = _args("ablation", "--quick"), _args("ablation")
+    assert quick.rates == ["100mbit"] and quick.micro_batches == [4] and quick.configs == ["zero3", "zeropp"]
+    assert full.rates == ["100mbit", "1gbit"] and len(full.micro_batches) == 2 and (quick.steps, full.steps) == (4, 5)
+    assert full.configs == ["zero3", "qwz", "hpz", "qgz", "zeropp"]
     p_quick, p_full = peers.resolve(_args("peers", "--quick")), peers.resolve(_args("peers"))
     assert list(p_quick["settings"]) == ["100mbit"] and "loopback" in p_full["settings"]
     assert {"ddp", "fsdp2-fp32", "deepspeed-fp32", "zeropp"} <= set(p_quick["settings"]["100mbit"])
     assert convergence.resolve(_args("convergence"))["bits"] == [8, 6, 4]
     assert convergence.resolve(_args("convergence", "--quick"))["bits"] == [8]
-    explicit = ablation.resolve(_args("ablation", "--quick", "--rates", "1gbit", "--configs", "qwz"))
-    assert explicit["rates"] == ["1gbit"] and explicit["configs"] == ["qwz"]
+    explicit = _args("ablation", "--quick", "--rates", "1gbit", "--configs", "qwz", "--steps", "7")
+    assert explicit.rates == ["1gbit"] and explicit.configs == ["qwz"] and explicit.steps == 7
+    assert "default 5, quick 4" in suite.parser("ablation").format_help()
 
 
 def test_suite_cli_help_and_choices(capsys):
@@ -53,18 +54,28 @@ def test_suite_cli_help_and_choices(capsys):
         suite.main(["--only", "nonsense"])
 
 
-def test_summary_ratios_and_missing_values():
-    z3 = dict(ok=True, key="zero3", setting="100mbit", micro_batch=4, tokens_per_s=100.0, phys_tx_mb_node=40.0)
-    zpp = dict(ok=True, key="zeropp", setting="100mbit", micro_batch=4, tokens_per_s=350.0, phys_tx_mb_node=10.0)
-    prow = [dict(ok=True, key="zeropp", setting="100mbit", family="ours", tokens_per_s=350.0, label="ZeRO++"),
-            dict(ok=True, key="ddp", setting="100mbit", family="ddp", tokens_per_s=70.0, label="DDP"),
-            dict(ok=True, key="fsdp2-fp32", setting="100mbit", family="fsdp2", tokens_per_s=50.0, label="F"),
-            dict(ok=False, key="deepspeed-fp32", setting="100mbit", family="deepspeed", error="not installed"),
-            dict(ok=True, key="zero3-fp32", setting="loopback", family="ours", tokens_per_s=120.0, label="z"),
-            dict(ok=True, key="deepspeed-fp32", setting="loopback", family="deepspeed", tokens_per_s=100.0,
-                 label="d")]
-    items = suite.summary({"ablation": {"rows": [z3, zpp]}, "comm_volume": {"total_ratio": 0.22},
-                           "peers": {"plan": {"rate": "100mbit"}, "rows": prow},
+def test_summary_ratios_and_missing_values(monkeypatch):
+    """The ratios come from the benchmarks' own rows, here as ablation and peers compute them from (fake) runs."""
+    tokens_per_s = {"zero3": 100.0, "zeropp": 350.0, "ddp": 70.0, "fsdp2-fp32": 50.0, "zero3-fp32": 120.0,
+                    "deepspeed-fp32": 100.0}
+    mb = {"zero3": 40.0, "zeropp": 10.0}
+
+    def run_jobs(name, jobs, *args, **kwargs):
+        return [dict(key=j.key, label=j.label, setting=j.setting, micro_batch=j.micro_batch, ok=True,
+                     tokens_per_s=tokens_per_s[j.key], step_ms=1e5 / tokens_per_s[j.key],
+                     phys_tx_mb_node=mb.get(j.key, 1.0)) for j in jobs]
+
+    monkeypatch.setattr(runner, "cluster_unavailable", lambda: None)
+    monkeypatch.setattr(runner, "run_jobs", run_jobs)
+    monkeypatch.setattr(peers, "deepspeed_installed", lambda: False)
+    ablation_result = ablation.run(_args("ablation", "--quick"), progress=lambda s: None)
+    peers_result = peers.run(_args("peers", "--quick", "--runtimes", "zeropp", "ddp", "fsdp2-fp32", "deepspeed-fp32"),
+                             progress=lambda s: None)
+    monkeypatch.setattr(peers, "deepspeed_installed", lambda: True)
+    loopback = peers.run(_args("peers", "--settings", "loopback", "--runtimes", "zero3-fp32", "deepspeed-fp32"),
+                         progress=lambda s: None)
+    peers_result["rows"] += loopback["rows"]
+    items = suite.summary({"ablation": ablation_result, "comm_volume": {"total_ratio": 0.22}, "peers": peers_result,
                            "convergence": {"rows": [dict(ok=True, key="zeropp-w8", rel_diff=0.004)]}})
     by = {it["what"].split(",")[0]: it for it in items}
     assert by["ZeRO++ / our ZeRO-3 throughput"]["value"] == pytest.approx(3.5)
@@ -246,8 +257,14 @@ def test_peer_runtimes_train_like_our_loop_through_the_trainer(family, tiny_run)
     assert list(resumed) == [3] and resumed[3] == pytest.approx(losses[3], abs=1e-6)
 
 
-def test_a_benchmark_script_runs_standalone():
-    """`python scripts/bench/NAME.py` (its directory first on sys.path, nothing of ours shadowed)."""
+def test_a_benchmark_script_runs_standalone(tmp_path):
+    """`python scripts/bench/NAME.py` (its directory first on sys.path, nothing of ours shadowed), and the
+    suite as a script: --quick defaults resolved there too."""
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "peers.py"), "--help"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "usage: scripts/bench/peers.py" in proc.stdout, proc.stderr[-1000:]
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "suite.py"), "--quick", "--no-docs",
+                           "--only", "kernel_bandwidth", "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout[-2000:]
+    assert json.loads((tmp_path / "kernel_bandwidth.json").read_text())["sizes"] == [1 << 20]
