@@ -25,8 +25,9 @@ class ZeroConfigError(ValueError):
 @dataclass
 class GradientCompression:
     """`zero_optimization.gradient_compression`: SEPARATE (seed 002, docs/separate.md) on the
-    gradient reduce of ZeRO-3 / ZeRO++ (in place of the reduce-scatter or qgZ) or of DDP (a comm
-    hook); torch's PowerSGD hook under DDP as the low-rank baseline."""
+    gradient reduce of ZeRO-3 / ZeRO++ (its projections reduce-scattered, or with
+    zero_quantized_gradients sent through qgZ's quantized all-to-all) or of DDP (a comm hook);
+    torch's PowerSGD hook under DDP as the low-rank baseline."""
 
     # none; separate (paper Algorithm 1); g-separate (Algorithm 3: per-unit ratio and beta adapted
     # from a measured cosine similarity); powersgd (DDP only: torch's PowerSGD hook).
@@ -195,7 +196,7 @@ class ZeroConfig:
     def shard_align(self, frozen: bool = False) -> int:
         """Shard lengths are a multiple of this: whole blocks per rank (and per qgZ stage)."""
         align = self.param_align(frozen)
-        if self.zero_quantized_gradients and not frozen:
+        if self.zero_quantized_gradients and not frozen and not self.gradient_compression.separate:
             align = math.lcm(align, self.zero_quantization_block_size * self.zero_quantized_gradients_stages)
         return align
 
@@ -229,10 +230,10 @@ class ZeroConfig:
             raise ZeroConfigError(f"zero_optimization.zero_quantized_gradients_stages="
                                   f"{self.zero_quantized_gradients_stages}: must be >= 1")
         self.gradient_compression.validate(self.stage)
-        if self.gradient_compression.separate and self.zero_quantized_gradients:
-            raise ZeroConfigError("zero_optimization.gradient_compression.method="
-                                  f"{self.gradient_compression.method} replaces the gradient reduce that "
-                                  "zero_quantized_gradients (qgZ) would do; set one of them")
+        if self.gradient_compression.separate and self.zero_quantized_gradients_error_feedback:
+            raise ZeroConfigError("zero_optimization.zero_quantized_gradients_error_feedback: with "
+                                  "gradient_compression, qgZ carries the projections and SEPARATE's own error "
+                                  "feedback applies; drop zero_quantized_gradients_error_feedback")
         if self.stage == 0:
             changed = [f.name for f in fields(self)
                        if f.name not in ("stage", "ranks_per_node", "gradient_compression") and getattr(self, f.name) != f.default]

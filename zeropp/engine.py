@@ -396,14 +396,15 @@ class Zero3Engine(Runtime):
 
     def _build_reducer(self):
         cfg = self.config
-        if cfg.gradient_compression.separate:
-            return ProjectedReduce(self.comm, Separate(cfg.gradient_compression, self.device), self.comm_dtype,
-                                   self.timings)
+        qgz = None
         if cfg.zero_quantized_gradients:
-            return QuantizedReduce(self.comm, cfg.zero_quantized_gradients_bits, cfg.zero_quantization_block_size,
-                                   cfg.zero_quantized_gradients_hops or (2 if self.mesh.num_nodes > 1 else 1),
-                                   cfg.zero_quantized_gradients_stages, cfg.zero_quantized_gradients_error_feedback)
-        return ExactReduceScatter(self.comm, self.comm_dtype)
+            qgz = QuantizedReduce(self.comm, cfg.zero_quantized_gradients_bits, cfg.zero_quantization_block_size,
+                                  cfg.zero_quantized_gradients_hops or (2 if self.mesh.num_nodes > 1 else 1),
+                                  cfg.zero_quantized_gradients_stages, cfg.zero_quantized_gradients_error_feedback)
+        if cfg.gradient_compression.separate:  # SEPARATE's projections, through qgZ when it is on
+            return ProjectedReduce(self.comm, Separate(cfg.gradient_compression, self.device), self.comm_dtype,
+                                   self.timings, qgz)
+        return qgz or ExactReduceScatter(self.comm, self.comm_dtype)
 
     def _reduce(self, unit: Unit) -> None:
         if unit.pending_reduce is not None:  # a temporary buffer's earlier reduce (rare path)

@@ -95,8 +95,10 @@ class ProjectedReduce(GradientReducer):
     adds the reconstruction of its own shard. G-SEPARATE's measuring rounds also reduce-scatter
     the exact gradient and all-reduce three sums for the cosine similarity."""
 
-    def __init__(self, comm: Comm, compressor: Separate, wire_dtype: torch.dtype, timings: Timings):
+    def __init__(self, comm: Comm, compressor: Separate, wire_dtype: torch.dtype, timings: Timings,
+                 qgz: QuantizedReduce | None = None):
         self.comm, self.compressor, self.wire_dtype, self.timings = comm, compressor, wire_dtype, timings
+        self.qgz = qgz  # when set, the projections go through qgZ's quantized all-to-all instead
         self.cosines: dict[str, float] = {}  # G-SEPARATE: each unit's last measured cosine
 
     def reduce(self, unit, shard, grad, async_op):
@@ -108,9 +110,18 @@ class ProjectedReduce(GradientReducer):
                                                   async_op=True, accumulate=True)
         with self.timings.timer("gradient compression"):
             rnd = self.compressor.compress(unit, grad.view(world, -1))
-        summed = torch.zeros(rnd.projections.shape[1], device=shard.device)
-        work = self.comm.reduce_scatter(summed, rnd.projections.to(self.wire_dtype).reshape(-1), tag=TAG,
-                                        async_op=True, accumulate=True)
+        per_chunk = rnd.projections.shape[1]
+        if self.qgz is None:
+            summed = torch.zeros(per_chunk, device=shard.device)
+            work = self.comm.reduce_scatter(summed, rnd.projections.to(self.wire_dtype).reshape(-1), tag=TAG,
+                                            async_op=True, accumulate=True)
+        else:  # qgZ needs whole quantization blocks (per stage) in every chunk: pad the projections
+            align = self.qgz.block_size * self.qgz.stages
+            padded = torch.zeros(world, -(-per_chunk // align) * align, device=shard.device)
+            padded[:, :per_chunk] = rnd.projections
+            summed_padded = torch.zeros(padded.shape[1], device=shard.device)
+            work = self.qgz.reduce(unit, summed_padded, padded.reshape(-1), async_op=True)
+            summed = summed_padded[:per_chunk]
 
         def finish():
             work.wait()
@@ -137,4 +148,6 @@ class ProjectedReduce(GradientReducer):
         self.compressor.load_state_dict(state)
 
     def describe(self) -> str:
+        if self.qgz is not None:
+            return f"projections over {self.qgz.describe()}"
         return f"a reduce-scatter of projections ({str(self.wire_dtype).replace('torch.', '')})"

@@ -14,7 +14,7 @@ from models.transformer import lm_loss
 from zeropp.comm import Comm
 from zeropp.config import GradientCompression, ZeroConfig, ZeroConfigError
 from zeropp.ddp import DDPRuntime
-from zeropp.reducers import ProjectedReduce
+from zeropp.reducers import ProjectedReduce, QuantizedReduce
 from zeropp.runtime import Timings
 from zeropp.separate import Separate
 from zeropp.topology import build_mesh
@@ -111,8 +111,9 @@ def test_invalid_settings_are_named(kw, match):
 
 
 def test_invalid_combinations_are_named():
-    with pytest.raises(ZeroConfigError, match="qgZ"):
-        ZeroConfig(stage=3, zero_quantized_gradients=True, gradient_compression=separate()).validate()
+    with pytest.raises(ZeroConfigError, match="error_feedback"):
+        ZeroConfig(stage=3, zero_quantized_gradients=True, zero_quantized_gradients_error_feedback=True,
+                   gradient_compression=separate()).validate()
     with pytest.raises(ZeroConfigError, match="stage 0"):
         ZeroConfig(stage=3, gradient_compression=GradientCompression(method="powersgd")).validate()
     ZeroConfig(stage=0, gradient_compression=separate()).validate()  # SEPARATE under DDP is fine
@@ -124,9 +125,10 @@ def _gradient(rank, numel):
     return torch.randn(numel, generator=torch.Generator().manual_seed(10 + rank))
 
 
-def _reduce(rank, world, numel, cfg):
+def _reduce(rank, world, numel, cfg, qgz_bits=None):
     comm = Comm(build_mesh(ranks_per_node=2 if world == 4 else world))
-    reducer = ProjectedReduce(comm, Separate(cfg, CPU), torch.float32, Timings())
+    qgz = QuantizedReduce(comm, qgz_bits, 64, 2 if world == 4 else 1, 1, False) if qgz_bits else None
+    reducer = ProjectedReduce(comm, Separate(cfg, CPU), torch.float32, Timings(), qgz)
     shards = []
     for _ in range(2):  # two rounds: fresh directions, and the second carries the first's error
         shard = torch.zeros(numel // world)
@@ -154,6 +156,23 @@ def test_reduce_scatter_of_projections_equals_one_process(world):
     projections = rounds[0].projections.numel() * 4  # bytes of one round's projections, fp32
     for _, ledger in results:  # a reduce-scatter of the projections: (n - 1) / n of them, per round
         assert ledger["sent"] == 2 * (world - 1) * projections // world
+
+
+def test_projections_through_qgz_two_hops():
+    """With zero_quantized_gradients the projections take qgZ's 2-hop int8 all-to-all on 2 x 2
+    ranks (padded to whole quantization blocks): each shard is the one-process reconstruction up to
+    the int8 quantization of the projections."""
+    world, numel = 4, 4 * 333
+    cfg = separate(ratio=8, block_size=64, reset_interval=0)
+    results = run_ranks(_reduce, world, args=(numel, cfg, 8), ranks_per_node=2)
+    replicas = [Separate(cfg, CPU) for _ in range(world)]
+    rounds = [c.compress("unit", _gradient(r, numel).view(world, -1)) for r, c in enumerate(replicas)]
+    summed = sum(rnd.projections.double() for rnd in rounds).float()
+    for rank, (shards, ledger) in enumerate(results):
+        expected = replicas[0].decompress(rounds[0], summed[rank], rank)
+        error = (shards[0] - expected).norm() / expected.norm()
+        assert 1e-6 < error < 0.02  # quantized, but only a little
+        assert ledger["dtypes"] == ["float32", "uint8"]  # codes and their scales
 
 
 def _train(rank, world, compression, steps, wire="fp32", directory=None):
