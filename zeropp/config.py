@@ -35,9 +35,9 @@ class GradientCompression:
     # Compression ratio CR: each block of block_size elements travels as block_size / ratio
     # projections (the paper's default 16; it tried 8-128). A power of two for hadamard.
     ratio: int = 16
-    # Moving-average error feedback e <- (1 - beta) e + beta (h - C(h)); 1 is plain error feedback.
-    # The paper's 0.95; below 0.8 it diverged.
-    beta: float = 0.95
+    # Moving-average error feedback e <- (1 - beta) e + beta (h - C(h)); 1 is plain error feedback,
+    # 0 none. The paper's 0.95 (with reconstruction: contractive); measured best here: 0 (docs).
+    beta: float = 0.0
     # The error is reset to zero every this many rounds (the paper's T = 128; 0 never resets).
     reset_interval: int = 128
     # Elements per projected block (blocks are cut inside each rank's shard, never across two).
@@ -47,9 +47,9 @@ class GradientCompression:
     # gaussian: the paper's N(0, I) directions, generated per block and round in chunks.
     projection: Literal["hadamard", "gaussian"] = "hadamard"
     # unbiased: the paper's reconstruction (E[P^T P] = I); contractive: that times 1/CR, a projection
-    # that never lengthens the gradient (docs/separate.md: with error feedback, the unbiased one
-    # multiplies the error's expected square by (1 - beta)^2 + (CR - 1) beta^2 per round).
-    reconstruction: Literal["contractive", "unbiased"] = "contractive"
+    # that never lengthens the gradient, which error feedback needs (docs/separate.md: with the
+    # unbiased one the error's expected square grows by (1 - beta)^2 + (CR - 1) beta^2 per round).
+    reconstruction: Literal["unbiased", "contractive"] = "unbiased"
     # Dtype of the per-rank error buffer (one copy of the model per rank, not sharded).
     error_dtype: Literal["fp32", "bf16"] = "fp32"
     # The common seed of the random directions (every rank draws the same ones).
@@ -76,8 +76,9 @@ class GradientCompression:
     def describe(self) -> str:
         if self.method == "powersgd":
             return f"PowerSGD rank {self.powersgd_rank}"
+        feedback = f"error feedback beta {self.beta}, reset {self.reset_interval}" if self.beta else "no error feedback"
         return (f"{'G-SEPARATE' if self.method == 'g-separate' else 'SEPARATE'} CR {self.ratio} "
-                f"({self.projection}, beta {self.beta}, reset {self.reset_interval})")
+                f"({self.projection}, {self.reconstruction}, {feedback})")
 
     def validate(self, stage: int) -> None:
         key = "zero_optimization.gradient_compression"
@@ -101,9 +102,18 @@ class GradientCompression:
                                   f"block_size={self.block_size}, ratio={self.ratio}")
         if not 0.0 <= self.beta <= 1.0:
             raise ZeroConfigError(f"{key}.beta={self.beta}: must be in [0, 1] (0: no error feedback)")
+        growth = (1 - self.beta) ** 2 + (self.ratio - 1) * self.beta ** 2
+        if self.reconstruction == "unbiased" and self.beta > 0 and growth >= 1:
+            raise ZeroConfigError(
+                f"{key}: reconstruction=unbiased with beta={self.beta} at ratio={self.ratio} diverges (the error's "
+                f"expected square grows {growth:.2f}x per round); use beta < {2 / self.ratio:.3g}, beta 0, or "
+                f"reconstruction=contractive for the paper's beta 0.95")
         if self.reset_interval < 0:
             raise ZeroConfigError(f"{key}.reset_interval={self.reset_interval}: must be >= 0 (0: never reset)")
         if self.method == "g-separate":
+            if self.reconstruction != "contractive":
+                raise ZeroConfigError(f"{key}.method=g-separate adapts beta in [0.90, 0.99], which needs "
+                                      f"reconstruction=contractive (the unbiased one diverges with such beta)")
             if self.adapt_interval < 1:
                 raise ZeroConfigError(f"{key}.adapt_interval={self.adapt_interval}: must be >= 1")
             if not 1 <= self.min_ratio <= self.ratio <= self.max_ratio <= self.block_size:

@@ -78,6 +78,7 @@ class Separate:
     under G-SEPARATE the adapted ratio and beta; `state_dict` makes a resumed run bit-exact."""
 
     def __init__(self, cfg: GradientCompression, device: torch.device):
+        cfg.validate(stage=3)  # the stage only matters to powersgd, which is not this
         self.cfg, self.device = cfg, device
         self.error_dtype = DTYPES[cfg.error_dtype]
         self.contractive = cfg.reconstruction == "contractive"

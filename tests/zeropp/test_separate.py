@@ -63,7 +63,8 @@ def test_error_feedback_and_reset_follow_the_formulas(projection):
     """A plain-Python replay in fp64: h = g + e; e <- 0 on rounds k % T == 0, else
     (1 - beta) e + beta (h - P_k^T P_k h), with P_k probed from the compressor column by column."""
     beta, period, numel = 0.9, 3, 40
-    cfg = separate(ratio=4, block_size=16, projection=projection, beta=beta, reset_interval=period)
+    cfg = separate(ratio=4, block_size=16, projection=projection, beta=beta, reset_interval=period,
+                   reconstruction="contractive")
     compressor, probe = Separate(cfg, CPU), Separate(cfg, CPU)
     g = torch.Generator().manual_seed(3)
     e = torch.zeros(numel, dtype=torch.float64)
@@ -88,7 +89,7 @@ def test_error_feedback_and_reset_follow_the_formulas(projection):
 
 def test_g_separate_adapts_ratio_and_beta_within_bounds():
     cfg = GradientCompression(method="g-separate", ratio=16, beta=0.95, target_cosine=0.3, min_ratio=4,
-                              max_ratio=32)
+                              max_ratio=32, reconstruction="contractive")
     compressor = Separate(cfg, CPU)
     compressor.adapt("u", 0.6)  # accurate: compress harder, trust the error more
     assert compressor.ratios["u"] == 32 and 0.95 < compressor.betas["u"] <= 0.99
@@ -103,7 +104,9 @@ def test_g_separate_adapts_ratio_and_beta_within_bounds():
     (dict(method="separate", ratio=12), "power-of-two"),
     (dict(method="separate", beta=1.5), "beta"),
     (dict(method="separate", block_size=8, ratio=16), "smaller than ratio"),
-    (dict(method="g-separate", min_ratio=32), "min_ratio"),
+    (dict(method="g-separate", min_ratio=32, reconstruction="contractive"), "min_ratio"),
+    (dict(method="g-separate"), "contractive"),
+    (dict(method="separate", beta=0.95), "diverges"),  # the paper's beta with its unbiased reconstruction
 ])
 def test_invalid_settings_are_named(kw, match):
     with pytest.raises(ZeroConfigError, match=match):
@@ -144,7 +147,7 @@ def test_reduce_scatter_of_projections_equals_one_process(world):
     that one process computes from every rank's gradient (odd shard sizes pad: 3 x 333), up to the
     order in which the ring adds the fp32 projections."""
     numel = 333 * world
-    cfg = separate(ratio=8, block_size=64, beta=0.9, reset_interval=0)
+    cfg = separate(ratio=8, block_size=64, beta=0.9, reset_interval=0, reconstruction="contractive")
     results = run_ranks(_reduce, world, args=(numel, cfg), ranks_per_node=2 if world == 4 else None)
     replicas = [Separate(cfg, CPU) for _ in range(world)]  # every rank's compressor, in one process
     for round_ in range(2):
@@ -217,8 +220,8 @@ def test_zero3_traffic_is_one_ratio_th_and_resume_is_bit_exact(tmp_path):
     fp32 reference."""
     ref_losses, _ = reference("gpt2-tiny", 8)
     plain = run_ranks(_train, 4, args=(GradientCompression(), 2, "bf16"), ranks_per_node=2)
-    results = run_ranks(_train, 4, args=(separate(ratio=8, block_size=256), 8, "bf16", tmp_path / "ckpt"),
-                        ranks_per_node=2)
+    ef = separate(ratio=8, block_size=256, reconstruction="contractive", beta=0.95)
+    results = run_ranks(_train, 4, args=(ef, 8, "bf16", tmp_path / "ckpt"), ranks_per_node=2)
     exact_bytes = plain[0][2]["gradient reduce"]["sent"]
     for losses, again, first_step, _, state, memory in results:
         ratio = first_step["gradient reduce"]["sent"] / exact_bytes
@@ -235,9 +238,9 @@ def test_g_separate_measures_the_cosine_and_adapts_per_unit():
     """adapt_interval 2: every second round each unit also reduces exactly; with ratio 1 the
     reconstruction is the exact mean (cosine 1), at 16 it is far from it, and the ratios move."""
     exact = GradientCompression(method="g-separate", ratio=1, min_ratio=1, max_ratio=1, adapt_interval=2,
-                                block_size=256)
+                                block_size=256, reconstruction="contractive", beta=0.95)
     lossy = GradientCompression(method="g-separate", ratio=16, min_ratio=4, max_ratio=64, adapt_interval=2,
-                                block_size=256, target_cosine=0.9)
+                                block_size=256, target_cosine=0.9, reconstruction="contractive", beta=0.95)
     for (*_, cosines, _, _), (*_, lossy_cosines, state, _) in zip(run_ranks(_train, 2, args=(exact, 4)),
                                                                  run_ranks(_train, 2, args=(lossy, 4))):
         assert cosines and all(c > 0.9999 for c in cosines.values())
@@ -289,7 +292,8 @@ def test_ddp_hook_ratio_one_is_exact_and_resume_is_bit_exact(tmp_path):
     ref_losses, _ = reference("gpt2-tiny", 4)
     for losses, _ in run_ranks(_ddp, 2, args=(separate(ratio=1), 4)):
         assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 1e-5
-    for losses, again in run_ranks(_ddp, 2, args=(separate(ratio=8, block_size=256), 6, tmp_path / "ckpt")):
+    ef = separate(ratio=8, block_size=256, reconstruction="contractive", beta=0.95)
+    for losses, again in run_ranks(_ddp, 2, args=(ef, 6, tmp_path / "ckpt")):
         assert again == losses[3:]
         assert max(abs(a - b) / b for a, b in zip(losses, reference("gpt2-tiny", 6)[0])) < 0.02
 
