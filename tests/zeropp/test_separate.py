@@ -178,6 +178,15 @@ def test_projections_through_qgz_two_hops():
         assert ledger["dtypes"] == ["float32", "uint8"]  # codes and their scales
 
 
+def _save(runtime, optimizer, directory, rank):
+    """Every rank saves its part into one fresh directory."""
+    if rank == 0:
+        directory.mkdir()
+    dist.barrier()
+    runtime.save(directory, optimizer)
+    dist.barrier()
+
+
 def _train(rank, world, compression, steps, wire="fp32", directory=None):
     cfg = ZeroConfig(stage=3, communication_data_type=wire, gradient_compression=compression)
     engine, optimizer = make_engine(make_model("gpt2-tiny"), cfg, ranks_per_node=2)
@@ -188,11 +197,7 @@ def _train(rank, world, compression, steps, wire="fp32", directory=None):
     losses += [train_step(engine, optimizer, sample, rank, world) for sample in data[1:steps // 2]]
     again = None
     if directory is not None:
-        if rank == 0:
-            directory.mkdir()
-        dist.barrier()
-        engine.save(directory, optimizer)
-        dist.barrier()
+        _save(engine, optimizer, directory, rank)
     losses += [train_step(engine, optimizer, sample, rank, world) for sample in data[steps // 2:]]
     cosines = dict(getattr(engine.reducer, "cosines", {}))
     state = {k: v.clone() for k, v in engine.reducer.state_dict().items()}
@@ -270,11 +275,7 @@ def _ddp(rank, world, compression, steps, directory=None):
     data = batches(steps)
     losses = [step(s) for s in data[:steps // 2]]
     if directory is not None:
-        if rank == 0:
-            directory.mkdir()
-        dist.barrier()
-        runtime.save(directory, optimizer)
-        dist.barrier()
+        _save(runtime, optimizer, directory, rank)
     losses += [step(s) for s in data[steps // 2:]]
     again = None
     if directory is not None:
