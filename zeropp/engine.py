@@ -43,8 +43,8 @@ from zeropp.comm import Comm
 from zeropp.config import DTYPES, ZeroConfig, ZeroConfigError
 from zeropp.quantized import PlainCodec, QuantizedCodec
 from zeropp.reducers import ExactReduceScatter, ProjectedReduce, QuantizedReduce
-from zeropp.separate import Separate
 from zeropp.runtime import InferenceWeights, Runtime, Timings
+from zeropp.separate import Separate
 from zeropp.topology import Mesh, build_mesh
 from zeropp.unit import Phase, Unit
 

@@ -101,25 +101,27 @@ class Separate:
         block = self._block(numel)
         m = max(1, block // ratio)
         blocks = -(-numel // block)
-        error = self.errors.get(key)
-        if error is None:
-            error = self.errors[key] = torch.zeros(chunks, numel, dtype=self.error_dtype, device=grad.device)
-        h = grad.float() + error
         reset = self.cfg.reset_interval and k % self.cfg.reset_interval == 0
         beta = self.betas.get(key, self.cfg.beta)
         feedback = not reset and beta > 0
+        error = self.errors.get(key)
+        if error is None and feedback:  # only error feedback keeps a buffer (a full unit per rank)
+            error = self.errors[key] = torch.zeros(chunks, numel, dtype=self.error_dtype, device=grad.device)
+        h = grad.float() if error is None else grad.float() + error
         projections = torch.empty(chunks, blocks * m, device=grad.device)
         for c in range(chunks):
-            x = torch.zeros(blocks * block, device=grad.device)
-            x[:numel] = h[c]
+            x = h[c]
+            if blocks * block != numel:  # the last block of the chunk is zero-padded
+                x = torch.zeros(blocks * block, device=grad.device)
+                x[:numel] = h[c]
             p, back = self._project(x.view(blocks, block), key, k, c, m, roundtrip=feedback)
             projections[c] = p.reshape(-1)
-            if back is not None and self.contractive:
-                back.mul_(m / block)
-            if feedback:  # e <- (1 - beta) e + beta (h - P^T P h), in fp32
+            if feedback:  # e <- (1 - beta) e + beta (h - C(h)), in fp32
+                if self.contractive:
+                    back.mul_(m / block)
                 new = error[c].float().mul_(1 - beta).add_(h[c] - back.reshape(-1)[:numel], alpha=beta)
                 error[c].copy_(new)
-        if reset:
+        if reset and error is not None:
             error.zero_()
         return Round(key, k, ratio, block, m, blocks, numel, projections)
 
@@ -176,13 +178,8 @@ class Separate:
         if self.cfg.projection == "hadamard":
             signs = self._signs(key, k, chunk, x.shape, x.device)
             subset = self._subset(key, k, block, m, x.device)
-            scale = math.sqrt(block / m)
-            p = self._transform(x * signs, block)[:, subset] * scale
-            if not roundtrip:
-                return p, None
-            z = torch.zeros_like(x)
-            z[:, subset] = p * scale
-            return p, self._transform(z, block) * signs
+            p = self._transform(x * signs, block)[:, subset] * math.sqrt(block / m)
+            return p, (self._hadamard_back(p, signs, subset, block) if roundtrip else None)
         p = torch.empty(blocks, m, device=x.device)
         back = torch.empty_like(x) if roundtrip else None
         for start, xi in self._gaussian_draws(key, k, chunk, blocks, block, m, x.device):
@@ -192,13 +189,18 @@ class Separate:
                 back[rows] = torch.bmm(p[rows].unsqueeze(1), xi).squeeze(1) / m
         return p, back
 
+    def _hadamard_back(self, p: torch.Tensor, signs: torch.Tensor, subset: torch.Tensor, block: int):
+        """sqrt(b/m) D H S^T p: the transpose of the Hadamard projection, (blocks, m) -> (blocks, b)."""
+        z = torch.zeros(p.shape[0], block, device=p.device)
+        z[:, subset] = p * math.sqrt(block / p.shape[1])
+        return self._transform(z, block) * signs
+
     def _reconstruct(self, p: torch.Tensor, key: str, k: int, chunk: int, block: int) -> torch.Tensor:
         """P^T p for one chunk: p (blocks, m) -> (blocks, b)."""
         blocks, m = p.shape
         if self.cfg.projection == "hadamard":
-            z = torch.zeros(blocks, block, device=p.device)
-            z[:, self._subset(key, k, block, m, p.device)] = p * math.sqrt(block / m)
-            return self._transform(z, block) * self._signs(key, k, chunk, z.shape, p.device)
+            return self._hadamard_back(p, self._signs(key, k, chunk, (blocks, block), p.device),
+                                       self._subset(key, k, block, m, p.device), block)
         out = torch.empty(blocks, block, device=p.device)
         for start, xi in self._gaussian_draws(key, k, chunk, blocks, block, m, p.device):
             rows = slice(start, start + xi.shape[0])
@@ -232,7 +234,8 @@ class Separate:
         out = {}
         for key, k in self.rounds.items():
             out[f"{key}.round"] = torch.tensor(k, dtype=torch.int64)
-            out[f"{key}.error"] = self.errors[key]
+            if key in self.errors:
+                out[f"{key}.error"] = self.errors[key]
             if key in self.ratios:
                 out[f"{key}.ratio"] = torch.tensor(self.ratios[key], dtype=torch.int64)
                 out[f"{key}.beta"] = torch.tensor(self.betas[key], dtype=torch.float64)
