@@ -237,10 +237,12 @@ def run_job(job: Job, steps: int, warmup: int, work: Path, cluster=None, timeout
     return row
 
 
-def measured_launch(cmd: list, metrics: Path, cluster, steps: int, warmup: int, timeout: float) -> dict:
+def measured_launch(cmd: list, metrics: Path, cluster, steps: int, warmup: int, timeout: float,
+                    segments: list[tuple[int, int]] | None = None) -> dict:
     """Launch a job that logs STEP_KEY per step into `metrics`: {"ok", "wall_s", "error" or "metrics" (the
-    logged steps) and, on the cluster, what each node's link carried per step after the warm-up: MB sent and
-    received (mean over nodes) and the wire time, the busier direction's bytes at the tbf rate}."""
+    logged steps), "runtime" and, on the cluster, what each node's link carried per step over `segments` (step
+    windows; default: after the warm-up to the end): MB sent and received (mean over nodes) and the wire
+    time, the busier direction's bytes at the tbf rate}."""
     start = time.monotonic()
     sampler = LinkSampler(cluster, metrics) if cluster else None
     if sampler:
@@ -250,15 +252,16 @@ def measured_launch(cmd: list, metrics: Path, cluster, steps: int, warmup: int, 
     finally:
         if sampler:
             sampler.stop()
-    out = {"wall_s": time.monotonic() - start}
+    runtime = re.search(r"runtime: (.*)", output)  # the Trainer's description of what it ran
+    out = {"wall_s": time.monotonic() - start, "runtime": runtime.group(1).strip() if runtime else None}
     logged = [m for m in read_metrics(metrics.parent) if STEP_KEY in m]
     if rc != 0 or len(logged) < steps:
         return {**out, "ok": False, "error": error_tail(output) if rc else f"{len(logged)} of {steps} steps logged"}
-    win, n = sampler and sampler.window(warmup, steps), steps - warmup
-    if win:
-        out.update(phys_tx_mb_node=statistics.mean(win["tx"]) / n / 1e6,
-                   phys_rx_mb_node=statistics.mean(win["rx"]) / n / 1e6,
-                   wire_ms=max(max(win["tx"]), max(win["rx"])) / n * 8 / cluster.rate_bits * 1e3)
+    wins = [(w, b - a) for a, b in (segments or [(warmup, steps)]) if sampler and b > a and (w := sampler.window(a, b))]
+    if n := sum(k for _, k in wins):
+        tx, rx = ([sum(w[d][i] for w, _ in wins) / n for i in range(len(cluster.nodes))] for d in ("tx", "rx"))
+        out.update(phys_tx_mb_node=statistics.mean(tx) / 1e6, phys_rx_mb_node=statistics.mean(rx) / 1e6,
+                   wire_ms=max(tx + rx) * 8 / cluster.rate_bits * 1e3)
     return {**out, "ok": True, "metrics": logged}
 
 

@@ -106,22 +106,15 @@ def run_one(key: str, plan: dict, part: str, work: Path, cluster=None) -> dict:
     label, zkeys = config(key, plan)
     out = work / f"{part}-{key}"
     cmd = [sys.executable, ROOT / "train.py", *train_args(plan), "--train.out_dir", out, *runner.zero_args(**zkeys)]
-    sampler = runner.LinkSampler(cluster, out / "metrics.jsonl") if cluster else None
-    if sampler:
-        sampler.start()
-    t0 = time.monotonic()
-    try:
-        rc, text = runner.launch(cmd, cluster, timeout=plan["timeout"])
-    finally:
-        if sampler:
-            sampler.stop()
-    row = {"key": key, "label": label, "part": part, "wall_s": time.monotonic() - t0,
-           "runtime": next(iter(re.findall(r"runtime: (.*)", text)), "?").strip()}
-    metrics = runner.read_metrics(out)
-    steps = [m for m in metrics if STEP in m]
-    val = [(m["step"], m["validation loss"]) for m in metrics if "validation loss" in m]
-    if rc or len(steps) < plan["steps"]:
-        return {**row, "ok": False, "error": f"exit {rc} after {len(steps)} steps: {runner.error_tail(text)}"}
+    evals = [*range(0, plan["steps"], plan["eval_interval"]), plan["steps"]]
+    # the link windows leave out the steps that hold an evaluation (the one before and after it)
+    segments = [(max(e + 1, plan["warmup"]), f - 1) for e, f in zip(evals, evals[1:])]
+    row = {"key": key, "label": label, "part": part, **runner.measured_launch(
+        cmd, out / "metrics.jsonl", cluster, plan["steps"], plan["warmup"], plan["timeout"], segments)}
+    if not row["ok"]:
+        return row
+    steps = row.pop("metrics")
+    val = [(m["step"], m["validation loss"]) for m in runner.read_metrics(out) if "validation loss" in m]
     clock = {0: 0.0, **dict(zip((m["step"] for m in steps), itertools.accumulate(m[STEP] / 1e3 for m in steps)))}
     timed = steps[plan["warmup"]:]
     row.update(ok=True, val_curve=val, val_time=[(clock[s], v) for s, v in val], final_val_loss=val[-1][1],
@@ -131,12 +124,6 @@ def run_one(key: str, plan: dict, part: str, work: Path, cluster=None) -> dict:
     row["rest ms"] = row["step_ms"] - sum(row.get(f"{k} ms", 0.0) for k in KINDS)
     if timed[-1].get("cross-node sent (MB)"):  # logged in MiB
         row["ledger_cross_mb_rank"] = statistics.median(m["cross-node sent (MB)"] for m in timed) * 2**20 / 1e6
-    evals = [s for s, _ in val]  # veth windows end one step before an evaluation, start one step after it
-    segments = [(max(e + 1, plan["warmup"]), f - 1) for e, f in zip(evals, evals[1:])]
-    wins = [(w, b - a) for a, b in segments if sampler and b > a and (w := sampler.window(a, b))]
-    if n := sum(k for _, k in wins):
-        tx, rx = ([sum(w[d][i] for w, _ in wins) / n for i in range(len(cluster.nodes))] for d in ("tx", "rx"))
-        row.update(phys_tx_mb_node=statistics.mean(tx) / 1e6, wire_ms=max(tx + rx) * 8 / cluster.rate_bits * 1e3)
     return row
 
 
