@@ -83,7 +83,7 @@ class _FutureWork:
         self._future.result()
 
 
-class _CallbackWork:
+class CallbackWork:
     """An async handle whose wait() finishes the work (waits, then post-processes)."""
 
     def __init__(self, finish):
@@ -162,7 +162,7 @@ class Comm:
             out.add_(result) if accumulate else out.copy_(result)
 
         if async_op:
-            return _CallbackWork(finish)
+            return CallbackWork(finish)
         finish()
         return None
 

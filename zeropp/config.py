@@ -50,7 +50,7 @@ class GradientCompression:
     # that never lengthens the gradient, which error feedback needs (docs/separate.md: with the
     # unbiased one the error's expected square grows by (1 - beta)^2 + (CR - 1) beta^2 per round).
     reconstruction: Literal["unbiased", "contractive"] = "unbiased"
-    # Dtype of the per-rank error buffer (one copy of the model per rank, not sharded).
+    # Dtype of the per-rank error buffer (with beta > 0: one copy of the model per rank, not sharded).
     error_dtype: Literal["fp32", "bf16"] = "fp32"
     # The common seed of the random directions (every rank draws the same ones).
     seed: int = 0

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from zeropp.comm import Comm, _CallbackWork
+from zeropp.comm import Comm, CallbackWork
 from zeropp.runtime import Timings
 from zeropp.separate import Separate
 
@@ -137,7 +137,7 @@ class ProjectedReduce(GradientReducer):
                 self.compressor.adapt(unit, cosine)
 
         if async_op:
-            return _CallbackWork(finish)
+            return CallbackWork(finish)
         finish()
         return None
 
