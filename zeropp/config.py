@@ -251,3 +251,53 @@ class ZeroConfig:
                 raise ZeroConfigError(
                     f"zero_optimization.{changed[0]} applies to the sharded runtime, but zero_optimization.stage "
                     f"is 0 (plain DDP); set stage: 3 or drop {', '.join(changed)}")
+
+
+@dataclass
+class TensorParallelConfig:
+    """The `tensor_parallel` section: Megatron-style tensor parallelism (zeropp.tp) inside each
+    data-parallel replica, and AccTFM's (seed 004) three optimizations of its all-reduces. The
+    data-parallel runtime (zero_optimization) then runs across the tensor-parallel groups.
+    docs/tensor_parallel.md."""
+
+    # Ranks per tensor-parallel group (consecutive ranks: inside a node). 1: no tensor parallelism.
+    size: int = 1
+    # AccTFM fine-grained pipelining: each attention / MLP sublayer splits its batch into this
+    # many partitions, so a partition's all-reduce overlaps the next one's compute (forward and
+    # backward). 1, 2 or 4 for every sublayer, or 0: chosen per sublayer by the paper's dynamic
+    # program from the measured link (alpha, beta) and the profiled compute of each partition.
+    partitions: int = 1
+    # AccTFM token-level top-k: the fraction of each sequence's tokens whose sublayer outputs are
+    # all-reduced, picked by the attention they receive; the others skip the sublayer's update
+    # (their partial sums are dropped on every rank alike). 1.0: every token (off).
+    topk_keep_ratio: float = 1.0
+    # AccTFM piecewise quantization of what is all-reduced: bits per value (sign + N bits in N
+    # clusters of doubling width; 4 is the paper's default). 0: off (the compute dtype travels).
+    quantize_bits: int = 0
+
+    @property
+    def compressed(self) -> bool:
+        return self.topk_keep_ratio < 1.0 or self.quantize_bits > 0
+
+    def describe(self) -> str:
+        if self.size == 1:
+            return "no tensor parallelism"
+        parts = [f"tensor parallel {self.size}"]
+        if self.partitions != 1:
+            parts.append("pipelined " + ("(planned per sublayer)" if self.partitions == 0 else f"x{self.partitions}"))
+        if self.topk_keep_ratio < 1.0:
+            parts.append(f"top-k tokens {self.topk_keep_ratio:g}")
+        if self.quantize_bits:
+            parts.append(f"piecewise int{self.quantize_bits}")
+        return " + ".join(parts)
+
+    def validate(self) -> None:
+        if not isinstance(self.size, int) or self.size < 1:
+            raise ZeroConfigError(f"tensor_parallel.size={self.size!r}: must be an int >= 1")
+        if self.partitions not in (0, 1, 2, 4):
+            raise ZeroConfigError(f"tensor_parallel.partitions={self.partitions!r}: use 1, 2, 4, or 0 (planned)")
+        if not 0.0 < self.topk_keep_ratio <= 1.0:
+            raise ZeroConfigError(f"tensor_parallel.topk_keep_ratio={self.topk_keep_ratio!r}: must be in (0, 1]")
+        if self.quantize_bits not in (0, 2, 3, 4, 5, 6, 7, 8):
+            raise ZeroConfigError(f"tensor_parallel.quantize_bits={self.quantize_bits!r}: use 0 (off) or 2..8 "
+                                  f"(sign + 1..7 bits)")

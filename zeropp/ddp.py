@@ -28,22 +28,25 @@ from zeropp.config import ZeroConfig
 from zeropp.engine import partition_units, unit_numels, zero3_cross_node_bytes
 from zeropp.runtime import Runtime, Timings
 from zeropp.separate import Separate
-from zeropp.topology import build_mesh
+from zeropp.topology import Mesh, build_mesh
 
 
 class DDPRuntime(Runtime):
     checkpoint_format = FULL
 
-    def __init__(self, model: nn.Module, config: ZeroConfig | None = None, device: torch.device | None = None):
+    def __init__(self, model: nn.Module, config: ZeroConfig | None = None, device: torch.device | None = None,
+                 mesh: Mesh | None = None):
+        """mesh: the groups to run over (a tensor-parallel runtime passes its TP x DP mesh; DDP then
+        spans its `dp` group); by default built from the config over the whole world."""
         self.module = model
         self.config = config or ZeroConfig()
         self.timings = Timings()
-        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.world_size = mesh.world_size if mesh else dist.get_world_size() if dist.is_initialized() else 1
         self.gradient_divide_factor = float(self.world_size)
         self.mesh = self.comm = self._ddp = self.compressor = self._powersgd = None
         self.ledger = CommLedger()
-        if self.world_size > 1:
-            self.mesh = build_mesh(ranks_per_node=self.config.ranks_per_node, thread_groups=False)
+        if mesh is not None or self.world_size > 1:
+            self.mesh = mesh or build_mesh(ranks_per_node=self.config.ranks_per_node, thread_groups=False)
             self.comm = Comm(self.mesh, self.ledger)
         if self.world_size > 1 and any(p.requires_grad for p in model.parameters()):  # a frozen model: no DDP
             device = device or torch.device("cpu")
@@ -55,7 +58,7 @@ class DDPRuntime(Runtime):
             one_bucket = (self.config.gradient_compression.method == "powersgd" and device.type != "cuda")
             bucket_mb = sum(p.numel() * p.element_size() for p in model.parameters()) // 2**20 + 1
             self._ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
-                                                find_unused_parameters=True,
+                                                process_group=self.mesh.group("dp"), find_unused_parameters=True,
                                                 bucket_cap_mb=bucket_mb if one_bucket else None)
             self._register_hook(device)
 
@@ -117,7 +120,7 @@ class DDPRuntime(Runtime):
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
     def save(self, directory, optimizer) -> None:
-        save_full(directory, self.module, optimizer, dist.get_rank() if dist.is_initialized() else 0)
+        save_full(directory, self.module, optimizer, self.mesh.rank if self.mesh else 0)
         if self.compressor is not None:  # each rank's error buffers and round counters
             state = {k: v.detach().cpu().contiguous() for k, v in self.compressor.state_dict().items()}
             save_file(state, str(self._compressor_file(directory)), metadata={"world_size": str(self.world_size)})
@@ -128,7 +131,7 @@ class DDPRuntime(Runtime):
             return
         path = self._compressor_file(directory)
         if not path.is_file():
-            warnings.warn(f"{directory}: no SEPARATE state for rank {dist.get_rank()} ({path.name}); the "
+            warnings.warn(f"{directory}: no SEPARATE state for rank {self.mesh.rank} ({path.name}); the "
                           f"error feedback starts from zero")
             return
         state = read_safetensors(path)  # a clear error for a truncated or corrupt file
@@ -143,9 +146,8 @@ class DDPRuntime(Runtime):
         except ValueError as e:
             raise CheckpointError(f"{path}: {e}") from None
 
-    @staticmethod
-    def _compressor_file(directory) -> Path:
-        return Path(directory) / f"compressor.rank{dist.get_rank():05d}.safetensors"
+    def _compressor_file(self, directory) -> Path:
+        return Path(directory) / f"compressor.rank{self.mesh.rank:05d}.safetensors"
 
     def describe(self) -> str:
         if self.mesh is None:

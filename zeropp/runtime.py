@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from models.transformer import lm_loss
 from zeropp.comm import CommLedger
 from zeropp.topology import Mesh
 
@@ -82,6 +83,11 @@ class Runtime:
     def __call__(self, *args, **kwargs):
         """The training forward (through the wrapper that hooks gradient synchronization)."""
         return self.module(*args, **kwargs)
+
+    def lm_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The mean next-token loss of what the module returned (models.transformer.lm_loss; under
+        tensor parallelism the logits are vocabulary slices and the runtime computes it its way)."""
+        return lm_loss(logits, labels)
 
     def no_sync(self):
         """Context for the micro-batches before the last one of a step: gradients may stay local."""

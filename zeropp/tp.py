@@ -1,0 +1,574 @@
+"""Tensor parallelism (Megatron-LM's layout), applied to a models.transformer.Transformer from
+outside, with AccTFM's (seed 004) pipelined and compressed all-reduces; docs/tensor_parallel.md.
+
+`parallelize(model, tp)` slices the model in place for one rank of a tensor-parallel group:
+  column-parallel  q/k/v projections (whole heads: key/value heads too, so GQA splits by kv
+                   head) and the MLP's up/gate projections: each rank holds some output rows;
+  row-parallel     the attention output and MLP down projections: each rank holds the matching
+                   input columns and computes a partial sum, which one all-reduce completes;
+  vocab-parallel   the token embedding (a rank looks up only its rows; an all-reduce fills the
+                   rest) and the LM head (each rank scores its slice of the vocabulary; the loss
+                   `vocab_parallel_cross_entropy` never builds the full logits).
+Norms, biases of the row-parallel layers, positions and OPT's projections stay replicated:
+their inputs and output gradients are identical on every rank of the group, so are their
+gradients, and they stay equal without any extra communication.
+
+Each attention and MLP sublayer runs Megatron's two operators: f (identity forward, all-reduce
+of the input gradient backward) at its input and g (all-reduce forward, identity backward) at
+its output. AccTFM changes how those all-reduces run:
+  partitions   the sublayer's batch is split into K partitions; partition i's all-reduce is
+               issued asynchronously and overlaps the compute of partitions i+1.. (forward),
+               and in the backward partition i's input-gradient all-reduce overlaps the
+               backward of the partitions still to go (autograd runs the later-created nodes
+               first; the waits are created before every partition's compute);
+  top-k        only the tokens receiving the most attention (scores summed over the group)
+               have their sublayer outputs all-reduced; the others skip the sublayer's update,
+               identically on every rank, and their input gradients drop the sublayer's part;
+  quantization the rows that travel are piecewise-quantized (zeropp.acctfm).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.transformer import MLP, Attention, Transformer, apply_rope
+from zeropp.checkpoint import FULL
+from zeropp.comm import CommLedger
+from zeropp.config import TensorParallelConfig, ZeroConfig
+from zeropp.runtime import Runtime
+from zeropp.topology import Mesh, TopologyError
+
+
+# ---------------------------------------------------------------------------- the group's all-reduces
+
+class _Reduced:
+    """An all-reduce in flight; wait() gives the full [..., d] result (pruned rows zero)."""
+
+    def __init__(self, work, rows: torch.Tensor, like: torch.Tensor, mask: torch.Tensor | None, finish=None):
+        self.work, self.rows, self.like, self.mask, self.finish = work, rows, like, mask, finish
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        rows = self.finish() if self.finish is not None else self.rows
+        if self.mask is None:
+            return rows.view(self.like.shape)
+        out = torch.zeros_like(self.like)
+        out[self.mask] = rows.to(out.dtype)
+        return out
+
+
+class TPComm:
+    """The tensor-parallel group of one rank and how its all-reduces run (exact or compressed);
+    every all-reduce is recorded in the ledger (sent bytes as a ring all-reduce moves them)."""
+
+    def __init__(self, mesh: Mesh, config: TensorParallelConfig, ledger: CommLedger | None = None):
+        self.mesh, self.config = mesh, config
+        self.group = mesh.group("tp")
+        self.size = mesh.tp_size
+        self.rank = mesh.members("tp").index(dist.get_rank())
+        self.ledger = ledger or CommLedger()
+        self.seconds_waiting = 0.0
+        # Cross-node: the group spans launcher nodes (TP across a link, as in AccTFM's setting).
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        self.crosses_nodes = len({g // local for g in mesh.members("tp")}) > 1
+
+    def _record(self, tag: str, dtype: torch.dtype, nbytes: int) -> None:
+        sent = 2 * (self.size - 1) * nbytes // self.size
+        cross = sent if self.crosses_nodes else 0
+        self.ledger.record(tag, dtype, sent, sent, cross, cross)
+
+    def all_reduce(self, x: torch.Tensor, tag: str, mask: torch.Tensor | None = None,
+                   compress: bool = False, async_op: bool = False) -> _Reduced:
+        """Sum `x` [..., d] over the group; with `mask` [...] only the selected rows travel (the
+        others come back zero); with `compress` they travel piecewise-quantized. The result is
+        bit-identical on every rank."""
+        flat = x.detach()
+        rows = flat[mask] if mask is not None else flat.reshape(-1, flat.shape[-1])
+        if compress and self.config.quantize_bits:
+            from zeropp import acctfm
+            handle = acctfm.all_reduce_compressed(rows, self.group, self.config.quantize_bits, async_op=True)
+            self._record(tag, torch.uint8, handle.bytes_sent * self.size // (2 * max(1, self.size - 1)))
+            reduced = _Reduced(None, rows, flat, mask, finish=handle.wait)
+        else:
+            rows = rows.contiguous().clone() if mask is None else rows.contiguous()
+            self._record(tag, rows.dtype, rows.numel() * rows.element_size())
+            work = dist.all_reduce(rows, group=self.group, async_op=True)
+            reduced = _Reduced(work, rows, flat, mask)
+        if not async_op:
+            return _Done(self._wait(reduced))
+        return reduced
+
+    def _wait(self, reduced: _Reduced) -> torch.Tensor:
+        start = time.perf_counter()
+        out = reduced.wait()
+        self.seconds_waiting += time.perf_counter() - start
+        return out
+
+    def wait(self, reduced: _Reduced) -> torch.Tensor:
+        return self._wait(reduced)
+
+
+class _Done:
+    """An all-reduce already waited for (the synchronous path), with the same wait()."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def wait(self):
+        return self.tensor
+
+
+# ---------------------------------------------------------------------------- Megatron's f and g
+
+class _Box:
+    """What a partition's backward input-gradient all-reduce hands from its issue to its wait."""
+
+    def __init__(self, mask=None):
+        self.mask, self.pending = mask, None
+
+
+class _AwaitInputGrad(torch.autograd.Function):
+    """f's second half: identity forward; backward returns the all-reduced input gradient that
+    _IssueInputGrad started (the gradient arriving here is the unreduced one, ignored)."""
+
+    @staticmethod
+    def forward(ctx, x, tp, box):
+        ctx.tp, ctx.box = tp, box
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, _):
+        grad = ctx.tp.wait(ctx.box.pending)
+        ctx.box.pending = None
+        return grad, None, None
+
+
+class _IssueInputGrad(torch.autograd.Function):
+    """f's first half: identity forward; backward issues the input gradient's all-reduce and
+    returns without waiting, so autograd goes on with the other partitions meanwhile."""
+
+    @staticmethod
+    def forward(ctx, x, tp, box, compress):
+        ctx.tp, ctx.box, ctx.compress = tp, box, compress
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.box.pending = ctx.tp.all_reduce(grad, "tp backward all-reduce", ctx.box.mask, ctx.compress, async_op=True)
+        return grad, None, None, None
+
+
+class _ForwardReduced(torch.autograd.Function):
+    """g: the partial sums' all-reduce (already issued) in forward; identity backward (zero for
+    the rows that did not travel: their output did not depend on this rank's partial sum)."""
+
+    @staticmethod
+    def forward(ctx, partial, tp, pending, mask):
+        ctx.mask = mask
+        return tp.wait(pending)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.mask is not None:
+            grad = grad * ctx.mask.unsqueeze(-1).to(grad.dtype)
+        return grad, None, None, None
+
+
+class _CopyToTP(torch.autograd.Function):
+    """f for the LM head's input: identity forward, all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.tp.all_reduce(grad, "tp backward all-reduce").wait(), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g for the embedding's output: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        return tp.all_reduce(x, "tp forward all-reduce").wait()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+# ---------------------------------------------------------------------------- the sliced layers
+
+def split_bounds(n: int, size: int, rank: int, unit: int = 1) -> tuple[int, int]:
+    """This rank's [start, end) of n items in whole `unit`s, as torch.tensor_split cuts them
+    (the first n/unit % size ranks get one unit more): uneven sizes pad nothing and need no assert."""
+    units = n // unit
+    base, extra = divmod(units, size)
+    start = rank * base + min(rank, extra)
+    return start * unit, (start + base + (rank < extra)) * unit
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output rows [start, end) of a Linear: y_local = x W_local^T + b_local."""
+
+    def __init__(self, linear: nn.Linear, start: int, end: int):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, end - start
+        self.weight = nn.Parameter(linear.weight.detach()[start:end].clone(), linear.weight.requires_grad)
+        self.bias = None if linear.bias is None else \
+            nn.Parameter(linear.bias.detach()[start:end].clone(), linear.bias.requires_grad)
+        self.keep_output = False  # top-k reads the attention's local q and k
+        self.last_output = None
+
+    def forward(self, x):
+        y = F.linear(x, self.weight, self.bias)
+        if self.keep_output:
+            self.last_output = y
+        return y
+
+
+class RowParallelLinear(nn.Module):
+    """Input columns [start, end) of a Linear: forward gives this rank's partial sum x_local W_local^T;
+    the bias (replicated) is added by the sublayer after the all-reduce."""
+
+    def __init__(self, linear: nn.Linear, start: int, end: int):
+        super().__init__()
+        self.in_features, self.out_features = end - start, linear.out_features
+        self.weight = nn.Parameter(linear.weight.detach()[:, start:end].clone(), linear.weight.requires_grad)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), linear.bias.requires_grad)
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, end) of the token embedding; tokens outside look up zeros, the all-reduce
+    over the group fills them in."""
+
+    def __init__(self, embedding: nn.Embedding, start: int, end: int, tp: TPComm):
+        super().__init__()
+        self.start, self.end, self.tp = start, end, tp
+        self.weight = nn.Parameter(embedding.weight.detach()[start:end].clone(), embedding.weight.requires_grad)
+
+    def forward(self, tokens):
+        local = tokens - self.start
+        outside = (local < 0) | (local >= self.end - self.start)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x = x.masked_fill(outside.unsqueeze(-1), 0.0)
+        return _ReduceFromTP.apply(x, self.tp)
+
+
+def _split_arg(a, k: int, batch: int):
+    """A sublayer argument cut into k batch partitions: tensors (and tuples of them, RoPE's
+    cos/sin) whose first dim is the batch; anything else is shared by all partitions."""
+    if isinstance(a, torch.Tensor) and a.dim() > 0 and a.shape[0] == batch:
+        return a.tensor_split(k)
+    if isinstance(a, tuple):
+        parts = [_split_arg(x, k, batch) for x in a]
+        return [tuple(p[i] for p in parts) for i in range(k)]
+    return [a] * k
+
+
+class TensorParallelSublayer:
+    """Mixed into an attention or MLP module's class by `parallelize`: its own forward computes
+    this rank's partial sum (its output projection is row-parallel); this forward wraps it in f
+    and g, partition by partition (AccTFM pipelining), with top-k rows and quantization."""
+
+    tp: TPComm
+    partitions: int
+    row_parallel: RowParallelLinear
+    mask_source: "TensorParallelSublayer"  # the attention whose token mask this sublayer uses
+    token_mask: torch.Tensor | None
+
+    def forward(self, x, *args):
+        cfg, tp = self.tp.config, self.tp
+        batch = x.shape[0]
+        caching = any(a is not None and not isinstance(a, (torch.Tensor, tuple)) for a in args)  # a KV cache
+        k = 1 if caching else max(1, min(self.partitions, batch))
+        xs = x.tensor_split(k) if k > 1 else (x,)
+        split_args = [_split_arg(a, k, batch) for a in args]
+        topk = cfg.topk_keep_ratio < 1.0 and not caching
+        compress = cfg.quantize_bits > 0
+        grad = torch.is_grad_enabled() and x.requires_grad
+        own_mask = self.mask_source is self
+        masks = None if not topk or own_mask else self.mask_source.token_mask.tensor_split(k)
+        boxes = [_Box(None if masks is None else masks[i]) for i in range(k)]
+        if grad:  # the waits first: autograd runs them after every partition's backward
+            xs = [_AwaitInputGrad.apply(c, tp, b) for c, b in zip(xs, boxes)]
+        partials, pending, chunk_masks = [], [], []
+        for i, c in enumerate(xs):
+            if grad:
+                c = _IssueInputGrad.apply(c, tp, boxes[i], compress)
+            y = super().forward(c, *(a[i] for a in split_args))
+            mask = boxes[i].mask
+            if topk and own_mask:
+                mask = boxes[i].mask = self._token_mask(split_args, i)
+            partials.append(y)
+            chunk_masks.append(mask)
+            pending.append(tp.all_reduce(y, "tp forward all-reduce", mask, compress, async_op=True))
+        outs = [_ForwardReduced.apply(y, tp, p, m) for y, p, m in zip(partials, pending, chunk_masks)]
+        if topk and own_mask:
+            self.token_mask = torch.cat(chunk_masks)
+        out = outs[0] if k == 1 else torch.cat(outs)
+        bias = self.row_parallel.bias
+        return out if bias is None else out + bias
+
+    def _token_mask(self, split_args, i: int) -> torch.Tensor:
+        """The tokens of partition i whose outputs travel: attention received, summed over the group."""
+        from zeropp import acctfm
+        b, t, _ = self.q_proj.last_output.shape
+        q = self.q_proj.last_output.detach().view(b, t, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.k_proj.last_output.detach().view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
+        rope = split_args[0][i] if split_args else None
+        if isinstance(rope, tuple):
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
+        self.q_proj.last_output = self.k_proj.last_output = None
+        scores = acctfm.token_scores(q, k, causal=True)
+        return acctfm.topk_token_mask(scores, self.tp.config.topk_keep_ratio, self.tp.group)
+
+
+def _make_parallel(module: nn.Module) -> None:
+    """Swap the module's class for one that also derives from TensorParallelSublayer (as FSDP2's
+    fully_shard does): parameter names, state dicts and hooks stay as they were."""
+    cls = type(module)
+    module.__class__ = type(f"TensorParallel{cls.__name__}", (TensorParallelSublayer, cls), {})
+
+
+def parallelize(model: Transformer, tp: TPComm) -> dict[str, tuple[int, int, int]]:
+    """Slice `model` in place for this rank of `tp`'s group; returns, per sliced parameter name,
+    (dim, start, end) of the full tensor this rank holds (what consolidation concatenates)."""
+    if not isinstance(model, Transformer):
+        raise TypeError(f"tensor parallelism slices a models.transformer.Transformer, not {type(model).__name__}")
+    cfg, p, r = model.config, tp.size, tp.rank
+    for name, count in (("n_head", cfg.n_head), ("n_kv_head", cfg.n_kv_head)):
+        if count % p:
+            raise TopologyError(f"tensor_parallel.size={p} must divide the model's {name}={count}: attention is "
+                                f"split by whole (key/value) heads")
+    for mod_name, module in model.named_modules():
+        if type(module).__name__.startswith("LoRA"):
+            raise TopologyError(f"tensor parallelism does not slice LoRA adapters ({mod_name}); use size 1 with LoRA")
+    plan: dict[str, tuple[int, int, int]] = {}
+
+    def column(owner, attr, prefix, start, end):
+        setattr(owner, attr, ColumnParallelLinear(getattr(owner, attr), start, end))
+        plan[f"{prefix}.{attr}.weight"] = (0, start, end)
+        if getattr(owner, attr).bias is not None:
+            plan[f"{prefix}.{attr}.bias"] = (0, start, end)
+
+    def row(owner, attr, prefix, start, end):
+        setattr(owner, attr, RowParallelLinear(getattr(owner, attr), start, end))
+        plan[f"{prefix}.{attr}.weight"] = (1, start, end)
+
+    hd = cfg.head_dim
+    for i, block in enumerate(model.blocks):
+        attn, mlp, prefix = block.attn, block.mlp, f"blocks.{i}"
+        if not isinstance(attn, Attention) or not isinstance(mlp, MLP):
+            raise TypeError(f"{prefix}: tensor parallelism expects models.transformer Attention and MLP")
+        q0, q1 = split_bounds(cfg.n_head * hd, p, r, hd)
+        kv0, kv1 = split_bounds(cfg.n_kv_head * hd, p, r, hd)
+        column(attn, "q_proj", f"{prefix}.attn", q0, q1)
+        column(attn, "k_proj", f"{prefix}.attn", kv0, kv1)
+        column(attn, "v_proj", f"{prefix}.attn", kv0, kv1)
+        row(attn, "o_proj", f"{prefix}.attn", q0, q1)
+        attn.n_head, attn.n_kv_head = cfg.n_head // p, cfg.n_kv_head // p
+        f0, f1 = split_bounds(cfg.d_ff, p, r)
+        if mlp.activation == "swiglu":
+            column(mlp, "gate_proj", f"{prefix}.mlp", f0, f1)
+        column(mlp, "up_proj", f"{prefix}.mlp", f0, f1)
+        row(mlp, "down_proj", f"{prefix}.mlp", f0, f1)
+        for sub, out in ((attn, attn.o_proj), (mlp, mlp.down_proj)):
+            _make_parallel(sub)
+            sub.tp, sub.partitions, sub.token_mask = tp, max(1, tp.config.partitions), None
+            # Plain references, not submodules: no second name for o_proj, no cycle through attn.
+            sub.__dict__["row_parallel"], sub.__dict__["mask_source"] = out, attn
+        attn.q_proj.keep_output = attn.k_proj.keep_output = tp.config.topk_keep_ratio < 1.0
+    v0, v1 = split_bounds(cfg.vocab_size, p, r)
+    model.embed.tokens = VocabParallelEmbedding(model.embed.tokens, v0, v1, tp)
+    plan["embed.tokens.weight"] = (0, v0, v1)
+    if cfg.num_labels == 0:  # an LM head: vocab-parallel; a score head stays whole
+        head = ColumnParallelLinear(model.head, v0, v1)
+        if cfg.tied_head:
+            head.weight = model.embed.tokens.weight
+        model.head = head
+        plan["head.weight"] = (0, v0, v1)
+        model.head.register_forward_pre_hook(lambda m, args: (_CopyToTP.apply(args[0], tp), *args[1:]))
+    model.vocab_start = v0
+    return plan
+
+
+# ---------------------------------------------------------------------------- the loss
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy from vocabulary-sliced logits: three all-reduces of one number per
+    token (max, sum of exponentials, target logit); the full logits are never built."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, start, tp, ignore_index):
+        logits = logits.float()
+        top = logits.max(-1).values
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=tp.group)
+        shifted = logits - top.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = exp.sum(-1)
+        local = labels - start
+        mine = (local >= 0) & (local < logits.shape[-1]) & (labels != ignore_index)
+        index = local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
+        target = shifted.gather(-1, index).squeeze(-1) * mine
+        packed = torch.stack([sum_exp, target])
+        dist.all_reduce(packed, group=tp.group)
+        sum_exp, target = packed
+        valid = labels != ignore_index
+        loss = (sum_exp.log() - target) * valid
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), index, mine, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, index, mine, valid = ctx.saved_tensors
+        g = softmax * (grad * valid).unsqueeze(-1)
+        g.scatter_add_(-1, index, -(grad * mine).unsqueeze(-1))
+        return g, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, start: int, tp: TPComm,
+                                 ignore_index: int = -100) -> torch.Tensor:
+    """Mean next-token cross-entropy over labels != ignore_index, from logits [..., V_local] holding
+    vocabulary entries [start, start + V_local): equal to models.transformer.lm_loss on the full logits."""
+    losses = _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), labels.flatten(), start, tp, ignore_index)
+    return losses.sum() / (labels != ignore_index).sum()
+
+
+# ---------------------------------------------------------------------------- the runtime
+
+class TensorParallelRuntime(Runtime):
+    """Tensor parallelism inside each group of `tensor_parallel.size` consecutive ranks, and a
+    data-parallel runtime (DDP, ZeRO-3 / ZeRO++) across the groups (each DP group holds the same
+    slice). The trainer drives it like any runtime; the loss must come from `lm_loss`, which
+    takes the vocabulary-sliced logits the model now returns."""
+
+    def __init__(self, model: Transformer, zero: ZeroConfig, tp_config: TensorParallelConfig, device: torch.device):
+        from zeropp.ddp import DDPRuntime
+        from zeropp.engine import Zero3Engine
+        from zeropp.topology import build_mesh
+        size = tp_config.size
+        rpn = zero.ranks_per_node
+        if rpn is not None and rpn % size:
+            raise TopologyError(f"tensor_parallel.size={size} must divide zero_optimization.ranks_per_node={rpn}: "
+                                f"a tensor-parallel group lives inside a node")
+        mesh = build_mesh(ranks_per_node=rpn // size if rpn else None, tp=size,
+                          secondary_size=zero.zero_hpz_partition_size if zero.zero_hpz_partition_size > 1 else None,
+                          thread_groups=None if zero.stage == 3 else False)
+        self.tp = TPComm(mesh, tp_config)
+        self.plan = parallelize(model, self.tp)
+        self.vocab_start = model.vocab_start
+        self.inner = Zero3Engine(model, zero, mesh=mesh, device=device) if zero.stage == 3 else \
+            DDPRuntime(model, zero, device, mesh=mesh)
+        self.module, self.mesh = model, mesh
+        self.ledger = self.tp.ledger = self.inner.ledger
+        self.timings = self.inner.timings
+        self.checkpoint_format = f"{self.inner.checkpoint_format}+tp{size}"
+
+    def __call__(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+    def lm_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, labels, self.vocab_start, self.tp)
+
+    def no_sync(self):
+        return self.inner.no_sync()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.inner.backward(loss)
+        self.timings["waiting for tp all-reduces"] += self.tp.seconds_waiting
+        self.tp.seconds_waiting = 0.0
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        self.inner.set_gradient_divide_factor(factor)
+
+    def attach_optimizer(self, optimizer):
+        return self.inner.attach_optimizer(optimizer)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The norm over the whole model: sliced parameters summed over the tensor-parallel group,
+        replicated ones counted once (tp rank 0's), and over the DP shards under ZeRO."""
+        device = next(self.module.parameters()).device
+        parts = torch.zeros(2, dtype=torch.float64, device=device)
+        grads = []
+        for name, p in self.module.named_parameters():
+            if p.grad is None:
+                continue
+            grads.append(p.grad)
+            sq = p.grad.double().pow(2).sum()
+            if name in self.plan:
+                parts[0] += sq
+            elif self.tp.rank == 0:
+                parts[1] += sq
+        # DDP holds the same full gradient on every DP rank; ZeRO-3 holds shards of it.
+        group = self.tp.group if self.inner.checkpoint_format == FULL else None
+        dist.all_reduce(parts, group=group)
+        norm = parts.sum().sqrt().float()
+        if max_norm < float("inf"):
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coef)
+        return norm
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the unsliced model (the group's slices concatenated), on every rank."""
+        return {name: _gather_slices(t, self.plan[name][0], self.tp) if name in self.plan else t
+                for name, t in self.inner.full_state_dict().items()}
+
+    def _subdir(self, directory) -> Path:
+        path = Path(directory) / f"tp{self.tp.rank:02d}"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def save(self, directory, optimizer) -> None:
+        self.inner.save(self._subdir(directory), optimizer)
+
+    def load(self, directory, optimizer) -> None:
+        path = Path(directory) / f"tp{self.tp.rank:02d}"
+        if not path.is_dir():
+            raise FileNotFoundError(f"{directory}: no tensor-parallel slice {path.name}; the checkpoint was not written "
+                                    f"with tensor_parallel.size={self.tp.size}")
+        self.inner.load(path, optimizer)
+
+    @contextmanager
+    def inference_weights(self, max_bytes=None):
+        raise NotImplementedError("generation under tensor parallelism is not supported (the logits are "
+                                  "vocabulary slices); run it with tensor_parallel.size 1")
+        yield
+
+    def describe(self) -> str:
+        return f"{self.tp.config.describe()} x {self.inner.describe()}"
+
+    def zero3_cross_node_bytes(self) -> dict[str, int]:
+        return self.inner.zero3_cross_node_bytes()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _gather_slices(tensor: torch.Tensor, dim: int, tp: TPComm) -> torch.Tensor:
+    """Concatenate every rank's slice along `dim` (slices may differ by one unit in length)."""
+    size = torch.tensor([tensor.shape[dim]], dtype=torch.int64)
+    sizes = [torch.zeros_like(size) for _ in range(tp.size)]
+    dist.all_gather(sizes, size, group=tp.group)
+    longest = int(max(s.item() for s in sizes))
+    pad = [0, 0] * (tensor.dim() - 1 - dim) + [0, longest - tensor.shape[dim]]
+    padded = F.pad(tensor.float(), pad).contiguous()
+    pieces = [torch.empty_like(padded) for _ in range(tp.size)]
+    dist.all_gather(pieces, padded, group=tp.group)
+    return torch.cat([piece.narrow(dim, 0, int(s.item())) for piece, s in zip(pieces, sizes)], dim=dim)
