@@ -36,7 +36,7 @@ from data.tokenizer import SentencePieceTokenizer, Tokenizer, load_tokenizer
 from kernels import BITS, dequantize, num_blocks, packed_bytes, quantize, unpack_codes
 from models.config import ModelConfig
 from models.hf import replace_output, to_hf_state_dict
-from models.transformer import Transformer
+from models.transformer import Transformer, rope_inv_freq
 from zeropp.quantized import WEIGHT_SCALE_DTYPE
 
 LOWBIT_FORMAT, LOWBIT_VERSION = "zeropp-lowbit", 1
@@ -320,68 +320,135 @@ def _add_gguf_tokenizer(writer: gguf.GGUFWriter, tokenizer_path, vocab_size: int
     writer.add_add_eos_token(False)
 
 
+# Our arch -> llama.cpp's. Mistral is llama.cpp's llama (as convert_hf_to_gguf.py writes it); OPT has none.
+GGUF_ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "mistral": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
+              "qwen3": gguf.MODEL_ARCH.QWEN3, "gpt2": gguf.MODEL_ARCH.GPT2}
+# The biases each llama.cpp architecture has tensors for: (qkv, o, mlp).
+_GGUF_BIASES = {"llama": (False, False, False), "mistral": (False, False, False), "qwen2": (True, False, False),
+                "qwen3": (False, False, False), "gpt2": (True, True, True)}
+
+
+def _check_gguf_config(config: ModelConfig) -> None:
+    if config.arch not in GGUF_ARCHS:
+        raise ValueError(f"GGUF export supports arch {tuple(GGUF_ARCHS)}; this model is arch={config.arch!r}"
+                         + (" (OPT has no llama.cpp architecture)" if config.arch == "opt" else ""))
+    biases = tuple(config.has_bias(part) for part in ("qkv", "o", "mlp"))
+    if biases != _GGUF_BIASES[config.arch]:
+        raise ValueError(f"GGUF export: this {config.arch} model has linear biases (qkv, o, mlp) = {biases}; "
+                         f"llama.cpp's {GGUF_ARCHS[config.arch].name.lower()} architecture has "
+                         f"{_GGUF_BIASES[config.arch]}")
+    if config.rope_scaling is not None and config.rope_scaling["rope_type"] not in ("llama3", "linear"):
+        raise ValueError(f"GGUF export: rope_scaling={config.rope_scaling!r} is not written to GGUF yet; plain RoPE "
+                         f"(any rope_theta) and the 'llama3' and 'linear' scalings are")
+    if config.num_labels:
+        raise ValueError(f"GGUF export: a score model (num_labels={config.num_labels}) has no llama.cpp head")
+
+
+def _gguf_tensors(state: dict[str, torch.Tensor], config: ModelConfig):
+    """(HF name, row parts) per tensor, every part in nn.Linear layout and one of our parameters.
+
+    GPT-2's Conv1D weights are transposed back, and its fused c_attn is split into q/k/v again:
+    llama.cpp's attn_qkv is their rows stacked, each part quantized as the parameter it is.
+    """
+    for name, t in to_hf_state_dict(state, config).items():
+        if config.arch == "gpt2":
+            if t.dim() == 2 and name.startswith("transformer.h."):
+                t = t.t()
+            if ".attn.c_attn." in name:
+                yield name, list(t.split(config.d_model))
+                continue
+        yield name, [t]
+
+
+def _add_gguf_hparams(writer: gguf.GGUFWriter, config: ModelConfig) -> None:
+    # llama.cpp's llama has no sliding window (Mistral): declare the span where its full attention equals ours.
+    writer.add_context_length(min(config.max_seq_len, config.sliding_window or config.max_seq_len))
+    writer.add_embedding_length(config.d_model)
+    writer.add_block_count(config.n_layer)
+    writer.add_feed_forward_length(config.d_ff)
+    writer.add_head_count(config.n_head)
+    if config.arch == "gpt2":
+        writer.add_layer_norm_eps(config.norm_eps)
+    else:
+        writer.add_head_count_kv(config.n_kv_head)
+        writer.add_rope_dimension_count(config.head_dim)
+        writer.add_rope_freq_base(config.rope_theta)
+        writer.add_layer_norm_rms_eps(config.norm_eps)
+        if config.explicit_head_dim is not None:
+            writer.add_key_length(config.head_dim)
+            writer.add_value_length(config.head_dim)
+        if config.rope_scaling and config.rope_scaling["rope_type"] == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(config.rope_scaling["factor"])
+    writer.add_vocab_size(config.vocab_size)
+
+
+def _rope_freqs(config: ModelConfig) -> np.ndarray | None:
+    """Llama 3.1's RoPE scaling as llama.cpp takes it (convert_hf_to_gguf.py's rope_freqs tensor): per frequency,
+    the factor it divides the plain RoPE frequency by, i.e. plain / scaled."""
+    if not config.rope_scaling or config.rope_scaling["rope_type"] != "llama3":
+        return None
+    plain, _ = rope_inv_freq(config.head_dim, config.rope_theta)
+    scaled, _ = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    return (plain / scaled).numpy()
+
+
 def export_gguf(weights, config: ModelConfig, out_path, qtype: str, tokenizer_dir, block_size: int = 256, *,
                 vectors_on_grid: bool = False) -> Path:
-    """Write a llama.cpp GGUF file (LLaMA architecture) whose matrices are Q8_0 / Q4_0 blocks of our codes.
+    """Write a llama.cpp GGUF file (llama, qwen2, qwen3 or gpt2 architecture) whose matrices are Q8_0 / Q4_0
+    blocks of our codes.
 
-    Norm gains are F32 (on the grid with `vectors_on_grid`). q/k rows are permuted as
-    convert_hf_to_gguf.py does; a tied LM head is left out (llama.cpp then uses token_embd).
+    Norm gains and biases are F32 (on the grid with `vectors_on_grid`), and so is GPT-2's position table
+    (its values on the grid, as convert_hf_to_gguf.py keeps it F32). LLaMA / Mistral q/k rows are
+    permuted as convert_hf_to_gguf.py does; a tied LM head is left out (llama.cpp then uses token_embd).
     """
     out_path = Path(out_path)
     if qtype not in GGUF_QTYPES:
         raise ValueError(f"qtype={qtype!r}: expected one of {list(GGUF_QTYPES)}")
     bits = GGUF_QTYPES[qtype]
-    if config.arch != "llama":
-        raise ValueError(f"GGUF export supports the LLaMA architecture only; this model is arch={config.arch!r}"
-                         + (" (OPT has no llama.cpp architecture)" if config.arch == "opt" else ""))
-    if config.bias:
-        raise ValueError("GGUF export: this LLaMA model has linear biases (attention_bias), which llama.cpp's "
-                         "llama architecture and transformers' GGUF loader do not take")
+    _check_gguf_config(config)
     _check_bits(bits, block_size)
     if block_size % GGUF_BLOCK:
         raise ValueError(f"block_size={block_size}: GGUF needs a multiple of {GGUF_BLOCK} so that each {qtype} block "
                          f"has one of our scales (train with zero_quantization_block_size a multiple of 32)")
-    state = _fp32_weights(weights, config)
-    hf_state = to_hf_state_dict(state, config)  # HF names, which gguf-py maps to GGUF names
-    for name, t in hf_state.items():
-        if is_quantized(t) and t.shape[1] % GGUF_BLOCK:
-            raise ValueError(f"GGUF export: tensor {name!r} has rows of {t.shape[1]} elements, not a multiple of "
-                             f"{GGUF_BLOCK} ({qtype} blocks run along a row)")
+    tensors = list(_gguf_tensors(_fp32_weights(weights, config), config))  # HF names, which gguf-py maps to GGUF's
+    for name, parts in tensors:
+        if is_quantized(parts[0]) and parts[0].shape[1] % GGUF_BLOCK:
+            raise ValueError(f"GGUF export: tensor {name!r} has rows of {parts[0].shape[1]} elements, not a multiple "
+                             f"of {GGUF_BLOCK} ({qtype} blocks run along a row)")
     if out_path.is_dir():
         raise IsADirectoryError(f"{out_path} is a directory; expected the path of the .gguf file to write")
 
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.n_layer)
+    arch = GGUF_ARCHS[config.arch]
+    names = gguf.get_tensor_name_map(arch, config.n_layer)
+    # llama.cpp's llama wants each q/k head's rotary halves interleaved; qwen2/qwen3 take HF's layout.
+    heads = {"self_attn.q_proj": config.n_head, "self_attn.k_proj": config.n_kv_head} if arch == gguf.MODEL_ARCH.LLAMA \
+        else {}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.parent / f".{out_path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+    writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[arch])
     try:
         writer.add_name(out_path.stem)
-        writer.add_context_length(config.max_seq_len)
-        writer.add_embedding_length(config.d_model)
-        writer.add_block_count(config.n_layer)
-        writer.add_feed_forward_length(config.d_ff)
-        writer.add_head_count(config.n_head)
-        writer.add_head_count_kv(config.n_kv_head)
-        writer.add_rope_dimension_count(config.head_dim)
-        writer.add_rope_freq_base(config.rope_theta)
-        writer.add_layer_norm_rms_eps(config.norm_eps)
-        writer.add_vocab_size(config.vocab_size)
+        _add_gguf_hparams(writer, config)
         writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if bits == 8 else gguf.LlamaFileType.MOSTLY_Q4_0)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         writer.add_uint32("zeropp.quantization_block_size", block_size)  # provenance; llama.cpp ignores it
         _add_gguf_tokenizer(writer, tokenizer_dir, config.vocab_size)
-        heads = {"self_attn.q_proj": config.n_head, "self_attn.k_proj": config.n_kv_head}
-        for hf_name, t in hf_state.items():
-            name = names.get_name(hf_name, try_suffixes=(".weight",))
+        rope_freqs = _rope_freqs(config)
+        if rope_freqs is not None:
+            writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", rope_freqs)
+        for hf_name, parts in tensors:
+            name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
             if name is None:
-                raise ValueError(f"GGUF export: gguf-py has no llama tensor name for {hf_name!r}")
-            if is_quantized(t):
+                raise ValueError(f"GGUF export: gguf-py has no {arch.name.lower()} tensor name for {hf_name!r}")
+            if is_quantized(parts[0]) and not name.startswith("position_embd."):
                 n_head = next((h for key, h in heads.items() if f".{key}." in hf_name), None)
-                order = _llama_row_order(t.shape[0], n_head) if n_head else None
-                writer.add_tensor(name, _gguf_blocks(t, bits, block_size, order),
-                                  raw_dtype=gguf.GGMLQuantizationType[qtype])
+                blocks = [_gguf_blocks(p, bits, block_size, _llama_row_order(p.shape[0], n_head) if n_head else None)
+                          for p in parts]
+                writer.add_tensor(name, np.concatenate(blocks), raw_dtype=gguf.GGMLQuantizationType[qtype])
             else:
-                values = on_grid(t, bits, block_size) if vectors_on_grid else t
+                grid = is_quantized(parts[0]) or vectors_on_grid
+                values = torch.cat([on_grid(p, bits, block_size) if grid else p for p in parts])
                 writer.add_tensor(name, values.contiguous().numpy())
         writer.write_header_to_file()
         writer.write_kv_data_to_file()

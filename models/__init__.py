@@ -1,4 +1,4 @@
-"""GPT-2 / OPT / LLaMA decoder models, Hugging Face checkpoint I/O and generation."""
+"""GPT-2 / OPT / LLaMA / Qwen2 / Qwen3 / Mistral decoder models, Hugging Face checkpoint I/O and generation."""
 
 from models.config import PRESETS, ModelConfig, flops_per_token, num_params
 from models.generate import generate

@@ -1,17 +1,25 @@
-"""Model configuration: one dataclass describes GPT-2, OPT and LLaMA.
+"""Model configuration: one dataclass describes GPT-2, OPT, LLaMA (1-3), Qwen2/2.5, Qwen3 and Mistral.
 
-The three families differ only in a handful of switches (norm type, activation,
-position scheme, biases, tying), so a single decoder implementation driven by
-`ModelConfig` covers all of them.
+The families differ only in a handful of switches (norm type, activation, position scheme,
+RoPE scaling, biases, per-head q/k norms, sliding window, tying), so a single decoder
+implementation driven by `ModelConfig` covers all of them.
 """
 
 import dataclasses
 from dataclasses import dataclass
 
-ARCHS = ("gpt2", "opt", "llama")
+ARCHS = ("gpt2", "opt", "llama", "qwen2", "qwen3", "mistral")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu_tanh", "relu", "swiglu")
 POSITIONS = ("learned", "rope")
+# RoPE scalings (transformers' rope_type) -> (required parameters, optional parameters). "dynamic" NTK is
+# left out: it changes the frequencies with the length of the running sequence.
+ROPE_SCALINGS = {
+    "linear": (("factor",), ()),
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
+    "yarn": (("factor", "original_max_position_embeddings"),
+             ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")),
+}
 
 
 @dataclass(kw_only=True)
@@ -21,6 +29,9 @@ class ModelConfig:
     n_layer: int
     n_head: int
     n_kv_head: int | None = None  # None -> n_head; fewer means grouped-query attention
+    # Per-head width when it is not d_model / n_head (Qwen3, Gemma, Mistral-Nemo); None (kept None when equal)
+    # -> d_model // n_head. Read it as `head_dim`.
+    explicit_head_dim: int | None = None
     d_model: int
     d_ff: int
     max_seq_len: int
@@ -30,8 +41,18 @@ class ModelConfig:
     positions: str  # "learned" | "rope"
     position_offset: int = 0  # OPT reserves 2 rows at the start of its position table
     rope_theta: float = 10000.0
+    # None: plain RoPE. Else {"rope_type": one of ROPE_SCALINGS, and its parameters}, as transformers' rope_parameters.
+    rope_scaling: dict | None = None
     tie_embeddings: bool
-    bias: bool  # biases on all linear layers (GPT-2/OPT yes, LLaMA no)
+    bias: bool  # biases on the linear layers (GPT-2/OPT yes, LLaMA no), except where one of the three below differs
+    # None follows `bias`. Kept canonical (`bias` is what most of the three have, only the odd one is set), so that
+    # equal models compare equal, configs saved before these fields existed included. Read them with has_bias().
+    qkv_bias: bool | None = None  # q/k/v projections (Qwen2: True while o_proj and the MLP have none)
+    o_bias: bool | None = None  # attention output projection
+    mlp_bias: bool | None = None  # MLP projections
+    qk_norm: bool = False  # RMSNorm over head_dim on each query and key head before RoPE (Qwen3)
+    # Each query attends to the last `sliding_window` positions only (itself included); None: the whole prefix.
+    sliding_window: int | None = None
     word_embed_proj_dim: int | None = None  # OPT: token embedding width when != d_model
     pre_norm: bool = True  # False: post-LN blocks (OPT-350m)
     # 0: LM head over the vocabulary. n > 0: a scoring head (reward / value model) of n outputs
@@ -44,6 +65,9 @@ class ModelConfig:
             self.n_kv_head = self.n_head
         if self.word_embed_proj_dim == self.d_model:
             self.word_embed_proj_dim = None
+        if self.explicit_head_dim is not None and self.n_head and self.explicit_head_dim * self.n_head == self.d_model:
+            self.explicit_head_dim = None
+        self._canonical_biases()
         for name, allowed in (("arch", ARCHS), ("norm", NORMS), ("activation", ACTIVATIONS),
                               ("positions", POSITIONS)):
             value = getattr(self, name)
@@ -53,24 +77,64 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelConfig.{name}={value!r} must be a positive int")
-        for name in ("tie_embeddings", "bias", "pre_norm"):
+        for name in ("tie_embeddings", "bias", "pre_norm", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} must be a bool")
-        if self.d_model % self.n_head:
-            raise ValueError(f"ModelConfig.d_model={self.d_model} must be divisible by n_head={self.n_head}")
+        for name in ("qkv_bias", "o_bias", "mlp_bias"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} must be a bool or None (follow `bias`)")
+        for name in ("explicit_head_dim", "sliding_window"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"ModelConfig.{name}={value!r} must be a positive int or None")
+        if self.explicit_head_dim is None and self.d_model % self.n_head:
+            raise ValueError(f"ModelConfig.d_model={self.d_model} must be divisible by n_head={self.n_head} "
+                             f"(or set explicit_head_dim)")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"ModelConfig.n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head}")
         if self.positions == "rope" and self.head_dim % 2:
-            raise ValueError(f"RoPE needs an even head_dim, got d_model/n_head={self.head_dim}")
+            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.rope_scaling is not None:
+            self._check_rope_scaling()
         if self.position_offset < 0:
             raise ValueError(f"ModelConfig.position_offset={self.position_offset} must be >= 0")
         if not isinstance(self.num_labels, int) or isinstance(self.num_labels, bool) or self.num_labels < 0:
             raise ValueError(f"ModelConfig.num_labels={self.num_labels!r} must be an int >= 0 (0: LM head over the "
                              f"vocabulary, n > 0: a scoring head with n outputs)")
 
+    def _canonical_biases(self):
+        """One spelling per model: `bias` is what most of qkv / o / mlp have, the overrides name the rest."""
+        parts = ("qkv_bias", "o_bias", "mlp_bias")
+        values = [self.bias if getattr(self, p) is None else getattr(self, p) for p in parts]
+        if not all(isinstance(v, bool) for v in values):
+            return  # rejected below, with the field named
+        self.bias = sum(values) >= 2
+        for part, value in zip(parts, values):
+            setattr(self, part, None if value == self.bias else value)
+
+    def _check_rope_scaling(self):
+        scaling = self.rope_scaling
+        kind = scaling.get("rope_type") if isinstance(scaling, dict) else None
+        if self.positions != "rope" or kind not in ROPE_SCALINGS:
+            raise ValueError(f"ModelConfig.rope_scaling={scaling!r} is not supported; expected None or a dict with "
+                             f"rope_type one of {tuple(ROPE_SCALINGS)} (with positions='rope')")
+        required, optional = ROPE_SCALINGS[kind]
+        missing = [k for k in required if k not in scaling]
+        unknown = [k for k in scaling if k not in ("rope_type", *required, *optional)]
+        if missing or unknown:
+            raise ValueError(f"ModelConfig.rope_scaling={scaling!r}: rope_type {kind!r} needs {list(required)} and "
+                             f"accepts {list(optional)}; missing {missing}, unknown {unknown}")
+        if not scaling["factor"] > 0:
+            raise ValueError(f"ModelConfig.rope_scaling factor={scaling['factor']!r} must be > 0")
+
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_head
+        return self.explicit_head_dim or self.d_model // self.n_head
+
+    def has_bias(self, part: str) -> bool:
+        """Whether the `part` ("qkv", "o" or "mlp") linear layers have biases."""
+        value = getattr(self, f"{part}_bias")
+        return self.bias if value is None else value
 
     @property
     def embed_dim(self) -> int:
@@ -116,10 +180,10 @@ def num_params(config: ModelConfig, include_embeddings: bool = True) -> int:
     norm = 2 * d if config.norm == "layernorm" else d
 
     attn = d * q_dim + 2 * d * kv_dim + q_dim * d
+    attn += (q_dim + 2 * kv_dim) * config.has_bias("qkv") + d * config.has_bias("o")
+    attn += 2 * config.head_dim * config.qk_norm
     mlp = (3 if config.activation == "swiglu" else 2) * d * ff
-    if config.bias:
-        attn += q_dim + 2 * kv_dim + d
-        mlp += (2 if config.activation == "swiglu" else 1) * ff + d
+    mlp += ((2 if config.activation == "swiglu" else 1) * ff + d) * config.has_bias("mlp")
     total = config.n_layer * (attn + mlp + 2 * norm)
 
     total += norm if config.pre_norm else 0  # final norm
@@ -166,6 +230,34 @@ def _llama(n_layer, n_head, d_model, d_ff, **kw) -> ModelConfig:
     return ModelConfig(**{**base, **kw})
 
 
+def _llama3_rope(factor: float) -> dict:
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+
+
+def _llama3(n_layer, n_head, d_model, d_ff, **kw) -> ModelConfig:
+    base = dict(vocab_size=128256, n_kv_head=8, max_seq_len=131072, norm_eps=1e-5, rope_theta=500000.0,
+                rope_scaling=_llama3_rope(8.0))
+    return _llama(n_layer, n_head, d_model, d_ff, **{**base, **kw})
+
+
+def _qwen2(n_layer, n_head, n_kv_head, d_model, d_ff, **kw) -> ModelConfig:
+    base = dict(arch="qwen2", vocab_size=151936, n_kv_head=n_kv_head, max_seq_len=32768, rope_theta=1000000.0,
+                tie_embeddings=True, qkv_bias=True)
+    return _llama(n_layer, n_head, d_model, d_ff, **{**base, **kw})
+
+
+def _qwen3(n_layer, n_head, n_kv_head, d_model, d_ff, **kw) -> ModelConfig:
+    base = dict(arch="qwen3", vocab_size=151936, n_kv_head=n_kv_head, explicit_head_dim=128, max_seq_len=40960,
+                rope_theta=1000000.0, qk_norm=True, tie_embeddings=True)
+    return _llama(n_layer, n_head, d_model, d_ff, **{**base, **kw})
+
+
+def _mistral(n_layer, n_head, d_model, d_ff, **kw) -> ModelConfig:
+    base = dict(arch="mistral", n_kv_head=8, max_seq_len=32768, norm_eps=1e-5, sliding_window=4096)
+    return _llama(n_layer, n_head, d_model, d_ff, **{**base, **kw})
+
+
 PRESETS: dict[str, ModelConfig] = {
     "gpt2": _gpt2(12, 12, 768),
     "gpt2-medium": _gpt2(24, 16, 1024),
@@ -178,9 +270,30 @@ PRESETS: dict[str, ModelConfig] = {
     "llama-7b": _llama(32, 32, 4096, 11008),
     "llama-13b": _llama(40, 40, 5120, 13824),
     "llama2-7b": _llama(32, 32, 4096, 11008, max_seq_len=4096, norm_eps=1e-5),
-    # Small models for tests and CPU quick starts; vocabularies match the real tokenizers.
+    "llama3-8b": _llama3(32, 32, 4096, 14336, max_seq_len=8192, rope_scaling=None),
+    "llama3.1-8b": _llama3(32, 32, 4096, 14336),
+    "llama3.1-70b": _llama3(80, 64, 8192, 28672),
+    "llama3.2-1b": _llama3(16, 32, 2048, 8192, tie_embeddings=True, rope_scaling=_llama3_rope(32.0)),
+    "llama3.2-3b": _llama3(28, 24, 3072, 8192, tie_embeddings=True, rope_scaling=_llama3_rope(32.0)),
+    "qwen2.5-0.5b": _qwen2(24, 14, 2, 896, 4864),
+    "qwen2.5-1.5b": _qwen2(28, 12, 2, 1536, 8960, max_seq_len=131072),
+    "qwen2.5-7b": _qwen2(28, 28, 4, 3584, 18944, vocab_size=152064, max_seq_len=131072, tie_embeddings=False),
+    "qwen3-0.6b": _qwen3(28, 16, 8, 1024, 3072),
+    "qwen3-1.7b": _qwen3(28, 16, 8, 2048, 6144),
+    "qwen3-8b": _qwen3(36, 32, 8, 4096, 12288, tie_embeddings=False),
+    "mistral-7b": _mistral(32, 32, 4096, 14336),  # v0.1: 4096-token sliding window
+    "mistral-7b-v0.3": _mistral(32, 32, 4096, 14336, vocab_size=32768, rope_theta=1000000.0, sliding_window=None),
+    "mistral-nemo-12b": _mistral(40, 32, 5120, 14336, vocab_size=131072, explicit_head_dim=128, max_seq_len=1024000,
+                                 rope_theta=1000000.0, sliding_window=None),
+    # Small models for tests and CPU quick starts; vocabularies match the real tokenizers. The newer families'
+    # rows are multiples of 32 long, so that they export to GGUF.
     "gpt2-tiny": _gpt2(2, 4, 64, max_seq_len=128),
     "opt-tiny": _opt(2, 4, 64, max_seq_len=128),
     "llama-tiny": _llama(2, 4, 64, 176, n_kv_head=2, max_seq_len=128),
+    "llama3-tiny": _llama3(2, 4, 64, 128, n_kv_head=2, max_seq_len=128, explicit_head_dim=32,
+                           rope_scaling={**_llama3_rope(8.0), "original_max_position_embeddings": 32}),
+    "qwen2-tiny": _qwen2(2, 4, 2, 64, 128, max_seq_len=128),
+    "qwen3-tiny": _qwen3(2, 4, 2, 64, 128, max_seq_len=128, explicit_head_dim=32),
+    "mistral-tiny": _mistral(2, 4, 64, 128, n_kv_head=2, max_seq_len=128, sliding_window=32),
     "gpt2-small-cpu": _gpt2(6, 8, 256, max_seq_len=256),
 }

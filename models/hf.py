@@ -15,14 +15,16 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from models.config import ModelConfig
+from models.config import ROPE_SCALINGS, ModelConfig
 from models.transformer import Transformer
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "llama")
+SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "llama", "qwen2", "qwen3", "mistral")
+# Families with LLaMA's layout and tensor names, and transformers' class-name stem of each.
+LLAMA_LIKE = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
 # Score models (ModelConfig.num_labels > 0) are saved and loaded as these classes, with the head
 # as `score.weight` [num_labels, hidden] on the same base model (transformer. / model.decoder. / model.).
 SCORE_CLASSES = {"gpt2": "GPT2ForSequenceClassification", "opt": "OPTForSequenceClassification",
-                 "llama": "LlamaForSequenceClassification"}
+                 **{arch: f"{stem}ForSequenceClassification" for arch, stem in LLAMA_LIKE.items()}}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json")
 
@@ -76,28 +78,75 @@ def _opt_from_hf(hf: dict, source: str) -> dict:
                 pre_norm=_flag(hf, source, "do_layer_norm_before", True))
 
 
+def _rope_from_hf(hf: dict, source: str) -> tuple[float, dict | None]:
+    """(rope_theta, our rope_scaling) from transformers 5's rope_parameters or the older rope_theta + rope_scaling."""
+    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rope = dict(hf.get(key) or {})
+    theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    if rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"{source}: partial_rotary_factor is not supported (RoPE on the whole head only)")
+    if kind == "default":
+        return theta, None
+    if kind not in ROPE_SCALINGS:
+        raise ValueError(f"{source}: {key} with rope_type={kind!r} is not supported; supported rope_type values: "
+                         f"{('default', *ROPE_SCALINGS)}")
+    if kind in ("llama3", "yarn"):  # transformers' default, made explicit
+        rope.setdefault("original_max_position_embeddings",
+                        hf.get("original_max_position_embeddings", _get(hf, source, "max_position_embeddings")))
+    required, optional = ROPE_SCALINGS[kind]
+    unknown = [k for k, v in rope.items() if k not in (*required, *optional) and v is not None]
+    missing = [k for k in required if rope.get(k) is None]
+    if missing or unknown:
+        raise ValueError(f"{source}: {key} with rope_type={kind!r}: keys {unknown} are not supported and {missing} "
+                         f"are missing; it takes {list(required)} and optionally {list(optional)}")
+    return theta, {"rope_type": kind, **{k: v for k, v in rope.items() if v is not None}}
+
+
+def _layer_types(hf: dict, source: str, sliding: bool) -> None:
+    """Every layer must be of one kind: we do not mix sliding-window and full-attention layers."""
+    want = "sliding_attention" if sliding else "full_attention"
+    types = hf.get("layer_types") or []
+    if any(t != want for t in types):
+        raise ValueError(f"{source}: layer_types={types!r} is not supported; every layer must be {want!r} "
+                         f"(layers with different attention spans are not implemented)")
+
+
 def _llama_from_hf(hf: dict, source: str) -> dict:
+    """LLaMA and its descendants, which share its tensor layout: Qwen2 (q/k/v bias), Qwen3 (q/k norms), Mistral."""
+    model_type = hf["model_type"]
     _require(hf, source, "hidden_act", "silu", ("silu",))
-    # transformers 5 writes rope_parameters; older config.json files have rope_theta + rope_scaling.
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"{source}: {rope_key} with rope_type={rope_type!r} is not supported; "
-                         f"only plain RoPE ('default', any rope_theta) is")
+    theta, rope_scaling = _rope_from_hf(hf, source)
     d_model, n_head = _get(hf, source, "hidden_size"), _get(hf, source, "num_attention_heads")
-    _require(hf, source, "head_dim", d_model // n_head, (None, d_model // n_head))
-    bias = _flag(hf, source, "attention_bias", False)
-    _require(hf, source, "mlp_bias", bias, (bias,))  # one switch covers all our linear biases
+    head_dim = hf.get("head_dim") or (128 if model_type == "qwen3" else None)  # Qwen3Config's default
+    fields = dict(qkv_bias=None, o_bias=None, mlp_bias=None, sliding_window=None)
+    if model_type in ("llama", "qwen3"):
+        fields["qkv_bias"] = fields["o_bias"] = _flag(hf, source, "attention_bias", False)
+    if model_type == "llama":
+        fields["mlp_bias"] = _flag(hf, source, "mlp_bias", False)
+    if model_type == "qwen2":
+        fields["qkv_bias"] = True  # transformers' Qwen2 hard-codes biases on q/k/v, none on o_proj or the MLP
+    if model_type in ("qwen2", "qwen3"):
+        if _flag(hf, source, "use_sliding_window", False):
+            raise ValueError(f"{source}: use_sliding_window=True is not supported for {model_type} (its window covers "
+                             f"only the layers from max_window_layers on); supported: False")
+        _layer_types(hf, source, sliding=False)
+    if model_type == "mistral":
+        window = hf.get("sliding_window")
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
+            raise ValueError(f"{source}: sliding_window={window!r} must be a positive int or null")
+        fields["sliding_window"] = window
+        _layer_types(hf, source, sliding=window is not None)
     return dict(n_layer=_get(hf, source, "num_hidden_layers"), n_head=n_head,
-                n_kv_head=hf.get("num_key_value_heads"), d_model=d_model,
+                n_kv_head=hf.get("num_key_value_heads"), d_model=d_model, explicit_head_dim=head_dim,
                 d_ff=_get(hf, source, "intermediate_size"), max_seq_len=_get(hf, source, "max_position_embeddings"),
                 norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6), activation="swiglu", positions="rope",
-                rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-                tie_embeddings=_flag(hf, source, "tie_word_embeddings", False), bias=bias)
+                rope_theta=theta, rope_scaling=rope_scaling, qk_norm=model_type == "qwen3",
+                tie_embeddings=_flag(hf, source, "tie_word_embeddings", False), bias=False, **fields)
 
 
-_FROM_HF = {"gpt2": _gpt2_from_hf, "opt": _opt_from_hf, "llama": _llama_from_hf}
+_FROM_HF = {"gpt2": _gpt2_from_hf, "opt": _opt_from_hf, "llama": _llama_from_hf, "qwen2": _llama_from_hf,
+            "qwen3": _llama_from_hf, "mistral": _llama_from_hf}
 
 
 def _num_labels_from_hf(hf: dict, source: str, model_type: str) -> int:
@@ -163,12 +212,20 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32, token_
               "attention_dropout": 0.0,
               "activation_function": {"gelu_tanh": "gelu_new"}.get(c.activation, c.activation)}
     else:
-        hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
+        hf = {"architectures": [f"{LLAMA_LIKE[c.arch]}ForCausalLM"], "model_type": c.arch, "vocab_size": c.vocab_size,
               "hidden_size": c.d_model, "intermediate_size": c.d_ff, "num_hidden_layers": c.n_layer,
               "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_head, "head_dim": c.head_dim,
               "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps, "hidden_act": "silu",
-              "rope_theta": c.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
-              "attention_bias": c.bias, "mlp_bias": c.bias}
+              "rope_theta": c.rope_theta,
+              "rope_parameters": {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_theta}}
+        if c.arch in ("llama", "qwen3"):
+            hf["attention_bias"] = c.has_bias("qkv")
+        if c.arch == "llama":
+            hf["mlp_bias"] = c.has_bias("mlp")
+        if c.arch in ("qwen2", "qwen3"):
+            hf.update(use_sliding_window=False, sliding_window=None, layer_types=["full_attention"] * c.n_layer)
+        if c.arch == "mistral":
+            hf["sliding_window"] = c.sliding_window
     hf.update(token_ids or {})
     if c.num_labels:
         if hf.get("pad_token_id") is None:
@@ -196,13 +253,13 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32, token_
 # ---------------------------------------------------------------------------------------------
 # Tensor names: ours <-> HF
 
-_PREFIX = {"gpt2": "transformer.", "opt": "model.decoder.", "llama": "model."}
-_LAYERS = {"gpt2": "h", "opt": "layers", "llama": "layers"}
+_PREFIX = {"gpt2": "transformer.", "opt": "model.decoder.", **dict.fromkeys(LLAMA_LIKE, "model.")}
+_LAYERS = {"gpt2": "h", "opt": "layers", **dict.fromkeys(LLAMA_LIKE, "layers")}
 _TOP = {
     "gpt2": {"embed.tokens": "wte", "embed.positions": "wpe", "norm": "ln_f"},
     "opt": {"embed.tokens": "embed_tokens", "embed.positions": "embed_positions",
             "embed.project_in": "project_in", "norm": "final_layer_norm", "project_out": "project_out"},
-    "llama": {"embed.tokens": "embed_tokens", "norm": "norm"},
+    **dict.fromkeys(LLAMA_LIKE, {"embed.tokens": "embed_tokens", "norm": "norm"}),
 }
 _BLOCK = {
     "gpt2": {"attn_norm": "ln_1", "attn.o_proj": "attn.c_proj", "mlp_norm": "ln_2",
@@ -211,10 +268,11 @@ _BLOCK = {
             "attn.k_proj": "self_attn.k_proj", "attn.v_proj": "self_attn.v_proj",
             "attn.o_proj": "self_attn.out_proj", "mlp_norm": "final_layer_norm",
             "mlp.up_proj": "fc1", "mlp.down_proj": "fc2"},
-    "llama": {"attn_norm": "input_layernorm", "attn.q_proj": "self_attn.q_proj",
-              "attn.k_proj": "self_attn.k_proj", "attn.v_proj": "self_attn.v_proj",
-              "attn.o_proj": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm",
-              "mlp.gate_proj": "mlp.gate_proj", "mlp.up_proj": "mlp.up_proj", "mlp.down_proj": "mlp.down_proj"},
+    **dict.fromkeys(LLAMA_LIKE, {
+        "attn_norm": "input_layernorm", "attn.q_proj": "self_attn.q_proj", "attn.k_proj": "self_attn.k_proj",
+        "attn.v_proj": "self_attn.v_proj", "attn.o_proj": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm",
+        "mlp.gate_proj": "mlp.gate_proj", "mlp.up_proj": "mlp.up_proj", "mlp.down_proj": "mlp.down_proj",
+        "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}),
 }
 _OLD_BUFFERS = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)"
                           r"|model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
@@ -316,7 +374,7 @@ def _canonical_hf_name(name: str, config: ModelConfig) -> str | None:
     Checkpoints saved from the base model (the original gpt2 / opt repos) lack
     the `transformer.` / `model.` prefix; old ones carry non-persistent buffers.
     """
-    base = {"gpt2": "transformer.", "opt": "model.", "llama": "model."}[config.arch]
+    base = "transformer." if config.arch == "gpt2" else "model."
     if not name.startswith((base, "lm_head.", "score.")):
         name = base + name
     if name == "lm_head.weight" and config.tied_head:

@@ -1,4 +1,4 @@
-"""A decoder-only Transformer that is GPT-2, OPT or LLaMA depending on its ModelConfig.
+"""A decoder-only Transformer that is GPT-2, OPT, LLaMA, Qwen2/3 or Mistral depending on its ModelConfig.
 
 Top-level units are `embed`, `blocks[i]`, `norm`, `project_out` and `head`, so
 that a sharding runtime can wrap them from outside by name.
@@ -57,15 +57,65 @@ def make_norm(config: ModelConfig) -> nn.Module:
     return nn.LayerNorm(config.d_model, eps=config.norm_eps)
 
 
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float):
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, device=None) -> tuple[torch.Tensor, float]:
+    """RoPE inverse frequencies [head_dim / 2] and the factor on cos/sin, as transformers computes them
+    for rope_type default, linear, llama3 and yarn (modeling_rope_utils)."""
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    inv_freq = 1.0 / pos_freqs
+    kind = scaling["rope_type"] if scaling else "default"
+    if kind == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if kind == "llama3":  # long wavelengths divided by factor, short ones kept, a smooth ramp between
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        return _yarn_inv_freq(pos_freqs, head_dim, theta, scaling)
+    return inv_freq, 1.0
+
+
+def _yarn_inv_freq(pos_freqs: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv:2309.00071): interpolate the low frequencies, keep the high ones, scale cos/sin."""
+    factor = scaling["factor"]
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations):
+        return (head_dim * math.log(scaling["original_max_position_embeddings"] / (rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = (torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low if high != low else 0.001)
+    extrapolation = (1 - ramp.clamp(0, 1)).to(pos_freqs.device)
+    return (1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation,
+            float(attention_factor))
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, scaling: dict | None = None):
     """fp32 cos/sin tables [B, T, head_dim] in the HF LLaMA (rotate_half) layout.
 
     Recomputed each forward instead of cached in a buffer: it is tiny, and the
     model then has no buffers to worry about when built on the meta device.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device).float() / head_dim))
+    inv_freq, attention_factor = rope_inv_freq(head_dim, theta, scaling, position_ids.device)
     freqs = position_ids[..., None].float() * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
+    if attention_factor != 1.0:
+        return emb.cos() * attention_factor, emb.sin() * attention_factor
     return emb.cos(), emb.sin()
 
 
@@ -81,20 +131,30 @@ def apply_rope(x, cos, sin):
 
 
 class Attention(nn.Module):
+    """Multi-head / grouped-query attention. forward takes its head counts from the instance
+    attributes n_head, n_kv_head and head_dim, so a tensor-parallel wrapper can set local ones."""
+
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx  # which KVCache slot this layer owns
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         d, q_dim, kv_dim = config.d_model, config.n_head * config.head_dim, config.n_kv_head * config.head_dim
-        self.q_proj = nn.Linear(d, q_dim, bias=config.bias)
-        self.k_proj = nn.Linear(d, kv_dim, bias=config.bias)
-        self.v_proj = nn.Linear(d, kv_dim, bias=config.bias)
-        self.o_proj = nn.Linear(q_dim, d, bias=config.bias)
+        qkv_bias = config.has_bias("qkv")
+        self.q_proj = nn.Linear(d, q_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(d, kv_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(d, kv_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(q_dim, d, bias=config.has_bias("o"))
+        # Qwen3: RMSNorm over each head's head_dim on queries and keys, before RoPE.
+        self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
 
     def forward(self, x, rope=None, mask=None, kv_cache=None):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -110,10 +170,11 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.activation = config.activation
+        bias = config.has_bias("mlp")
         if config.activation == "swiglu":
-            self.gate_proj = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
-        self.up_proj = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
-        self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
+            self.gate_proj = nn.Linear(config.d_model, config.d_ff, bias=bias)
+        self.up_proj = nn.Linear(config.d_model, config.d_ff, bias=bias)
+        self.down_proj = nn.Linear(config.d_ff, config.d_model, bias=bias)
 
     def forward(self, x):
         if self.activation == "swiglu":
@@ -177,15 +238,19 @@ def default_position_ids(attention_mask, batch: int, seq_len: int, past_len: int
     return position_ids[:, past_len:]
 
 
-def attention_mask_4d(attention_mask, seq_len: int, past_len: int, device) -> torch.Tensor:
-    """Boolean [B or 1, 1, T, past+T] mask: causal, hiding padded keys.
+def attention_mask_4d(attention_mask, seq_len: int, past_len: int, device, window: int | None = None) -> torch.Tensor:
+    """Boolean [B or 1, 1, T, past+T] mask: causal, hiding padded keys, and with `window` the keys
+    `window` or more slots back (transformers' sliding window: key > query - window).
 
     A query always sees itself, so rows of padding tokens are never fully
     masked (that would give NaNs that leak through the cache).
     """
     q_pos = torch.arange(past_len, past_len + seq_len, device=device)[:, None]
     k_pos = torch.arange(past_len + seq_len, device=device)[None, :]
-    mask = (k_pos <= q_pos)[None, None]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask = mask & (k_pos > q_pos - window)
+    mask = mask[None, None]
     if attention_mask is not None:
         mask = mask & (attention_mask.bool()[:, None, None, :] | (k_pos == q_pos))
     return mask
@@ -247,10 +312,13 @@ class Transformer(nn.Module):
         x = self.embed(tokens, position_ids)
         rope = None
         if self.config.positions == "rope":
-            rope = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
+            rope = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
         mask = None
-        if attention_mask is not None or past_len > 0:
-            mask = attention_mask_4d(attention_mask, T, past_len, tokens.device)
+        window = self.config.sliding_window
+        if window is not None and past_len + T <= window:
+            window = None  # every key is inside the window
+        if attention_mask is not None or past_len > 0 or window is not None:
+            mask = attention_mask_4d(attention_mask, T, past_len, tokens.device, window)
         for block in self.blocks:
             x = block(x, rope, mask, kv_cache)
         x = self.norm(x)

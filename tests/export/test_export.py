@@ -27,6 +27,7 @@ from models.transformer import Transformer, lm_loss
 from trainer.spawn import run_ranks
 
 TOKENS, VOCAB = 400, 416  # the model's vocabulary is padded past the tokenizer's, as train.py pads it
+GGUF_BITS = {"Q8_0": 8, "Q4_0": 4}
 N_HEAD, N_KV_HEAD = 4, 2
 
 
@@ -83,7 +84,8 @@ def our_name(gguf_name: str) -> str:
     top = {"token_embd": "embed.tokens", "output_norm": "norm", "output": "head"}
     block = {"attn_norm": "attn_norm", "attn_q": "attn.q_proj", "attn_k": "attn.k_proj", "attn_v": "attn.v_proj",
              "attn_output": "attn.o_proj", "ffn_norm": "mlp_norm", "ffn_gate": "mlp.gate_proj",
-             "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+             "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "attn_q_norm": "attn.q_norm",
+             "attn_k_norm": "attn.k_norm"}
     module, leaf = gguf_name.rsplit(".", 1)
     if module.startswith("blk."):
         _, i, part = module.split(".")
@@ -91,15 +93,17 @@ def our_name(gguf_name: str) -> str:
     return f"{top[module]}.{leaf}"
 
 
-def read_gguf(path: Path) -> dict[str, tuple[torch.Tensor, gguf.GGMLQuantizationType]]:
-    """Every tensor of a GGUF file, dequantized by gguf-py, q/k un-permuted by transformers' loader."""
+def read_gguf(path: Path, permuted: bool = True) -> dict[str, tuple[torch.Tensor, gguf.GGMLQuantizationType]]:
+    """Every tensor of a GGUF file, dequantized by gguf-py, q/k un-permuted by transformers' loader
+    (llama.cpp's llama architecture only: qwen2 / qwen3 keep HF's layout)."""
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
     heads = LlamaTensorProcessor(config={"num_attention_heads": N_HEAD, "num_key_value_heads": N_KV_HEAD})
     out = {}
     for t in gguf.GGUFReader(path).tensors:
         values = gguf_dequantize(t.data, t.tensor_type)
-        values = heads.process(weights=values, name=t.name).weights
+        if permuted:
+            values = heads.process(weights=values, name=t.name).weights
         out[our_name(t.name)] = (torch.from_numpy(np.array(values)), t.tensor_type)
     return out
 
@@ -268,6 +272,125 @@ def test_transformers_loads_a_tied_llama_gguf(tokenizer_dir, tmp_path):
     assert (theirs - expected).abs().max() <= 1e-3 * expected.abs().max()
 
 
+def random_model(preset: str, **overrides) -> Transformer:
+    """A preset at our vocabulary with its vectors moved off 0 / 1, so that a bias or norm gain put in the
+    wrong place shows."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_preset(preset, vocab_size=VOCAB, **overrides))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def transformers_logits_match(path: Path, model: Transformer, bits: int, **config) -> None:
+    """transformers' GGUF loader gives the logits of our model with the dequantized weights."""
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files")
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32, **config).eval()
+    ours = Transformer(model.config)
+    ours.load_state_dict(dequantized_state_dict(model, model.config, bits, 64), strict=False)  # tied head: strict off
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs, expected = hf(tokens).logits, ours(tokens)
+    assert (theirs - expected).abs().max() <= 1e-3 * expected.abs().max()
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_gpt2_gguf_is_our_grid(qtype, tokenizer_dir, tmp_path):
+    """llama.cpp's gpt2: fused attn_qkv (q, k, v rows, each its own parameter's blocks), nn.Linear layout, F32
+    position table on the grid, biases and LayerNorm weights F32, no output for the tied head."""
+    bits = GGUF_BITS[qtype]
+    model = random_model("gpt2-tiny", max_seq_len=64)
+    path = export_gguf(model, model.config, tmp_path / "g.gguf", qtype, tokenizer_dir, 64)
+    reader = gguf.GGUFReader(path)
+    block = {"attn_norm": "attn_norm", "attn_output": "attn.o_proj", "ffn_norm": "mlp_norm", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj"}
+    top = {"token_embd": "embed.tokens", "position_embd": "embed.positions", "output_norm": "norm"}
+    params, seen = dict(model.named_parameters()), set()
+    for t in reader.tensors:
+        values = torch.from_numpy(np.array(gguf_dequantize(t.data, t.tensor_type)))
+        module, leaf = t.name.rsplit(".", 1)
+        if module.startswith("blk."):
+            _, i, part = module.split(".")
+            names = [f"blocks.{i}.attn.{p}_proj.{leaf}" for p in "qkv"] if part == "attn_qkv" else \
+                [f"blocks.{i}.{block[part]}.{leaf}"]
+        else:
+            names = [f"{top[module]}.{leaf}"]
+        seen.update(names)
+        want = [params[n] for n in names]
+        if want[0].dim() == 2:
+            assert t.tensor_type == (gguf.GGMLQuantizationType.F32 if module == "position_embd"
+                                     else gguf.GGMLQuantizationType[qtype]), t.name
+            assert torch.equal(values, torch.cat([grid(w, bits, 64) for w in want])), t.name
+        else:
+            assert t.tensor_type == gguf.GGMLQuantizationType.F32 and torch.equal(values, torch.cat(want)), t.name
+    assert seen == set(params)
+    c = model.config
+    expected = {"general.architecture": "gpt2", "gpt2.context_length": 64, "gpt2.embedding_length": c.d_model,
+                "gpt2.block_count": c.n_layer, "gpt2.feed_forward_length": c.d_ff,
+                "gpt2.attention.head_count": c.n_head,
+                "gpt2.vocab_size": VOCAB, "tokenizer.ggml.model": "llama"}
+    assert {k: field(reader, k) for k in expected} == expected
+    assert field(reader, "gpt2.attention.layer_norm_epsilon") == pytest.approx(c.norm_eps)
+    # transformers reads gpt2.context_length into GPT2Config.n_ctx, not the n_positions its wpe is sized by.
+    transformers_logits_match(path, model, bits, n_positions=64)
+
+
+@pytest.mark.parametrize("preset, qtype", [("qwen2-tiny", "Q4_0"), ("qwen3-tiny", "Q8_0"), ("mistral-tiny", "Q4_0")])
+def test_gguf_of_the_newer_families(preset, qtype, tokenizer_dir, tmp_path):
+    """qwen2 (q/k/v biases, tied), qwen3 (q/k norms, head_dim 32 != 64 / 4) in HF's rotary layout; Mistral as
+    llama.cpp's llama (q/k permuted), its sliding window declared as the context length."""
+    bits, model = GGUF_BITS[qtype], random_model(preset)
+    c = model.config
+    path = export_gguf(model, c, tmp_path / "m.gguf", qtype, tokenizer_dir, 64)
+    tensors = read_gguf(path, permuted=c.arch == "mistral")
+    params = dict(model.named_parameters())
+    assert sorted(tensors) == sorted(params)
+    for name, w in params.items():
+        values, kind = tensors[name]
+        want = (gguf.GGMLQuantizationType[qtype], grid(w, bits, 64)) if w.dim() == 2 else \
+            (gguf.GGMLQuantizationType.F32, w)
+        assert kind == want[0] and torch.equal(values, want[1]), name
+    reader = gguf.GGUFReader(path)
+    arch = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}[c.arch]
+    assert field(reader, "general.architecture") == arch
+    assert field(reader, f"{arch}.context_length") == (c.sliding_window or c.max_seq_len)
+    assert field(reader, f"{arch}.rope.dimension_count") == c.head_dim
+    if c.explicit_head_dim:
+        assert field(reader, f"{arch}.attention.key_length") == field(reader, f"{arch}.attention.value_length") == 32
+    # transformers' qwen3 GGUF loader ignores key_length (and would take Qwen3Config's head_dim 128).
+    transformers_logits_match(path, model, bits, **({"head_dim": c.head_dim} if c.arch == "qwen3" else {}))
+
+
+def test_gguf_rope_scaling(tokenizer_dir, tmp_path):
+    """Llama 3.1's scaling becomes llama.cpp's rope_freqs tensor (the divisor of each plain frequency, here
+    against transformers' own llama3 frequencies); linear scaling becomes rope.scaling metadata."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    model = random_model("llama3-tiny")
+    c = model.config
+    reader = gguf.GGUFReader(export_gguf(model, c, tmp_path / "l3.gguf", "Q8_0", tokenizer_dir, 64))
+    freqs = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    assert freqs.tensor_type == gguf.GGMLQuantizationType.F32
+    hf = LlamaConfig(hidden_size=c.d_model, num_attention_heads=c.n_head, head_dim=c.head_dim,
+                     max_position_embeddings=c.max_seq_len,
+                     rope_parameters=dict(c.rope_scaling, rope_theta=c.rope_theta))
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    plain = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2).float() / c.head_dim))
+    factors = torch.from_numpy(np.array(freqs.data))
+    torch.testing.assert_close(factors, plain / scaled, rtol=1e-6, atol=0)
+    assert factors[0] == 1.0 and factors[-1] == c.rope_scaling["factor"]  # high frequencies kept, low ones divided
+
+    linear = random_model("llama-tiny", d_ff=128, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    reader = gguf.GGUFReader(export_gguf(linear, linear.config, tmp_path / "lin.gguf", "Q8_0", tokenizer_dir, 64))
+    assert (field(reader, "llama.rope.scaling.type"), field(reader, "llama.rope.scaling.factor")) == ("linear", 4.0)
+    assert "rope_freqs.weight" not in {t.name for t in reader.tensors}
+
+
 def bpe_tokenizer(directory: Path, byte_level: bool = True) -> Path:
     """A tokenizer.json BPE of 300 tokens (GPT-2's byte-level kind, or a whitespace-split one)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -320,9 +443,21 @@ def test_gguf_with_a_byte_level_bpe_tokenizer(model, tmp_path):
 
 def test_gguf_refusals(model, tokenizer_dir, tmp_path):
     out = tmp_path / "m.gguf"
-    for preset in ("opt-tiny", "gpt2-tiny"):
-        cfg = ModelConfig.from_preset(preset, vocab_size=VOCAB)
-        with pytest.raises(ValueError, match=f"LLaMA architecture only; this model is arch='{preset[:-5]}'"):
+    refused = [
+        ("opt-tiny", {}, r"supports arch \('llama', 'mistral', 'qwen2', 'qwen3', 'gpt2'\); this model is arch='opt' "
+                         r"\(OPT has no llama.cpp architecture\)"),
+        ("qwen3-tiny", {"qkv_bias": True, "o_bias": True}, r"qwen3 model has linear biases \(qkv, o, mlp\) = "
+                                                           r"\(True, True, False\); llama.cpp's qwen3 architecture "
+                                                           r"has \(False, False, False\)"),
+        ("llama-tiny", {"d_ff": 128, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                      "original_max_position_embeddings": 32}},
+         "rope_scaling=.*'yarn'.* is not written to GGUF yet; plain RoPE .* and the 'llama3' and 'linear' "
+         "scalings are"),
+        ("llama-tiny", {"num_labels": 1}, "a score model"),
+    ]
+    for preset, overrides, message in refused:
+        cfg = ModelConfig.from_preset(preset, vocab_size=VOCAB, **overrides)
+        with pytest.raises(ValueError, match=message):
             export_gguf(Transformer(cfg), cfg, out, "Q8_0", tokenizer_dir)
     with pytest.raises(ValueError, match="bits=6: GGUF holds our codes only at 8 bits .Q8_0. or 4 bits .Q4_0."):
         gguf_qtype(6)

@@ -8,7 +8,10 @@ from models.transformer import Transformer
 
 # Parameter counts of the released checkpoints.
 PUBLISHED = {"gpt2": 124_439_808, "gpt2-xl": 1_557_611_200, "opt-125m": 125_239_296, "opt-350m": 331_196_416,
-             "llama-7b": 6_738_415_616, "llama-13b": 13_015_864_320}
+             "llama-7b": 6_738_415_616, "llama-13b": 13_015_864_320, "llama3.1-8b": 8_030_261_248,
+             "llama3.2-1b": 1_235_814_400, "llama3.2-3b": 3_212_749_824, "qwen2.5-0.5b": 494_032_768,
+             "qwen2.5-7b": 7_615_616_512, "qwen3-0.6b": 596_049_920, "qwen3-8b": 8_190_735_360,
+             "mistral-7b": 7_241_732_096}
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
@@ -57,6 +60,29 @@ def test_from_preset_errors():
         ModelConfig.from_preset("gpt2-tiny", norm="batchnorm")
     with pytest.raises(ValueError, match="divisible by n_kv_head=3"):
         ModelConfig.from_preset("llama-tiny", n_kv_head=3)
+
+
+def test_bias_groups_are_canonical():
+    qwen2 = PRESETS["qwen2-tiny"]
+    assert [qwen2.has_bias(p) for p in ("qkv", "o", "mlp")] == [True, False, False]
+    # One model, one spelling: `bias` is what most groups have, whichever way the config was written.
+    spelled = ModelConfig.from_preset("llama-tiny", bias=True, qkv_bias=True, o_bias=True, mlp_bias=False)
+    assert spelled == ModelConfig.from_preset("llama-tiny", bias=False, qkv_bias=True, o_bias=True)
+    assert (spelled.bias, spelled.qkv_bias, spelled.o_bias, spelled.mlp_bias) == (True, None, None, False)
+    model = Transformer(spelled)
+    assert model.blocks[0].attn.o_proj.bias is not None and model.blocks[0].mlp.up_proj.bias is None
+
+
+def test_new_field_errors():
+    with pytest.raises(ValueError, match="rope_type 'llama3' needs .*missing \['low_freq_factor'"):
+        ModelConfig.from_preset("llama-tiny", rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    with pytest.raises(ValueError, match="rope_scaling=.*'dynamic'.*expected None or a dict with rope_type one of"):
+        ModelConfig.from_preset("llama-tiny", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match="sliding_window=0 must be a positive int or None"):
+        ModelConfig.from_preset("mistral-tiny", sliding_window=0)
+    with pytest.raises(ValueError, match="d_model=64 must be divisible by n_head=3 \(or set explicit_head_dim\)"):
+        ModelConfig.from_preset("llama-tiny", n_head=3, n_kv_head=1)
+    assert ModelConfig.from_preset("qwen3-tiny", n_head=6, n_kv_head=3).head_dim == 32  # explicit: any n_head
 
 
 def test_config_is_plain_data():

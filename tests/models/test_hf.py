@@ -4,12 +4,12 @@ import re
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from models.config import ModelConfig
+from models.config import PRESETS, ModelConfig, num_params
 from models.hf import config_from_hf, config_to_hf, load_hf_checkpoint, save_hf_checkpoint
 from models.transformer import Transformer
-from tests.models.conftest import KINDS, VOCAB, hf_config, make_hf_model
+from tests.models.conftest import KINDS, VOCAB, hf_config, make_hf_model, randomize
 
 TOL = dict(atol=1e-5, rtol=0)
 
@@ -73,7 +73,8 @@ def make_and_save(kind, path):
     return path
 
 
-@pytest.mark.parametrize("preset", ["gpt2-tiny", "opt-tiny", "llama-tiny"])
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "opt-tiny", "llama-tiny", "llama3-tiny", "qwen2-tiny", "qwen3-tiny",
+                                    "mistral-tiny"])
 def test_presets_export_to_transformers(preset, tmp_path):
     torch.manual_seed(0)
     model = Transformer(ModelConfig.from_preset(preset, vocab_size=VOCAB)).eval()
@@ -93,6 +94,81 @@ def test_rope_theta_is_honoured(tmp_path):
     torch.testing.assert_close(ours_logits(model, tokens), ref, **TOL)
     model.config.rope_theta = 10000.0  # the test would notice a wrong theta
     assert (ours_logits(model, tokens) - ref).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16, "beta_fast": 16.0, "mscale": 0.9,
+     "mscale_all_dim": 0.6, "truncate": False},
+])
+def test_rope_scaling_matches_transformers(rope, tmp_path):
+    """llama3 is in KINDS; here the other scalings, over positions past original_max_position_embeddings."""
+    config = hf_config("llama-theta")
+    config.rope_parameters = dict(rope, rope_theta=10000.0)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    randomize(hf, "llama3")
+    hf.save_pretrained(tmp_path)
+    model = load_hf_checkpoint(tmp_path)
+    assert model.config.rope_scaling == rope
+    tokens = torch.randint(0, VOCAB, (1, 48))
+    ref = hf_logits(hf, tokens)
+    torch.testing.assert_close(ours_logits(model, tokens), ref, **TOL)
+    model.config.rope_scaling = None  # the test would notice the scaling being ignored
+    assert (ours_logits(model, tokens) - ref).abs().max() > 1e-3
+
+
+# config.json of the released checkpoints (Hugging Face hub, as published), with their parameter counts.
+PUBLISHED_CONFIGS = {
+    "llama3.1-8b": (8_030_261_248, """{"architectures": ["LlamaForCausalLM"], "attention_bias": false,
+        "attention_dropout": 0.0, "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu",
+        "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
+        "mlp_bias": false, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+        "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+        "rope_type": "llama3"}, "rope_theta": 500000.0, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+        "transformers_version": "4.43.0.dev0", "use_cache": true, "vocab_size": 128256}"""),
+    "llama3.2-1b": (1_235_814_400, """{"architectures": ["LlamaForCausalLM"], "attention_bias": false,
+        "attention_dropout": 0.0, "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu",
+        "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 131072,
+        "mlp_bias": false, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 16,
+        "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 32.0,
+        "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192,
+        "rope_type": "llama3"}, "rope_theta": 500000.0, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+        "transformers_version": "4.45.0.dev0", "use_cache": true, "vocab_size": 128256}"""),
+    "qwen2.5-0.5b": (494_032_768, """{"architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0,
+        "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 896,
+        "initializer_range": 0.02, "intermediate_size": 4864, "max_position_embeddings": 32768,
+        "max_window_layers": 24, "model_type": "qwen2", "num_attention_heads": 14, "num_hidden_layers": 24,
+        "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768,
+        "tie_word_embeddings": true, "torch_dtype": "bfloat16", "transformers_version": "4.40.1", "use_cache": true,
+        "use_mrope": false, "use_sliding_window": false, "vocab_size": 151936}"""),
+    "qwen3-0.6b": (596_049_920, """{"architectures": ["Qwen3ForCausalLM"], "attention_bias": false,
+        "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128,
+        "hidden_act": "silu", "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
+        "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3", "num_attention_heads": 16,
+        "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": null,
+        "rope_theta": 1000000, "sliding_window": null, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+        "transformers_version": "4.51.0", "use_cache": true, "use_sliding_window": false, "vocab_size": 151936}"""),
+    "mistral-7b": (7_241_732_096, """{"architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
+        "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+        "max_position_embeddings": 32768, "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 32,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096,
+        "tie_word_embeddings": false, "torch_dtype": "bfloat16", "transformers_version": "4.34.0.dev0",
+        "use_cache": true, "vocab_size": 32000}"""),
+}
+
+
+@pytest.mark.parametrize("preset", list(PUBLISHED_CONFIGS))
+def test_published_configs_parse_into_the_presets(preset):
+    count, text = PUBLISHED_CONFIGS[preset]
+    config = config_from_hf(json.loads(text), f"{preset}/config.json")
+    assert config == PRESETS[preset] and num_params(config) == count
+    assert config_from_hf(config_to_hf(config), "x") == config
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config_to_hf(config)))
+    assert sum(p.numel() for p in hf.parameters()) == count  # transformers builds the same model from our config
 
 
 def test_tied_weights_load_and_save_once(hf_checkpoint, tmp_path):
@@ -151,7 +227,11 @@ def test_unsupported_model_type(tmp_path):
 
 
 @pytest.mark.parametrize("kind, key, value", [
-    ("llama-gqa", "rope_scaling", {"rope_type": "llama3", "factor": 8.0}),
+    ("llama-gqa", "rope_scaling", {"rope_type": "dynamic", "factor": 8.0}),
+    ("llama-gqa", "rope_scaling", {"rope_type": "llama3", "factor": 8.0}),  # low/high_freq_factor missing
+    ("llama-gqa", "partial_rotary_factor", 0.5),
+    ("qwen2", "use_sliding_window", True),
+    ("mistral", "layer_types", ["full_attention", "sliding_attention"]),
     ("llama-gqa", "hidden_act", "gelu"),
     ("gpt2", "activation_function", "gelu"),
     ("opt", "do_layer_norm_before", "yes"),

@@ -25,7 +25,7 @@ def test_lora_linear_is_base_plus_scaled_low_rank_update():
     torch.testing.assert_close(lora(x), expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "opt", "llama-gqa"])
+@pytest.mark.parametrize("kind", ["gpt2", "opt", "llama-gqa", "qwen2", "qwen3"])
 def test_apply_freezes_base_and_merge_gives_the_same_logits_and_a_plain_hf_checkpoint(kind, hf_checkpoint,
                                                                                       tmp_path):
     hf, path = hf_checkpoint(kind)

@@ -16,7 +16,7 @@ from models.config import ModelConfig, flops_per_token, num_params
 from models.hf import config_from_hf, load_hf_checkpoint, save_hf_checkpoint
 from models.lora import apply_lora
 from models.transformer import Transformer, score_model_from
-from tests.models.conftest import KINDS, SPECIAL, VOCAB, hf_config
+from tests.models.conftest import KINDS, SPECIAL, VOCAB, hf_config, randomize
 from trainer.config import ConfigError, LoraSection
 from trainer.loop import Trainer
 
@@ -24,7 +24,8 @@ TOL = dict(atol=1e-5, rtol=0)
 PAD = SPECIAL["pad_token_id"]
 SCORE_KINDS = KINDS + ["llama-theta"]  # llama-theta: tie_word_embeddings=True
 CLASSES = {"gpt2": "GPT2ForSequenceClassification", "opt": "OPTForSequenceClassification",
-           "llama": "LlamaForSequenceClassification"}
+           "llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
+           "qwen3": "Qwen3ForSequenceClassification", "mistral": "MistralForSequenceClassification"}
 
 
 def make_hf_score_model(kind: str, num_labels: int = 1, seed: int = 0):
@@ -33,10 +34,7 @@ def make_hf_score_model(kind: str, num_labels: int = 1, seed: int = 0):
     config = hf_config(kind)
     config.num_labels = num_labels
     model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.2)
+    randomize(model, kind)
     return model
 
 
