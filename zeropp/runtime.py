@@ -30,6 +30,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from models.transformer import lm_loss
@@ -84,6 +85,15 @@ class Runtime:
         """The training forward (through the wrapper that hooks gradient synchronization)."""
         return self.module(*args, **kwargs)
 
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        """(rank, size) among the data-parallel replicas, the ranks that read different batches (the
+        ranks of one tensor-parallel group read the same ones)."""
+        mesh = getattr(self, "mesh", None)
+        if mesh is not None:
+            return mesh.rank, mesh.world_size
+        return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
     def lm_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The mean next-token loss of what the module returned (models.transformer.lm_loss; under
         tensor parallelism the logits are vocabulary slices and the runtime computes it its way)."""
@@ -132,6 +142,12 @@ class Runtime:
         (DDP): nothing to gather, the module runs as it is.
         """
         yield InferenceWeights()
+
+    def take_notes(self) -> list[str]:
+        """What the runtime decided while running that belongs in the log (e.g. a plan it chose on the
+        first batch), since the last call."""
+        notes, self._notes = getattr(self, "_notes", []), []
+        return notes
 
     def describe(self) -> str:
         raise NotImplementedError

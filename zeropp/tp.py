@@ -29,6 +29,7 @@ its output. AccTFM changes how those all-reduces run:
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from contextlib import contextmanager
@@ -40,11 +41,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.transformer import MLP, Attention, Transformer, apply_rope
+from zeropp import acctfm
 from zeropp.checkpoint import FULL
 from zeropp.comm import CommLedger
 from zeropp.config import TensorParallelConfig, ZeroConfig
 from zeropp.runtime import Runtime
 from zeropp.topology import Mesh, TopologyError
+
+
+PLAN_FILE = "tensor_parallel.json"  # in a checkpoint: the group size and each sliced tensor's dim
 
 
 # ---------------------------------------------------------------------------- the group's all-reduces
@@ -81,26 +86,27 @@ class TPComm:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
         self.crosses_nodes = len({g // local for g in mesh.members("tp")}) > 1
 
-    def _record(self, tag: str, dtype: torch.dtype, nbytes: int) -> None:
-        sent = 2 * (self.size - 1) * nbytes // self.size
+    def _record(self, tag: str, dtype: torch.dtype, sent: int) -> None:
         cross = sent if self.crosses_nodes else 0
         self.ledger.record(tag, dtype, sent, sent, cross, cross)
 
     def all_reduce(self, x: torch.Tensor, tag: str, mask: torch.Tensor | None = None,
                    compress: bool = False, async_op: bool = False) -> _Reduced:
         """Sum `x` [..., d] over the group; with `mask` [...] only the selected rows travel (the
-        others come back zero); with `compress` they travel piecewise-quantized. The result is
-        bit-identical on every rank."""
+        others come back zero); with `compress` they travel piecewise-quantized (zeropp.acctfm,
+        one scale per row). The result is bit-identical on every rank."""
         flat = x.detach()
         rows = flat[mask] if mask is not None else flat.reshape(-1, flat.shape[-1])
         if compress and self.config.quantize_bits:
-            from zeropp import acctfm
-            handle = acctfm.all_reduce_compressed(rows, self.group, self.config.quantize_bits, async_op=True)
-            self._record(tag, torch.uint8, handle.bytes_sent * self.size // (2 * max(1, self.size - 1)))
-            reduced = _Reduced(None, rows, flat, mask, finish=handle.wait)
+            method = "gather" if self.size <= 4 else "two_step"
+            bits = self.config.quantize_bits
+            self._record(tag, torch.uint8, acctfm.wire_bytes(tuple(rows.shape), self.size, bits, method=method))
+            work = acctfm.all_reduce_compressed(rows, self.group, bits, method=method, async_op=True)
+            reduced = _Reduced(None, rows, flat, mask, finish=work.wait)
         else:
             rows = rows.contiguous().clone() if mask is None else rows.contiguous()
-            self._record(tag, rows.dtype, rows.numel() * rows.element_size())
+            # A ring all-reduce sends 2 (p - 1) / p of the tensor.
+            self._record(tag, rows.dtype, 2 * (self.size - 1) * rows.numel() * rows.element_size() // self.size)
             work = dist.all_reduce(rows, group=self.group, async_op=True)
             reduced = _Reduced(work, rows, flat, mask)
         if not async_op:
@@ -193,7 +199,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.tp.all_reduce(grad, "tp backward all-reduce").wait(), None
+        return ctx.tp.all_reduce(grad, "tp head all-reduce").wait(), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -201,7 +207,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, tp):
-        return tp.all_reduce(x, "tp forward all-reduce").wait()
+        return tp.all_reduce(x, "tp embedding all-reduce").wait()
 
     @staticmethod
     def backward(ctx, grad):
@@ -290,6 +296,7 @@ class TensorParallelSublayer:
     row_parallel: RowParallelLinear
     mask_source: "TensorParallelSublayer"  # the attention whose token mask this sublayer uses
     token_mask: torch.Tensor | None
+    profile: list | None  # set by the planner: (seconds, rows, bytes per row) per partition computed
 
     def forward(self, x, *args):
         cfg, tp = self.tp.config, self.tp
@@ -310,7 +317,10 @@ class TensorParallelSublayer:
         for i, c in enumerate(xs):
             if grad:
                 c = _IssueInputGrad.apply(c, tp, boxes[i], compress)
+            start = time.perf_counter()
             y = super().forward(c, *(a[i] for a in split_args))
+            if self.profile is not None:  # the planner's measurement: one partition's compute and rows
+                self.profile.append((time.perf_counter() - start, y[..., 0].numel(), y.shape[-1] * y.element_size()))
             mask = boxes[i].mask
             if topk and own_mask:
                 mask = boxes[i].mask = self._token_mask(split_args, i)
@@ -326,7 +336,6 @@ class TensorParallelSublayer:
 
     def _token_mask(self, split_args, i: int) -> torch.Tensor:
         """The tokens of partition i whose outputs travel: attention received, summed over the group."""
-        from zeropp import acctfm
         b, t, _ = self.q_proj.last_output.shape
         q = self.q_proj.last_output.detach().view(b, t, self.n_head, self.head_dim).transpose(1, 2)
         k = self.k_proj.last_output.detach().view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
@@ -390,7 +399,7 @@ def parallelize(model: Transformer, tp: TPComm) -> dict[str, tuple[int, int, int
         row(mlp, "down_proj", f"{prefix}.mlp", f0, f1)
         for sub, out in ((attn, attn.o_proj), (mlp, mlp.down_proj)):
             _make_parallel(sub)
-            sub.tp, sub.partitions, sub.token_mask = tp, max(1, tp.config.partitions), None
+            sub.tp, sub.partitions, sub.token_mask, sub.profile = tp, max(1, tp.config.partitions), None, None
             # Plain references, not submodules: no second name for o_proj, no cycle through attn.
             sub.__dict__["row_parallel"], sub.__dict__["mask_source"] = out, attn
         attn.q_proj.keep_output = attn.k_proj.keep_output = tp.config.topk_keep_ratio < 1.0
@@ -479,9 +488,64 @@ class TensorParallelRuntime(Runtime):
         self.ledger = self.tp.ledger = self.inner.ledger
         self.timings = self.inner.timings
         self.checkpoint_format = f"{self.inner.checkpoint_format}+tp{size}"
+        self.partition_plan: list[int] | None = None  # tensor_parallel.partitions 0: planned on the first batch
+        self._notes: list[str] = []
 
     def __call__(self, *args, **kwargs):
+        if self.tp.config.partitions == 0 and self.partition_plan is None:
+            self._plan_partitions(*args, **kwargs)
         return self.inner(*args, **kwargs)
+
+    def _plan_partitions(self, *args, **kwargs) -> None:
+        """AccTFM's partition plan (paper Algorithm 1), from the first batch: each sublayer's compute
+        per partition profiled at K = 1, 2, 4 (no-grad forwards; the backward taken as twice the
+        forward), the link's alpha and beta measured on the group, the all-reduce times predicted
+        from them. The dynamic program runs on the forward and on the reversed backward; one K
+        per sublayer serves both (autograd replays the forward's partitions), so the plan with
+        the smaller predicted forward + backward time is kept. Every rank plans from the group's
+        slowest times, so all ranks choose alike."""
+        subs = [m for m in self.module.modules() if isinstance(m, TensorParallelSublayer)]
+        cfg = self.tp.config
+        op = "all_gather" if cfg.quantize_bits else "all_reduce"
+        alpha, beta = acctfm.measure_alpha_beta(self.tp.group, op=op)
+        sizes = acctfm.PARTITION_SIZES
+        compute = torch.zeros(len(subs), len(sizes), dtype=torch.float64)
+        rows, row_bytes = [0] * len(subs), [0] * len(subs)
+        with torch.no_grad():
+            for i, k in enumerate((1, *sizes)):  # K = 1 twice: the first forward warms up
+                for sub in subs:
+                    sub.partitions, sub.profile = k, []
+                self.inner(*args, **kwargs)
+                for j, sub in enumerate(subs):
+                    if i > 0:
+                        compute[j, i - 1] = sum(t for t, _, _ in sub.profile) / len(sub.profile)
+                    rows[j] = sum(r for _, r, _ in sub.profile)
+                    row_bytes[j] = sub.profile[0][2]
+        dist.all_reduce(compute, op=dist.ReduceOp.MAX, group=self.tp.group)
+        keep = cfg.topk_keep_ratio
+
+        def comm(j, k):  # one partition's all-reduce, predicted from the measured link
+            n = max(1, round(rows[j] * keep / k))
+            nbytes = acctfm.wire_bytes((n, row_bytes[j] // 4), self.tp.size, cfg.quantize_bits) if cfg.quantize_bits \
+                else n * row_bytes[j]
+            return acctfm.comm_time(nbytes, alpha, beta)
+        t_cm = [[comm(j, k) for k in sizes] for j in range(len(subs))]
+        t_fw = compute.tolist()
+        t_bw = [[2 * t for t in row] for row in reversed(t_fw)]
+        forward = acctfm.plan_partitions(t_fw, t_cm)
+        backward = acctfm.plan_partitions(t_bw, t_cm[::-1])
+
+        def total(plan):
+            return acctfm.simulate(plan, t_fw, t_cm) + acctfm.simulate(plan[::-1], t_bw, t_cm[::-1])
+        chosen = min((forward.partitions, backward.partitions[::-1]), key=total)
+        for sub, k in zip(subs, chosen):
+            sub.partitions, sub.profile = k, None
+        synchronous = [1] * len(subs)
+        self.partition_plan = chosen
+        self._notes.append(
+            f"AccTFM partition plan (K per sublayer, attention/MLP alternating): {chosen}; link alpha "
+            f"{alpha * 1e6:.0f} us, {8e-6 / beta if beta > 0 else float('inf'):.0f} Mbit/s; predicted forward + "
+            f"backward {total(chosen) * 1e3:.1f} ms (all K = 1: {total(synchronous) * 1e3:.1f} ms)")
 
     def lm_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, labels, self.vocab_start, self.tp)
@@ -537,6 +601,9 @@ class TensorParallelRuntime(Runtime):
 
     def save(self, directory, optimizer) -> None:
         self.inner.save(self._subdir(directory), optimizer)
+        if dist.get_rank() == 0:  # how to put the slices back together, for consolidation
+            dims = {name: dim for name, (dim, _, _) in self.plan.items()}
+            (Path(directory) / PLAN_FILE).write_text(json.dumps({"size": self.tp.size, "dims": dims}, indent=1))
 
     def load(self, directory, optimizer) -> None:
         path = Path(directory) / f"tp{self.tp.rank:02d}"
@@ -559,6 +626,21 @@ class TensorParallelRuntime(Runtime):
 
     def close(self) -> None:
         self.inner.close()
+
+
+def consolidated_tensors(directory: str | Path, read_slice) -> dict[str, torch.Tensor]:
+    """The unsliced tensors of a tensor-parallel checkpoint: `read_slice(subdirectory)` reads one
+    slice's tensors (whatever the data-parallel format), and sliced ones are concatenated along
+    the dims the run recorded; needs no process group."""
+    directory = Path(directory)
+    plan_path = directory / PLAN_FILE
+    if not plan_path.is_file():
+        raise FileNotFoundError(f"{directory}: no {PLAN_FILE}; not a tensor-parallel checkpoint")
+    meta = json.loads(plan_path.read_text())
+    slices = [read_slice(directory / f"tp{t:02d}") for t in range(meta["size"])]
+    dims = meta["dims"]
+    return {name: torch.cat([s[name] for s in slices], dim=dims[name]) if name in dims else tensor
+            for name, tensor in slices[0].items()}
 
 
 def _gather_slices(tensor: torch.Tensor, dim: int, tp: TPComm) -> torch.Tensor:

@@ -99,3 +99,44 @@ def test_vocab_parallel_cross_entropy_equals_the_full_one():
     for loss, grad, (start, end) in results:
         assert abs(loss - expected.item()) < 1e-6
         torch.testing.assert_close(grad, full.grad[..., start:end], rtol=0, atol=1e-7)
+
+
+def _accftm_run(rank, world, tp_config, steps):
+    runtime = build_runtime(make_model("llama-tiny"), ZeroConfig(stage=0), torch.device("cpu"), tp_config)
+    optimizer = build_optimizer(runtime.module, OPTIM)
+    losses, sent = [], []
+    for sample in batches(steps):
+        runtime.ledger.reset()
+        loss = runtime.lm_loss(runtime(sample[:, :-1]), sample[:, 1:])
+        runtime.backward(loss)
+        runtime.clip_grad_norm_(1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        totals = runtime.ledger.totals()  # the sublayers' all-reduces (not the embedding's and head's)
+        sent.append(sum(totals[tag]["sent"] for tag in ("tp forward all-reduce", "tp backward all-reduce")))
+    replicated = {n: p.detach().clone() for n, p in runtime.module.named_parameters() if n not in runtime.plan}
+    return losses, sent, replicated, runtime.partition_plan, runtime.take_notes()
+
+
+def test_planned_partitions_stay_exact():
+    """tensor_parallel.partitions 0: the planner picks K per sublayer on the first batch; training
+    then equals one process (pipelining only reorders work)."""
+    ref_losses, _ = reference("llama-tiny", 3)
+    losses, _, _, plan, notes = run_ranks(_accftm_run, 2, args=(TensorParallelConfig(size=2, partitions=0), 3))[0]
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5
+    assert len(plan) == 2 * 2 and set(plan) <= {1, 2, 4}  # attention and MLP of 2 blocks
+    assert "partition plan" in notes[0]
+
+
+def test_compressed_all_reduces_keep_the_ranks_identical():
+    """Top-k rows and piecewise int4: every rank of the group sees the same reduced activations and
+    gradients, so the replicated weights (norms, positions) stay bit-identical; fewer bytes travel."""
+    exact = run_ranks(_accftm_run, 2, args=(TensorParallelConfig(size=2), 4))
+    full = run_ranks(_accftm_run, 2, args=(TensorParallelConfig(size=2, partitions=2, topk_keep_ratio=0.5,
+                                                                 quantize_bits=4), 4))
+    (losses, sent, rep0, _, _), (_, _, rep1, _, _) = full
+    for name in rep0:
+        assert torch.equal(rep0[name], rep1[name]), name
+    assert sent[-1] < exact[0][1][-1] / 12  # half the rows, 4 bits + a scale per row instead of 32 bits
+    assert all(abs(a - b) < 0.1 for a, b in zip(losses, exact[0][0])), (losses, exact[0][0])
