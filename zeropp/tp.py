@@ -337,8 +337,12 @@ class TensorParallelSublayer:
     def _token_mask(self, split_args, i: int) -> torch.Tensor:
         """The tokens of partition i whose outputs travel: attention received, summed over the group."""
         b, t, _ = self.q_proj.last_output.shape
-        q = self.q_proj.last_output.detach().view(b, t, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.k_proj.last_output.detach().view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q = self.q_proj.last_output.detach().view(b, t, self.n_head, self.head_dim)
+        k = self.k_proj.last_output.detach().view(b, t, self.n_kv_head, self.head_dim)
+        if getattr(self, "q_norm", None) is not None:  # Qwen3's per-head norms, as the attention applies them
+            with torch.no_grad():
+                q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         rope = split_args[0][i] if split_args else None
         if isinstance(rope, tuple):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
