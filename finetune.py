@@ -13,7 +13,7 @@ directory with any LoRA adapters merged. --help lists every key.
 import sys
 
 from trainer.config import Config, ConfigError, parse_args
-from trainer.loop import train
+from trainer.loop import run_main, train
 
 
 def defaults() -> Config:
@@ -32,7 +32,7 @@ def main(argv: list[str]) -> None:
                               "(config.json, model.safetensors and the tokenizer files)")
     except ConfigError as e:
         sys.exit(f"finetune.py: config error: {e}")
-    train(cfg)
+    run_main("finetune.py", train, cfg)
 
 
 if __name__ == "__main__":

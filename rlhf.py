@@ -18,6 +18,7 @@ import torch.distributed as dist
 from rlhf.config import STAGES, RLHFConfig, check
 from rlhf.common import setup_distributed
 from trainer.config import ConfigError, describe, parse_args
+from trainer.loop import run_main
 
 
 def _needs(cfg: RLHFConfig, stage: str) -> list[str]:
@@ -69,9 +70,7 @@ def main(argv: list[str]) -> None:
         sys.exit(f"rlhf.py: config error: {e}")
     env, own_group = setup_distributed()
     try:
-        run_stage(stage, cfg, env)
-    except ConfigError as e:
-        sys.exit(f"rlhf.py {stage}: config error: {e}")
+        run_main(f"rlhf.py {stage}", run_stage, stage, cfg, env)
     finally:
         if own_group and dist.is_initialized():
             dist.destroy_process_group()

@@ -10,7 +10,7 @@ Every config key can be overridden as --section.key value; --help lists them all
 import sys
 
 from trainer.config import ConfigError, parse_args
-from trainer.loop import train
+from trainer.loop import run_main, train
 
 
 def main(argv: list[str]) -> None:
@@ -18,7 +18,7 @@ def main(argv: list[str]) -> None:
         cfg = parse_args(argv)
     except ConfigError as e:
         sys.exit(f"train.py: config error: {e}")
-    train(cfg)
+    run_main("train.py", train, cfg)
 
 
 if __name__ == "__main__":

@@ -8,32 +8,45 @@ Layout of ``<out_dir>/checkpoints``::
         rng_rank00000.json      each rank's RNG state
         model.safetensors, optimizer.safetensors  full (DDP) \  the runtime's tensors (Runtime.save):
         manifest.json, shards_rank*.safetensors  zero3-sharded /  see zeropp/checkpoint.py
+        checksums.json          every other file's size and SHA-256, and the save's id (also in state.json)
     latest                      the name of the newest complete checkpoint
 
-A checkpoint is assembled in a hidden temporary directory and renamed into place only
-when every rank has written its part, and ``latest`` is replaced atomically afterwards, so
-an interrupted save never leaves a half-written checkpoint under a real name.
+A checkpoint is assembled in a hidden temporary directory (`.tmp-step_N`), every file
+fsynced, and renamed into place only when every rank has written its part; ``latest`` is
+replaced atomically afterwards, and each rename is made durable by fsyncing the directory.
+So an interrupted save never leaves a half-written checkpoint under a real name, and a
+power loss never leaves ``latest`` durable before its data. Loading verifies every file
+against checksums.json (safetensors has no checksum of its own): a flipped bit, a truncated
+file, or a manifest or shard from another checkpoint is an error naming the file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
+import uuid
+import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from data.tokenizer import load_tokenizer
 from models.config import ModelConfig
 from models.hf import save_hf_checkpoint
 from models.lora import apply_lora, merge_lora
 from models.transformer import Transformer
-from trainer.distributed import barrier
+from trainer.distributed import all_gather_objects, barrier
 from zeropp.checkpoint import FULL, SHARDED, CheckpointError, consolidated_state_dict, read_safetensors
+from zeropp.tp import consolidated_tensors
 
 LATEST = "latest"
+CHECKSUMS = "checksums.json"
+_RANK_TAG = re.compile(r"_rank(\d{5})\.")
 
 
 def _write_json(path: Path, obj) -> None:
@@ -65,11 +78,82 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
 
 
+def _fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in `path` durable (a file's fsync does not cover its name)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _seal(path: Path) -> dict:
+    """fsync a file written in this process and return its size and SHA-256."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+        os.fsync(f.fileno())
+    return {"bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _owner(name: str) -> int:
+    """The rank that writes a checkpoint file: the one in its name (shards_rank00003...), else rank 0."""
+    m = _RANK_TAG.search(name)
+    return int(m.group(1)) if m else 0
+
+
+def _files(directory: Path) -> list[str]:
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+
+
+def is_complete(path: Path) -> bool:
+    """Whether `path` is a checkpoint whose save finished (state.json and checksums.json exist)."""
+    return (path / "state.json").is_file() and (path / CHECKSUMS).is_file()
+
+
+def recover(root: str | Path) -> list[str]:
+    """Undo what an interrupted save left in a checkpoints root (rank 0, before resolving or saving).
+
+    `.old-step_N` is the complete copy a save of an existing step moved aside: put back where
+    step_N is missing, else dropped. `.tmp-step_N` directories are partial saves: removed, so
+    they stop holding disk space. Returns what was done, one line each.
+    """
+    root = Path(root)
+    done = []
+    if not root.is_dir():
+        return done
+    for old in sorted(root.glob(".old-step_*")):
+        final = root / old.name[len(".old-"):]
+        if not final.exists():
+            os.replace(old, final)
+            _fsync_dir(root)
+            done.append(f"restored {final.name} from {old.name} (a save replacing it was interrupted)")
+        else:
+            shutil.rmtree(old, ignore_errors=True)
+    for tmp in sorted(root.glob(".tmp-step_*")):
+        shutil.rmtree(tmp, ignore_errors=True)
+        done.append(f"removed {tmp.name}, left by an interrupted save")
+    return done
+
+
 def save_checkpoint(ckpt_root: str | Path, step: int, state: dict, optimizer: torch.optim.Optimizer,
                     write_tensors, rank: int = 0) -> Path:
     """Write checkpoint `step` collectively (every rank calls this); returns its directory.
 
-    `write_tensors(directory)` runs on every rank and writes that rank's tensor files.
+    `write_tensors(directory)` runs on every rank and writes that rank's tensor files (a file
+    whose name holds `_rankNNNNN.` is that rank's, any other rank 0's). Each rank fsyncs and
+    hashes its files; rank 0 records every file's SHA-256 in checksums.json, then renames the
+    directory into place and moves `latest`, each step fsynced, so `latest` never names a
+    checkpoint that is missing, partial, or not yet durable.
     """
     root = Path(ckpt_root)
     name = f"step_{step:08d}"
@@ -77,44 +161,141 @@ def save_checkpoint(ckpt_root: str | Path, step: int, state: dict, optimizer: to
     tmp = root / f".tmp-{name}"
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left over from an interrupted save
+        recover(root)
         tmp.mkdir()
     barrier()
-    _write_json(tmp / f"rng_rank{rank:05d}.json", _rng_state())
-    write_tensors(tmp)
-    if rank == 0:
-        hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        _write_json(tmp / "state.json", {**state, "step": step, "optimizer_param_groups": hyper})
-    barrier()
-    if rank == 0:
-        old = root / f".old-{name}"
-        if final.exists():  # saving the same step again (e.g. after a resume): swap, then drop
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-        _replace_file(root / LATEST, name + "\n")
+    ident = uuid.uuid4().hex  # rank 0's ties state.json and checksums.json together
+    try:
+        _write_json(tmp / f"rng_rank{rank:05d}.json", _rng_state())
+        write_tensors(tmp)
+        if rank == 0:
+            hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+            _write_json(tmp / "state.json", {**state, "step": step, "checkpoint_id": ident,
+                                             "optimizer_param_groups": hyper})
+        barrier()
+        mine = {f: _seal(tmp / f) for f in _files(tmp) if _owner(Path(f).name) == rank and f != "state.json"}
+        sums = {f: v for part in all_gather_objects(mine) for f, v in part.items()}
+        if rank == 0:
+            _write_json(tmp / CHECKSUMS, {"checkpoint_id": ident, "step": step, "files": sums})
+            for directory in {(tmp / f).parent for f in sums} | {tmp}:
+                _fsync_dir(directory)
+            _install(root, tmp, final)
+            _replace_file(root / LATEST, name + "\n")
+            _fsync_dir(root)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a failed save must not keep holding the disk
+        raise
     barrier()
     return final
 
 
-def resolve_checkpoint(resume: str, out_dir: str | Path) -> Path | None:
-    """`resume` is a checkpoint directory, "latest" for the newest one under out_dir, or
-    "auto": the newest one if there is one, else None (start fresh; for requeued jobs)."""
+def _install(root: Path, tmp: Path, final: Path) -> None:
+    """Rename the finished `tmp` to `final`. Where `final` exists (a step saved again) it is moved
+    to .old-<name> first: a kill in between leaves it there, and recover() puts it back."""
+    old = root / f".old-{final.name}"
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def newest_complete(root: Path) -> Path | None:
+    steps = sorted(p for p in root.glob("step_*") if p.is_dir() and is_complete(p))
+    return steps[-1] if steps else None
+
+
+def _from_root(root: Path, resume: str, say) -> Path | None:
+    """The checkpoint `latest` names under `root`, or, where it names none that is complete, the
+    newest complete one (and `say` why); None when there is none and `resume` is "auto"."""
+    pointer = root / LATEST
+    named = pointer.read_text().strip() if pointer.is_file() else None
+    if named and (root / named / "state.json").is_file():
+        return root / named
+    fallback = newest_complete(root) if root.is_dir() else None
+    if fallback is None:
+        if named:
+            raise CheckpointError(f"resume={resume}: {pointer} names {named!r}, which is missing or incomplete, "
+                                  f"and {root} holds no other complete checkpoint")
+        if resume == "auto":
+            return None
+        raise CheckpointError(f"resume={resume}: no checkpoint pointer at {pointer} and no complete checkpoint in {root}")
+    why = f"{pointer} names {named!r}, which is missing or incomplete" if named else f"{pointer} is missing"
+    say(f"resume: {why}; resuming from the newest complete checkpoint, {fallback}")
+    return fallback
+
+
+def resolve_checkpoint(resume: str, out_dir: str | Path, say=None) -> Path | None:
+    """`resume` is a checkpoint directory, a checkpoints root, "latest" for the newest one under
+    out_dir, or "auto": the newest one if there is one, else None (start fresh; for requeued
+    jobs). Where `latest` names no complete checkpoint (a save was cut short), the newest
+    complete one is used and `say` (default: a warning) tells which."""
+    say = say or (lambda message: warnings.warn(message, stacklevel=3))
     if resume in (LATEST, "auto"):
-        pointer = Path(out_dir) / "checkpoints" / LATEST
-        if not pointer.is_file():
-            if resume == "auto":
-                return None
-            raise CheckpointError(f"resume=latest: no checkpoint pointer at {pointer}")
-        path = pointer.parent / pointer.read_text().strip()
+        path = _from_root(Path(out_dir) / "checkpoints", resume, say)
+        if path is None:
+            return None
     else:
         path = Path(resume)
         if (path / LATEST).is_file():  # the checkpoints root itself
-            path = path / (path / LATEST).read_text().strip()
+            path = _from_root(path, resume, say)
     if not (path / "state.json").is_file():
         raise CheckpointError(f"resume: {path} is not a checkpoint directory (no state.json)")
     return path
+
+
+def verify_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> None:
+    """Check every file of checkpoint `path` against checksums.json (with world_size > 1 every rank
+    calls it, each hashing its share): a modified, truncated, swapped-in or bit-flipped file is an error naming
+    it. state.json, the one file meant to be read (and edited: a moved tokenizer) by people, is
+    tied to the rest by its checkpoint_id instead. Checkpoints written before checksums existed
+    load with a warning."""
+    record_path = path / CHECKSUMS
+    errors = []
+    if not record_path.is_file():
+        if (path / "state.json").is_file():
+            if rank == 0:
+                warnings.warn(f"checkpoint {path} has no {CHECKSUMS} (written by an older version): its files "
+                              f"are not verified")
+            return
+        errors.append(f"{CHECKSUMS} is missing")
+        record = {"files": {}}
+    else:
+        try:
+            record = json.loads(record_path.read_text())
+            record["files"].items()
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            errors.append(f"{CHECKSUMS} cannot be read: {e}")
+            record = {"files": {}}
+    files = record["files"]
+    if rank == 0 and not errors:
+        try:
+            ident = json.loads((path / "state.json").read_text()).get("checkpoint_id")
+        except (OSError, ValueError) as e:
+            ident = f"unreadable ({e})"
+        if ident != record.get("checkpoint_id"):
+            errors.append(f"state.json has checkpoint_id {ident!r}, {CHECKSUMS} {record.get('checkpoint_id')!r}: "
+                          f"the files come from different saves")
+        strays = [f for f in _files(path) if f not in files and f not in (CHECKSUMS, "state.json")]
+        if strays:
+            errors.append(f"{strays[:4]} are not part of this checkpoint (not in {CHECKSUMS})")
+    for i, (name, want) in enumerate(sorted(files.items())):
+        if i % world_size != rank:
+            continue
+        file = path / name
+        if not file.is_file():
+            errors.append(f"{name} is missing")
+        elif file.stat().st_size != want["bytes"]:
+            errors.append(f"{name} has {file.stat().st_size} bytes, {want['bytes']} when saved (truncated or replaced)")
+        elif (got := _sha256(file)) != want["sha256"]:
+            errors.append(f"{name} has SHA-256 {got[:12]}..., {want['sha256'][:12]}... when saved "
+                          f"(modified, corrupted, or from another checkpoint)")
+    if world_size > 1:  # called collectively: every rank raises the same error
+        errors = list(dict.fromkeys(e for part in all_gather_objects(errors) for e in part))
+    if errors:
+        raise CheckpointError(f"checkpoint {path} fails verification against its {CHECKSUMS}: " + "; ".join(errors[:6]))
 
 
 def read_state(path: Path) -> dict:
@@ -127,7 +308,9 @@ def read_state(path: Path) -> dict:
 
 def load_checkpoint(path: Path, optimizer: torch.optim.Optimizer, read_tensors, rank: int = 0) -> dict:
     """Restore tensors (`read_tensors(path)`), optimizer hyper-parameters and this rank's RNG
-    from `path`; returns the state.json dict."""
+    from `path` after verifying its files; returns the state.json dict."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    verify_checkpoint(path, rank, world)
     state = read_state(path)
     read_tensors(path)
     for group, saved in zip(optimizer.param_groups, state["optimizer_param_groups"]):
@@ -139,18 +322,43 @@ def load_checkpoint(path: Path, optimizer: torch.optim.Optimizer, read_tensors, 
     return state
 
 
-def consolidated_model(path: Path) -> Transformer:
+def trained_grid(state: dict) -> tuple[int, int] | None:
+    """(bits, block size) of the qwZ grid a run's forward computed with, from its state.json;
+    None for a run without qwZ."""
+    zero = (state.get("config") or {}).get("zero_optimization") or {}
+    if not zero.get("zero_quantized_weights"):
+        return None
+    return zero["zero_quantized_weights_bits"], zero["zero_quantization_block_size"]
+
+
+def consolidated_model(path: Path, as_trained: bool = False) -> Transformer:
     """The checkpoint's model, built from its config, with the unsharded fp32 weights; LoRA
-    adapters, when the run had them, merged into the base weights (a plain model)."""
+    adapters, when the run had them, merged into the base weights (a plain model).
+
+    as_trained: for a qwZ run, each weight is put on the grid its forward computed with
+    (dequant(quant(W)), what its losses were measured on) instead of the fp32 master copy.
+    """
+    verify_checkpoint(path)
     state = read_state(path)
     model = Transformer(ModelConfig(**state["model_config"]))
     lora = state.get("lora")
     if lora:
         apply_lora(model, lora["targets"], lora["r"], lora["alpha"])
-    if state.get("format", FULL) == SHARDED:
-        weights = consolidated_state_dict(path)
-    else:
-        weights = read_safetensors(path / "model.safetensors")
+    dp_format, _, tensor_parallel = state.get("format", FULL).partition("+tp")
+
+    def read(directory: Path) -> dict[str, torch.Tensor]:
+        if dp_format == SHARDED:
+            return consolidated_state_dict(directory)
+        return read_safetensors(directory / "model.safetensors")
+    weights = consolidated_tensors(path, read) if tensor_parallel else read(path)
+    grid = trained_grid(state) if as_trained else None
+    if grid is not None:
+        from export.quantized import on_grid  # export/ imports this module
+
+        # Frozen weights stored quantized (zero_quantized_nontrainable_weights) are on it already.
+        stored = state["config"]["zero_optimization"].get("zero_quantized_nontrainable_weights")
+        frozen = {name for name, p in model.named_parameters() if not p.requires_grad} if stored else set()
+        weights = {name: t if name in frozen else on_grid(t, *grid) for name, t in weights.items()}
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name not in weights:
@@ -159,15 +367,17 @@ def consolidated_model(path: Path) -> Transformer:
     return merge_lora(model) if lora else model
 
 
-def export_hf(path: Path, out_dir: str | Path, tokenizer: str | Path | None = None) -> Path:
+def export_hf(path: Path, out_dir: str | Path, tokenizer: str | Path | None = None,
+              as_trained: bool = False) -> Path:
     """Consolidate checkpoint `path` (either format) into a Hugging Face directory, atomically.
 
-    The tokenizer (a SentencePiece .model or an HF tokenizer dir) defaults to the one the
-    run recorded in state.json.
+    as_trained: a qwZ run's weights on the grid it computed with (what train.py's export and
+    scripts/consolidate.py write, see `export_note`), not the fp32 master copy. The tokenizer (a
+    SentencePiece .model or an HF tokenizer dir) defaults to the one the run recorded in state.json.
     """
     state = read_state(path)
     tokenizer = tokenizer or state.get("tokenizer")
-    model = consolidated_model(path)
+    model = consolidated_model(path, as_trained=as_trained)
     with tempfile.TemporaryDirectory() as tok_dir:
         token_ids = None
         if tokenizer:
@@ -176,3 +386,16 @@ def export_hf(path: Path, out_dir: str | Path, tokenizer: str | Path | None = No
             token_ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
         save_hf_checkpoint(model, out_dir, tokenizer_dir=tok_dir if tokenizer else None, token_ids=token_ids)
     return Path(out_dir)
+
+
+def export_note(path: Path, master_weights: bool = False) -> str | None:
+    """What an export of a qwZ run holds, said loudly: the two choices give different models."""
+    grid = trained_grid(read_state(path))
+    if grid is None:
+        return None
+    if master_weights:
+        return (f"note: exported the fp32 master weights; this run trained and evaluated with qwZ int{grid[0]} "
+                f"weights (block size {grid[1]}), so the export's losses differ from the run's")
+    return (f"note: exported the weights this run computed with: its qwZ int{grid[0]} grid (block size {grid[1]}), "
+            f"dequantized to fp32, so the export reproduces the run's losses; the fp32 master weights it "
+            f"optimized differ (scripts/consolidate.py --master-weights exports those)")

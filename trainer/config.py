@@ -10,6 +10,7 @@ valid ones, and every value is converted to the field's declared type or rejecte
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from typing import Any, Literal
 import yaml
 
 from models.lora import DEFAULT_TARGETS
-from zeropp.config import ZeroConfig
+from zeropp.config import TensorParallelConfig, ZeroConfig
 
 
 class ConfigError(ValueError):
@@ -83,6 +84,9 @@ class TrainSection:
     eval_batches: int = 10
     checkpoint_interval: int = 0  # 0: only at the end
     out_dir: str = "runs/default"
+    # A fresh run (no `resume`) refuses an out_dir that holds another run's checkpoints or
+    # metrics; true deletes them first (checkpoints/, metrics.jsonl, tensorboard/, hf/).
+    overwrite: bool = False
     tensorboard: bool = True
     progress_bar: bool = True
     # Peak of the hardware in TFLOP/s per rank, for MFU. On CPU a rough figure suffices.
@@ -95,6 +99,13 @@ class TrainSection:
     export_hf: bool = False
     # Also evaluate before the first step (step 0): the starting point of a fine-tune.
     eval_at_start: bool = False
+    # A step whose loss or gradient norm is not finite is skipped (no update); this many in a
+    # row stop the run with an error (the last checkpoint stays the newest).
+    max_nonfinite_steps: int = 5
+    # Seconds a collective may wait for the other ranks before this rank fails and names what
+    # it waited in: long enough for a checkpoint save or an evaluation on one rank, short
+    # enough that a dead or frozen rank ends the job in minutes, not gloo's default 30.
+    dist_timeout: float = 600.0
 
 
 @dataclass
@@ -130,10 +141,45 @@ class Config:
     optim: OptimSection = field(default_factory=OptimSection)
     train: TrainSection = field(default_factory=TrainSection)
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     finetune: FinetuneSection = field(default_factory=FinetuneSection)
     # A checkpoint directory to continue from; "latest": out_dir's latest checkpoint;
     # "auto": the latest if there is one, else start fresh (requeued jobs).
     resume: str | None = None
+
+
+# ----------------------------------------------------------------------------- values
+
+def _ranges(cfg: Config) -> list[tuple[str, float, str, bool]]:
+    """(key, value, what is expected, whether it holds) for every numeric key with a range."""
+    o, t = cfg.optim, cfg.train
+    finite = math.isfinite
+    return [
+        ("optim.lr", o.lr, "a finite number > 0", finite(o.lr) and o.lr > 0),
+        ("optim.min_lr", o.min_lr, "a finite number >= 0", finite(o.min_lr) and o.min_lr >= 0),
+        ("optim.warmup_steps", o.warmup_steps, "an integer >= 0", o.warmup_steps >= 0),
+        ("optim.weight_decay", o.weight_decay, "a finite number >= 0", finite(o.weight_decay) and o.weight_decay >= 0),
+        ("optim.beta1", o.beta1, "a number in [0, 1)", 0 <= o.beta1 < 1),
+        ("optim.beta2", o.beta2, "a number in [0, 1)", 0 <= o.beta2 < 1),
+        ("optim.eps", o.eps, "a finite number > 0", finite(o.eps) and o.eps > 0),
+        ("optim.clip_grad", o.clip_grad, "a finite number >= 0 (0 disables clipping)",
+         finite(o.clip_grad) and o.clip_grad >= 0),
+        ("train.eval_batches", t.eval_batches, "an integer >= 1", t.eval_batches >= 1),
+        ("train.checkpoint_interval", t.checkpoint_interval, "an integer >= 0 (0: only at the end)",
+         t.checkpoint_interval >= 0),
+        ("train.peak_tflops", t.peak_tflops, "a finite number > 0", finite(t.peak_tflops) and t.peak_tflops > 0),
+        ("train.max_nonfinite_steps", t.max_nonfinite_steps, "an integer >= 1", t.max_nonfinite_steps >= 1),
+        ("train.dist_timeout", t.dist_timeout, "a finite number of seconds > 0",
+         finite(t.dist_timeout) and t.dist_timeout > 0),
+    ]
+
+
+def check_values(cfg: Config) -> None:
+    """Refuse values of the right type that no run can use (a negative learning rate trains
+    backwards, eval_batches 0 crashes after the last step, before the final save)."""
+    for key, value, expected, ok in _ranges(cfg):
+        if not ok:
+            raise ConfigError(f"{key}: value {value!r} is out of range; expected {expected}")
 
 
 # ----------------------------------------------------------------------------- conversion

@@ -94,13 +94,18 @@ def slurm_rank_env(environ: dict[str, str] | os._Environ = os.environ) -> dict[s
     return env
 
 
-def init_distributed() -> DistEnv:
+DEFAULT_TIMEOUT = 600.0  # seconds; TrainSection.dist_timeout's default, for callers without a config
+
+
+def init_distributed(timeout: float | None = None) -> DistEnv:
     """Join the process group when launched with several ranks; a no-op for one process.
 
     CUDA ranks use NCCL on their local GPU; CPU ranks use gloo with one thread each, since
     several ranks share the machine's cores. Under srun (one task per rank) the Slurm
-    variables are exported as RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE first. DIST_TIMEOUT
-    (seconds) bounds how long a collective may wait for the other ranks.
+    variables are exported as RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE first. `timeout`
+    (seconds; the config's train.dist_timeout) bounds how long a collective may wait for the
+    other ranks; without one, DIST_TIMEOUT from the environment, else DEFAULT_TIMEOUT.
+    zeropp.topology gives every sub-group the same.
     """
     os.environ.update(slurm_rank_env())
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -115,14 +120,14 @@ def init_distributed() -> DistEnv:
     if world_size > 1 and not dist.is_initialized():
         if device.type == "cpu":
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        kwargs = {}
-        timeout = os.environ.get("DIST_TIMEOUT")
-        if timeout:
+        if timeout is None:
+            value = os.environ.get("DIST_TIMEOUT") or str(DEFAULT_TIMEOUT)
             try:
-                kwargs["timeout"] = timedelta(seconds=float(timeout))
+                timeout = float(value)
             except ValueError:
-                raise LauncherError(f"DIST_TIMEOUT must be a number of seconds, got {timeout!r}") from None
-        dist.init_process_group(_backend(device), rank=rank, world_size=world_size, **kwargs)
+                raise LauncherError(f"DIST_TIMEOUT must be a number of seconds, got {value!r}") from None
+        dist.init_process_group(_backend(device), rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout))
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
@@ -141,3 +146,27 @@ def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
         value = value.clone()
         dist.all_reduce(value)
     return value
+
+
+def all_gather_objects(obj) -> list:
+    """Every rank's `obj` (JSON-like), in rank order; [obj] for one process."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]
+
+
+class PeerError(RuntimeError):
+    """A collective failed because another rank died, stopped answering or raised: this rank's
+    error is a consequence, and says so, so that the failing rank's own message stands out."""
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """Whether `error` is a collective that timed out or lost its peers (gloo / NCCL)."""
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(s in text for s in (
+        "Timed out", "timed out", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
+        "NCCL communicator was aborted", "Socket Timeout"))

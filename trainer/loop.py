@@ -12,29 +12,43 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import resource
+import shutil
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from data.datasets import IGNORE_INDEX, ResumableBatchSampler
 from models.config import ModelConfig, flops_per_token
 from models.hf import load_hf_checkpoint
 from models.lora import apply_lora
-from models.transformer import Transformer, lm_loss
-from trainer.checkpoint import FULL, export_hf, load_checkpoint, read_state, resolve_checkpoint, save_checkpoint
-from trainer.config import Config, ConfigError, LoraSection, to_dict
-from trainer.distributed import DistEnv, all_reduce_sum, barrier, init_distributed
+from models.transformer import Transformer
+from trainer.checkpoint import (FULL, LATEST, CheckpointError, export_hf, export_note, load_checkpoint, read_state,
+                                recover, resolve_checkpoint, save_checkpoint)
+from trainer.config import Config, ConfigError, LoraSection, check_values, to_dict
+from trainer.distributed import (DistEnv, LauncherError, PeerError, all_gather_objects, all_reduce_sum, barrier,
+                                 init_distributed, is_peer_failure)
 from trainer.finetune_data import FinetuneData, prepare_finetuning
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, lr_at
 from trainer.preemption import PreemptionSignal, signal_number
-from trainer.pretrain_data import PretrainData, prepare_pretraining
+from trainer.pretrain_data import DataError, PretrainData, prepare_pretraining
+from data.sources import MissingKeyError
 from zeropp import build_runtime
 from zeropp.config import ZeroConfigError
+from zeropp.engine import UnsupportedModelError
+from zeropp.topology import TopologyError
+
+
+class NonFiniteError(RuntimeError):
+    """Training diverged: too many steps in a row had a non-finite loss or gradient norm, or the
+    weights themselves are not finite (then nothing is saved)."""
 
 
 @dataclass
@@ -44,6 +58,7 @@ class TrainResult:
     val_loss: float = float("nan")  # at the end
     checkpoint: Path | None = None
     preempted: bool = False  # stopped early by the scheduler's warning signal
+    skipped_steps: list[int] = field(default_factory=list)  # steps whose update was skipped (non-finite)
 
 
 def build_model_config(cfg: Config, vocab_size: int) -> ModelConfig:
@@ -102,6 +117,7 @@ def _lora_state(lora: LoraSection) -> dict | None:
 
 
 def _check(cfg: Config) -> None:
+    check_values(cfg)
     t = cfg.train
     for key, value in (("train.steps", t.steps), ("train.micro_batch_size", t.micro_batch_size),
                        ("train.grad_accum", t.grad_accum), ("train.log_interval", t.log_interval),
@@ -112,6 +128,10 @@ def _check(cfg: Config) -> None:
         raise ConfigError(f"data.valid_fraction must be in (0, 1), got {cfg.data.valid_fraction}")
     try:
         cfg.zero_optimization.validate()
+        cfg.tensor_parallel.validate()
+        if cfg.tensor_parallel.size > 1 and cfg.finetune.lora.r:
+            raise ZeroConfigError("tensor_parallel.size > 1 does not slice LoRA adapters; use finetune.lora.r 0 or "
+                                  "tensor_parallel.size 1")
     except ZeroConfigError as e:
         raise ConfigError(str(e)) from None
     try:
@@ -142,7 +162,11 @@ class Trainer:
         benchmarks pass their own to train the same model and data under FSDP2 or DeepSpeed."""
         _check(cfg)
         self.cfg = cfg
-        self.env = env or init_distributed()
+        self.phase = "startup"  # what the ranks do now: named when a collective fails
+        self.owns_group = env is None and not dist.is_initialized()
+        self.env = env or init_distributed(cfg.train.dist_timeout)
+        self.ckpt_root = Path(cfg.train.out_dir) / "checkpoints"
+        self._claim_out_dir()
         torch.manual_seed(cfg.train.seed)
         if cfg.finetune.hf_checkpoint is None:
             self.data: PretrainData | FinetuneData = prepare_pretraining(
@@ -153,7 +177,11 @@ class Trainer:
         self.model_cfg: ModelConfig = self.model.config
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.n_trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        self.runtime = build_runtime(self.model, cfg.zero_optimization, self.env.device)
+        self.runtime = build_runtime(self.model, cfg.zero_optimization, self.env.device, cfg.tensor_parallel)
+        # Data-parallel replicas read different batches; the ranks of a tensor-parallel group read
+        # the same one, so world-wide sums of per-batch counts hold each `copies` times.
+        self.dp_rank, self.dp_size = self.runtime.data_parallel
+        self.copies = self.env.world_size // self.dp_size
         # The loss is the mean over the global batch's target tokens: gradients are summed over ranks.
         self.runtime.set_gradient_divide_factor(1.0)
         self.optimizer = self.runtime.attach_optimizer(build_optimizer(self.runtime.module, cfg.optim))
@@ -161,10 +189,46 @@ class Trainer:
         self.step_timings: dict[str, float] = {}  # and the seconds it spent outside compute, by kind
         self.step = 0
         self.consumed_samples = 0
-        self.ckpt_root = Path(cfg.train.out_dir) / "checkpoints"
-        path = resolve_checkpoint(cfg.resume, cfg.train.out_dir) if cfg.resume else None
-        if path is not None:
-            self._resume(path)
+        self.nonfinite_streak = 0  # steps in a row skipped for a non-finite loss or gradient norm
+        self.last_step_skipped = False
+        self.saved: Path | None = None  # the newest checkpoint of ckpt_root this run wrote or resumed
+        self.saved_step = -1  # and its step
+        self.resumed_from: Path | None = None
+        self.notes: list[str] = []  # what startup repaired or fell back to, logged by run()
+        if cfg.resume:
+            self.phase = "resume"
+            try:
+                if self.env.is_main:
+                    self.notes += recover(self.ckpt_root)
+                barrier()
+                path = resolve_checkpoint(cfg.resume, cfg.train.out_dir, say=self.notes.append)
+                if path is not None:
+                    self._resume(path)
+            except BaseException:
+                self.runtime.close()  # nobody else will: the caller gets no Trainer
+                raise
+
+    def _claim_out_dir(self) -> None:
+        """A fresh run must not mix into another run's out_dir (`latest` moving back, metrics.jsonl
+        holding both): refuse, unless train.overwrite asks to delete the old run first."""
+        cfg, out = self.cfg, Path(self.cfg.train.out_dir)
+        if cfg.resume:
+            return
+        held = [p for p in (self.ckpt_root / LATEST, out / "metrics.jsonl") if p.is_file() and p.stat().st_size]
+        held += sorted(self.ckpt_root.glob("step_*"))[-1:]
+        if not held:
+            return
+        if not cfg.train.overwrite:
+            raise ConfigError(
+                f"train.out_dir {str(out)!r} holds another run ({', '.join(str(p) for p in held)}); continue it "
+                f"with --resume auto (or latest), start over with --train.overwrite true (deletes its checkpoints "
+                f"and metrics), or choose another --train.out_dir")
+        barrier()  # every rank has looked before rank 0 deletes
+        if self.env.is_main:
+            for path in (self.ckpt_root, out / "tensorboard", out / "hf"):
+                shutil.rmtree(path, ignore_errors=True)
+            (out / "metrics.jsonl").unlink(missing_ok=True)
+        barrier()
 
     def _build_model(self) -> Transformer:
         """A fresh model of model.preset, or finetune.hf_checkpoint's, with LoRA adapters when
@@ -213,13 +277,30 @@ class Trainer:
                 f"resume: checkpoint {path} is {fmt!r} but zero_optimization.stage {self.cfg.zero_optimization.stage} "
                 f"needs {want!r}; resume with the stage it was written with, or convert it with scripts/consolidate.py")
         state = load_checkpoint(path, self.optimizer, lambda d: self.runtime.load(d, self.optimizer), self.env.rank)
+        bad = self.nonfinite_tensors()
+        if bad:
+            raise CheckpointError(f"resume: checkpoint {path} holds non-finite values in {', '.join(bad[:5])}; "
+                                  f"resume from an earlier checkpoint")
         self.step = state["step"]
         self.consumed_samples = state["consumed_samples"]
+        self.resumed_from = path
+        if path.parent.resolve() == self.ckpt_root.resolve():
+            self.saved, self.saved_step = path, self.step
+
+    def nonfinite_tensors(self) -> list[str]:
+        """Names of weights and optimizer states that hold a NaN or an infinity, on any rank
+        (every rank calls it: one gather)."""
+        names = {p: n for n, p in self.runtime.module.named_parameters()}
+        mine = [names.get(p, "a parameter") for p in names if not torch.isfinite(p.detach()).all()]
+        mine += [f"{names.get(p, 'a parameter')}.{key}" for p, state in self.optimizer.state.items()
+                 for key, v in state.items() if torch.is_tensor(v) and v.is_floating_point()
+                 and not torch.isfinite(v).all()]
+        return [f"rank {r}: {n}" for r, part in enumerate(all_gather_objects(mine)) for n in part]
 
     @property
     def global_batch(self) -> int:
         t = self.cfg.train
-        return t.micro_batch_size * t.grad_accum * self.env.world_size
+        return t.micro_batch_size * t.grad_accum * self.dp_size
 
     def train_step(self, batches, stop: bool = False) -> tuple[float, float, bool, int]:
         """One optimizer step over `grad_accum` micro-batches; returns (loss, grad norm, whether
@@ -240,24 +321,36 @@ class Trainer:
         targets = torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in micro_batches]).tolist()  # one sync
         counts = torch.tensor([float(stop), sum(tokens.numel() for tokens, _ in micro_batches), sum(targets)],
                               dtype=torch.float64, device=self.env.device)
-        anyone_stops, n_tokens, n_targets = (round(x) for x in all_reduce_sum(counts).tolist())
+        stops, n_tokens, n_targets = all_reduce_sum(counts).tolist()
+        anyone_stops, n_tokens, n_targets = stops > 0, round(n_tokens / self.copies), round(n_targets / self.copies)
         total = torch.zeros((), device=self.env.device)
         for micro, (tokens, labels) in enumerate(micro_batches):
             with nullcontext() if micro == accum - 1 else runtime.no_sync():
                 with autocast_for(cfg.train.precision, self.env.device):
                     logits = runtime(tokens)
-                loss = lm_loss(logits, labels) * (targets[micro] / n_targets)
+                loss = runtime.lm_loss(logits, labels) * (targets[micro] / n_targets)
                 runtime.backward(loss)
             total += loss.detach()
-        grad_norm = runtime.clip_grad_norm_(cfg.optim.clip_grad if cfg.optim.clip_grad > 0 else float("inf"))
-        self.optimizer.step()
+        grad_norm = runtime.clip_grad_norm_(cfg.optim.clip_grad if cfg.optim.clip_grad > 0 else float("inf")).item()
+        loss = all_reduce_sum(total).item() / self.copies
+        # Both are global, so every rank takes the same decision: a non-finite one skips the update
+        # (the batch is consumed, the weights and optimizer state stay as they were).
+        self.last_step_skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        if not self.last_step_skipped:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_comm = runtime.ledger.totals()  # before any evaluation adds its gathers
         self.step_timings = dict(runtime.timings)
         self.step += 1
         self.consumed_samples += self.global_batch
-        loss = all_reduce_sum(total).item()
-        return loss, grad_norm.item(), anyone_stops > 0, n_tokens
+        self.nonfinite_streak = self.nonfinite_streak + 1 if self.last_step_skipped else 0
+        if self.nonfinite_streak >= cfg.train.max_nonfinite_steps:
+            raise NonFiniteError(
+                f"{self.nonfinite_streak} steps in a row (up to step {self.step}) had a non-finite loss or gradient "
+                f"norm (last: loss {loss}, grad norm {grad_norm}); their updates were skipped and nothing was saved "
+                f"from them (train.max_nonfinite_steps {cfg.train.max_nonfinite_steps}). Lower optim.lr or set "
+                f"optim.clip_grad, and resume from the last checkpoint")
+        return loss, grad_norm, anyone_stops, n_tokens
 
     def comm_scalars(self) -> dict[str, float]:
         """This rank's communication in the last step, from the runtime's ledger (MB sent), and
@@ -269,30 +362,46 @@ class Trainer:
                 "cross-node sent (MB)": sum(e["cross_node_sent"] for e in totals.values()) / 2**20,
                 **{f"{kind} (ms)": seconds * 1e3 for kind, seconds in sorted(self.step_timings.items())}}
 
+    def validation_samples(self) -> list[int]:
+        """The validation set: the first `eval_batches` global batches' worth of samples of the
+        held-out split (all of it where it is smaller). It depends on the global batch only, not
+        on how that is split over ranks, micro-batches and accumulation."""
+        return [int(i) for i in self.data.valid_indices[:self.cfg.train.eval_batches * self.global_batch]]
+
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss per target token over the first `eval_batches` micro-batches of the fixed
-        validation split (all ranks' tokens weigh the same; fine-tuning batches differ in size)."""
-        cfg = self.cfg
+        """Mean loss per target token over `validation_samples()` (all ranks' tokens weigh the
+        same; fine-tuning batches differ in size). Rank r takes slice r of each block of
+        micro_batch_size x world samples; a rank left without samples in the last block runs a
+        zero-weight forward, since a sharded runtime's forward is collective."""
+        cfg, rank, world = self.cfg, self.dp_rank, self.dp_size
+        self.phase = f"evaluation at step {self.step}"
         self.model.eval()
-        per_rank = min(cfg.train.micro_batch_size, max(1, len(self.data.valid_indices) // self.env.world_size))
-        sampler = ResumableBatchSampler(
-            self.data.valid_indices, per_rank, self.env.rank, self.env.world_size, cfg.train.seed, shuffle=False
-        )
-        batches = iter(sampler)
-        n = min(cfg.train.eval_batches, max(1, len(self.data.valid_indices) // (per_rank * self.env.world_size)))
-        total = torch.zeros(2, device=self.env.device)  # summed loss, target tokens
-        for _ in range(n):
-            tokens, labels = self.data.batch(next(batches), self.env.device)
+        samples, mbs = self.validation_samples(), cfg.train.micro_batch_size
+        total = torch.zeros(2, device=self.env.device, dtype=torch.float64)  # summed loss, target tokens
+        for start in range(0, len(samples), mbs * world):
+            block = samples[start:start + mbs * world]
+            mine = block[rank * mbs:(rank + 1) * mbs]
+            tokens, labels = self.data.batch(mine or block[:1], self.env.device)
             with autocast_for(cfg.train.precision, self.env.device):
                 logits = self.model(tokens)
-            targets = (labels != IGNORE_INDEX).sum()
-            total += torch.stack([lm_loss(logits, labels) * targets, targets.float()])
+            if mine:
+                targets = (labels != IGNORE_INDEX).sum().double()
+                total += torch.stack([self.runtime.lm_loss(logits, labels).double() * targets, targets])
         self.model.train()
         loss_sum, count = all_reduce_sum(total).tolist()
         return loss_sum / count
 
     def save(self) -> Path:
+        """Checkpoint this step (every rank calls it), unless `self.saved` already holds it: a step
+        is never saved twice. Non-finite weights are refused, so `latest` keeps naming good ones."""
+        if self.saved is not None and self.saved_step == self.step:
+            return self.saved
+        self.phase = f"checkpoint save at step {self.step}"
+        bad = self.nonfinite_tensors()
+        if bad:
+            raise NonFiniteError(f"step {self.step}: non-finite values in {', '.join(bad[:5])}; not saving them "
+                                 f"(the newest checkpoint stays {self.saved or 'the previous one'})")
         state = {
             "format": self.runtime.checkpoint_format,
             "consumed_samples": self.consumed_samples,
@@ -302,15 +411,20 @@ class Trainer:
             "tokenizer": str(self.data.tokenizer.path),
             "lora": _lora_state(self.cfg.finetune.lora),
         }
-        return save_checkpoint(self.ckpt_root, self.step, state, self.optimizer,
-                               lambda d: self.runtime.save(d, self.optimizer), self.env.rank)
+        self.saved = save_checkpoint(self.ckpt_root, self.step, state, self.optimizer,
+                                     lambda d: self.runtime.save(d, self.optimizer), self.env.rank)
+        self.saved_step = self.step
+        return self.saved
 
     def export(self, checkpoint: Path) -> Path:
         """Write the checkpoint as a Hugging Face directory, <out_dir>/hf (every rank calls it);
         LoRA adapters are merged into the base weights, so transformers loads a plain model."""
         out = Path(self.cfg.train.out_dir) / "hf"
         if self.env.is_main:
-            export_hf(checkpoint, out)
+            export_hf(checkpoint, out, as_trained=True)
+            note = export_note(checkpoint)
+            if note:
+                print(note, flush=True)
         barrier()
         return out
 
@@ -333,8 +447,13 @@ class Trainer:
                 f"world size {self.env.world_size} | global batch {self.global_batch}"
             )
             log.info(f"runtime: {self.runtime.describe()}")
+            for note in self.notes:
+                log.info(note)
+            if self.resumed_from is not None:
+                log.info(f"resumed from checkpoint {self.resumed_from} (step {self.step}, "
+                         f"{self.consumed_samples} samples consumed)")
         sampler = ResumableBatchSampler(
-            self.data.train_indices, t.micro_batch_size, self.env.rank, self.env.world_size, t.seed,
+            self.data.train_indices, t.micro_batch_size, self.dp_rank, self.dp_size, t.seed,
             consumed_samples=self.consumed_samples,
         )
         batches = iter(sampler)
@@ -344,8 +463,15 @@ class Trainer:
         self.model.train()
         window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
         while self.step < t.steps:
+            self.phase = f"training step {self.step + 1}"
             loss, grad_norm, stop, n_tokens = self.train_step(batches, preemption.received)
             result.losses[self.step] = loss
+            for note in self.runtime.take_notes():
+                log.info(note)
+            if self.last_step_skipped:
+                result.skipped_steps.append(self.step)
+                log.info(f"step {self.step}: loss {loss} / grad norm {grad_norm} is not finite: update skipped "
+                         f"({self.nonfinite_streak} in a row; at {t.max_nonfinite_steps} the run stops)")
             window_steps += 1
             window_tokens += n_tokens
             log.advance()
@@ -413,13 +539,45 @@ def cross_node_report(step: dict[str, dict], zero3: dict[str, int], runtime: str
 
 
 def train(cfg: Config) -> TrainResult:
-    trainer = Trainer(cfg)
+    trainer = None
     try:
-        result = trainer.run()
-    finally:
-        trainer.close()
+        trainer = Trainer(cfg)
+        try:
+            result = trainer.run()
+        finally:
+            trainer.close()
+    except Exception as e:
+        if not is_peer_failure(e):
+            raise
+        phase = trainer.phase if trainer is not None else "startup"
+        rank = trainer.env.rank if trainer is not None else int(os.environ.get("RANK", "0"))
+        raise PeerError(
+            f"rank {rank}: a collective failed during {phase}: another rank died, stopped responding for "
+            f"train.dist_timeout={cfg.train.dist_timeout:g} s, or failed first (its own error names the cause). "
+            f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
     if trainer.env.is_main and not result.preempted:
         print(f"validation loss {result.val_loss:.4f} | perplexity {math.exp(min(result.val_loss, 50)):.2f}")
         print(f"checkpoint: {result.checkpoint}")
     barrier()
+    if trainer.owns_group and dist.is_initialized():
+        # Gloo's threads can abort the interpreter's exit ("terminate called without an active
+        # exception") where the group outlives the run: a finished run would end with SIGABRT.
+        dist.destroy_process_group()
     return result
+
+
+# What an entry point reports in one line: the message names the key, file or rank at fault.
+USER_ERRORS = (ConfigError, DataError, CheckpointError, LauncherError, TopologyError,
+               ZeroConfigError, UnsupportedModelError, MissingKeyError, NonFiniteError, PeerError, OSError)
+
+
+def run_main(prog: str, fn, *args):
+    """Run an entry point's work: a known failure exits 1 with one line (naming the rank when there
+    are several) instead of a traceback, so on many ranks the failing rank's cause stands out
+    among the others' PeerErrors. Anything else is a bug and keeps its traceback."""
+    try:
+        return fn(*args)
+    except USER_ERRORS as e:
+        rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE", "1")
+        where = f" (rank {rank})" if rank is not None and world != "1" and not isinstance(e, PeerError) else ""
+        sys.exit(f"{prog}{where}: error: {e}")

@@ -38,8 +38,35 @@ class PretrainData:
 
     def batch(self, indices: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets of samples `indices`: each sample's first and last seq_len tokens."""
-        samples = torch.stack([self.dataset[i] for i in indices]).to(device)
+        samples = torch.stack([self.dataset[i] for i in indices])
+        check_token_ids(samples, self.tokenizer.vocab_size, self.source, indices)
+        samples = samples.to(device)
         return samples[:, :-1], samples[:, 1:]
+
+
+def check_token_ids(samples: torch.Tensor, vocab_size: int, source: str, indices: list[int]) -> None:
+    """Token ids outside the tokenizer's vocabulary (a .bin made with another tokenizer) are an
+    error naming the data, the sample and the id, not an IndexError deep in the embedding."""
+    if samples.numel() and (samples.max() >= vocab_size or samples.min() < 0):
+        row = int(((samples >= vocab_size) | (samples < 0)).any(dim=1).nonzero()[0])
+        bad = samples[row][(samples[row] >= vocab_size) | (samples[row] < 0)][0]
+        raise DataError(f"data.path {source!r}: sample {indices[row]} holds token id {int(bad)}, outside the "
+                        f"tokenizer's {vocab_size} ids: the token store was made with another tokenizer than "
+                        f"data.tokenizer (preprocess it again, or set data.tokenizer to the one it was made with)")
+
+
+def _explain(cfg: DataSection, error: ValueError) -> str:
+    """SentencePiece's and the readers' failures, said in terms of the config."""
+    text = str(error)
+    if "sentences_.empty()" in text:
+        return f"data.path {cfg.path!r} holds no text (only blank lines?): nothing to train a tokenizer on"
+    if "Vocabulary size too high" in text:
+        limit = text.rsplit("<=", 1)[-1].strip(" .")
+        return (f"data.path {cfg.path!r} is too small (or too repetitive) for data.vocab_size {cfg.vocab_size}: "
+                f"SentencePiece can make at most {limit} tokens of it; lower data.vocab_size or use more text")
+    if "UTF-8" in text:
+        return f"data.path {cfg.path!r} is not UTF-8 text (a binary file?): {text}"
+    return f"data.path {cfg.path!r}: {text}"
 
 
 def _fingerprint(path: Path) -> dict:
@@ -62,11 +89,18 @@ def prepare_pretraining(cfg: DataSection, seq_len: int, seed: int, rank: int = 0
         source = None
     else:
         source = Path(cfg.path)
+        if source.is_dir():
+            prefixes = sorted(str(p.with_suffix("")) for p in source.glob("*.idx") if p.with_suffix(".bin").is_file())
+            hint = f"; it holds the token store {prefixes[0]!r}: give that prefix" if prefixes else ""
+            raise DataError(f"data.path {cfg.path!r} is a directory (expected a text/json/jsonl file, a .bin/.idx "
+                            f"prefix, or 'default'){hint}")
         if not source.is_file():
             raise DataError(
                 f"data.path {cfg.path!r}: no such file (expected a text/json/jsonl file, "
                 f"a .bin/.idx prefix, or 'default')"
             )
+        if source.stat().st_size == 0:
+            raise DataError(f"data.path {cfg.path!r} is empty: there is no text to train on")
 
     if source is None:  # a preprocessed token store: the tokenizer must come with it
         if cfg.tokenizer is None:
@@ -89,13 +123,16 @@ def prepare_pretraining(cfg: DataSection, seq_len: int, seed: int, rank: int = 0
         spm_model = work / "tokenizer.model"
         if rank == 0 and not _is_indexed_prefix(str(prefix)):
             work.mkdir(parents=True, exist_ok=True)
-            if cfg.tokenizer is None and not spm_model.is_file():
-                spm_input = documents_as_text(source, cfg.json_key, work / "documents.txt")
-                train_sentencepiece([str(spm_input)], str(work / "tokenizer"), cfg.vocab_size)
-            tokenize_to_indexed(
-                str(source), cfg.tokenizer or str(spm_model), str(prefix), json_key=cfg.json_key,
-                workers=cfg.workers,
-            )
+            try:
+                if cfg.tokenizer is None and not spm_model.is_file():
+                    spm_input = documents_as_text(source, cfg.json_key, work / "documents.txt")
+                    train_sentencepiece([str(spm_input)], str(work / "tokenizer"), cfg.vocab_size)
+                tokenize_to_indexed(
+                    str(source), cfg.tokenizer or str(spm_model), str(prefix), json_key=cfg.json_key,
+                    workers=cfg.workers,
+                )
+            except ValueError as e:
+                raise DataError(_explain(cfg, e)) from e
         barrier()
         tokenizer = load_tokenizer(cfg.tokenizer or str(spm_model))
         indexed = IndexedDataset(str(prefix))

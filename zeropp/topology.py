@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 GROUPS = ("dp", "intra_node", "inter_node", "secondary", "tp")
@@ -39,6 +41,23 @@ def ranks_per_node_from_env(world_size: int) -> int:
     return world_size
 
 
+def world_timeout() -> timedelta | None:
+    """The default group's collective timeout (init_process_group's), or None where it cannot be
+    read: torch gives a new group its backend's default (30 minutes on gloo) unless told."""
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        device = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def new_group(ranks: list[int]):
+    """dist.new_group with the world's timeout, so a frozen peer fails every group's collectives
+    as soon as the world's (train.dist_timeout)."""
+    return dist.new_group(ranks, timeout=world_timeout())
+
+
 @dataclass
 class Mesh:
     rank: int  # this rank's index among the data-parallel ranks
@@ -47,6 +66,7 @@ class Mesh:
     secondary_size: int
     tp_size: int
     global_ranks: list[int]  # the global rank of each DP rank of this rank's dp group
+    secondary_requested: bool = False  # build_mesh was given a secondary size (hpZ)
     _members: dict[str, list[int]] = field(default_factory=dict)  # name -> DP ranks (tp: global ranks)
     _groups: dict[tuple[str, bool], object] = field(default_factory=dict)  # (name, thread) -> process group
 
@@ -85,9 +105,11 @@ class Mesh:
         return sum(self.node_of(m) != self.node for m in self._members[name])
 
     def describe(self) -> str:
+        """The layout; the secondary partition only where one was asked for (hpZ), not the
+        node-sized default plain ZeRO-3 never uses."""
         tp = f", tensor parallel {self.tp_size}" if self.tp_size > 1 else ""
-        return (f"{self.num_nodes} node(s) x {self.ranks_per_node} rank(s) per node, "
-                f"secondary partition of {self.secondary_size}{tp}")
+        sec = f", secondary partition of {self.secondary_size}" if self.secondary_requested else ""
+        return f"{self.num_nodes} node(s) x {self.ranks_per_node} rank(s) per node{sec}{tp}"
 
 
 def _blocks(name: str, world: int, rpn: int, sec: int) -> list[list[int]]:
@@ -124,13 +146,14 @@ def build_mesh(ranks_per_node: int | None = None, secondary_size: int | None = N
                             f"data-parallel world size {dp_world}")
     if thread_groups is None:
         thread_groups = dist.get_backend() == "gloo"
-    mesh = Mesh(me // tp, dp_world, rpn, sec, tp, [r * tp + tp_index for r in range(dp_world)])
+    mesh = Mesh(me // tp, dp_world, rpn, sec, tp, [r * tp + tp_index for r in range(dp_world)],
+                secondary_requested=secondary_size is not None)
     mesh._members["tp"] = [mesh.rank * tp + t for t in range(tp)]
     # new_group is collective over the whole world: every rank creates every group of every tp index.
     for thread in (False, True) if thread_groups else (False,):
         if tp > 1:
             for d in range(dp_world):
-                group = dist.new_group([d * tp + t for t in range(tp)])
+                group = new_group([d * tp + t for t in range(tp)])
                 if d == mesh.rank:
                     mesh._groups["tp", thread] = group
         for name in GROUPS[:-1]:
@@ -141,7 +164,7 @@ def build_mesh(ranks_per_node: int | None = None, secondary_size: int | None = N
             for t in range(tp):
                 for block in _blocks(name, dp_world, rpn, sec):
                     group = dist.group.WORLD if (tp == 1 and name == "dp" and not thread) else \
-                        dist.new_group([d * tp + t for d in block])
+                        new_group([d * tp + t for d in block])
                     if t == tp_index and mesh.rank in block:
                         mesh._groups[name, thread], mesh._members[name] = group, block
     return mesh
