@@ -1,8 +1,10 @@
-"""Export a model as low-bit safetensors or GGUF (Q8_0 / Q4_0), from our own block quantization.
+"""Export a model as low-bit safetensors, GGUF (Q8_0 / Q4_0) or compressed-tensors (int, group scales: what
+transformers and vLLM load), from our own block quantization.
 
     python scripts/export_quantized.py runs/x/checkpoints runs/x/int4 --format safetensors
     python scripts/export_quantized.py runs/x/checkpoints runs/x/model-q8.gguf --format gguf --bits 8
     python scripts/export_quantized.py path/to/hf-llama out.gguf --format gguf --bits 4 --block-size 32
+    python scripts/export_quantized.py runs/x/checkpoints runs/x/w4-ct --format compressed-tensors --bits 4
 
 CHECKPOINT: one of our training checkpoints (a step dir, or a run's checkpoints/ dir for its
 latest; full or ZeRO-3 sharded), a Hugging Face model dir, or a low-bit export dir. A
@@ -15,6 +17,7 @@ import argparse
 import sys
 
 from export import export_gguf, export_lowbit, gguf_qtype, load_source
+from export.compressed import export_compressed_tensors
 from trainer.checkpoint import CheckpointError
 
 
@@ -22,7 +25,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint")
     parser.add_argument("out", help="output directory (safetensors) or .gguf file; an existing one is replaced")
-    parser.add_argument("--format", choices=("safetensors", "gguf"), required=True)
+    parser.add_argument("--format", choices=("safetensors", "gguf", "compressed-tensors"), required=True)
     parser.add_argument("--bits", type=int, help="8, 6, 4, 3 or 2 (GGUF: 8 or 4); default: the qwZ bits "
                                                  "the checkpoint was trained with")
     parser.add_argument("--block-size", type=int, help="elements per scale; default: the checkpoint's qwZ "
@@ -47,6 +50,9 @@ def main(argv=None) -> None:
         if args.format == "gguf":
             out = export_gguf(model, model.config, args.out, gguf_qtype(bits), tokenizer, block_size,
                               vectors_on_grid=vectors)
+        elif args.format == "compressed-tensors":
+            out = export_compressed_tensors(model, model.config, args.out, bits, block_size, tokenizer,
+                                            vectors_on_grid=vectors)
         else:
             out = export_lowbit(model, model.config, args.out, bits, block_size, tokenizer, vectors_on_grid=vectors)
     except (ValueError, FileNotFoundError, FileExistsError, IsADirectoryError, CheckpointError) as e:

@@ -1,0 +1,130 @@
+"""compressed-tensors export: a Hugging Face directory whose linear layers are weight-only int quantized with
+group scales (format `pack-quantized`), the format transformers (with the `compressed-tensors` package) and
+vLLM load. Built from our codes, as the GGUF export is, so a qwZ checkpoint serves unchanged.
+
+Per quantized layer (every Linear of the blocks) model.safetensors holds `<module>.weight_packed` (int32
+[out, ceil(in * bits / 32)]: the unsigned codes q + 2**(bits-1) of each row packed densely, element i at bit
+i * bits, as compressed-tensors' pack_to_int32 writes them), `<module>.weight_scale` (fp32 [out, in / g]) and
+`<module>.weight_shape` ([out, in]); the scheme is symmetric (no zero point), strategy `group`.
+
+Our blocks run along W.reshape(-1) (row-major [out, in]), so a block may end inside a row or span several
+rows; compressed-tensors' groups run along each row. With g = gcd(in, block_size) every group of g lies inside
+one of our blocks, and takes that block's scale: exact for any block size (g = block_size when rows are a
+multiple of it; g = in when a block spans whole rows). Scales are stored as fp32 (the fp16 values exactly):
+compressed-tensors dequantizes in the scale's dtype, and q * s in fp16 would round.
+
+Dense in the export, with their values on the grid (what a qwZ forward computes with): the embeddings, the
+LM head and OPT's project_in / project_out (listed in `ignore`); vectors in fp32 (on the grid with
+`vectors_on_grid`). GPT-2 is refused: HF stores its layers as Conv1D ([in, out]), which the format's schemes
+(nn.Linear along the input dim) do not describe.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from export.quantized import _check_bits, _check_vocab, _fp32_weights, _tokenizer, is_quantized, on_grid
+from kernels import pack_codes, quantize, unpack_codes
+from models.config import ModelConfig
+from models.hf import config_to_hf, replace_output, to_hf_state_dict
+from zeropp.quantized import WEIGHT_SCALE_DTYPE
+
+FORMAT = "pack-quantized"
+_EMBEDDINGS = ("embed.tokens.weight", "embed.positions.weight")  # nn.Embedding in transformers: no "Linear" match
+PACK = 32  # compressed-tensors packs each row in runs of 32 elements (`bits` int32 words each)
+
+
+def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [rows, ceil(cols * bits / 32)] of unsigned codes [rows, cols]: our dense little-endian packing of
+    each row padded with zeros to a multiple of 32, read as int32 words (compressed-tensors' layout)."""
+    rows, cols = codes.shape
+    padded = torch.nn.functional.pad(codes, (0, -cols % PACK))
+    out = torch.empty(padded.numel() * bits // 8, dtype=torch.uint8)
+    words = pack_codes(padded.reshape(-1).contiguous(), bits, out).view(torch.int32).view(rows, -1)
+    return words[:, :math.ceil(cols * bits / 32)].contiguous()
+
+
+def _layer(weight: torch.Tensor, bits: int, block_size: int) -> tuple[dict[str, torch.Tensor], int]:
+    """(the serialized tensors of one Linear weight [out, in], its group size)."""
+    rows, cols = weight.shape
+    q = quantize(weight.reshape(-1), bits, block_size, scale_dtype=WEIGHT_SCALE_DTYPE)
+    codes = unpack_codes(q.codes, bits)[:weight.numel()].view(rows, cols)
+    group = math.gcd(cols, block_size)
+    start = torch.arange(rows).unsqueeze(1) * cols + torch.arange(cols // group).unsqueeze(0) * group
+    return {"weight_packed": pack_rows(codes, bits), "weight_scale": q.scales[start // block_size].float(),
+            "weight_shape": torch.tensor([rows, cols])}, group
+
+
+def _scheme(targets: list[str], bits: int, group: int) -> dict:
+    return {"targets": targets, "format": FORMAT, "input_activations": None, "output_activations": None,
+            "weights": {"num_bits": bits, "type": "int", "symmetric": True, "strategy": "group",
+                        "group_size": group, "dynamic": False, "actorder": None, "block_structure": None,
+                        "observer": "minmax", "observer_kwargs": {}}}
+
+
+def export_compressed_tensors(weights, config: ModelConfig, out_dir, bits: int, block_size: int = 256,
+                              tokenizer_dir=None, *, vectors_on_grid: bool = False) -> Path:
+    """Write a compressed-tensors (pack-quantized, int `bits`, group scales) Hugging Face directory, atomically.
+
+    `weights`: a Transformer or its state dict. `tokenizer_dir`: a SentencePiece .model file or a tokenizer
+    directory, saved beside the weights (its special ids go to config.json); None writes no tokenizer.
+    """
+    out_dir = Path(out_dir)
+    _check_bits(bits, block_size)
+    if config.arch == "gpt2":
+        raise ValueError("compressed-tensors export: transformers stores GPT-2's layers as Conv1D ([in, out] "
+                         "weights), which compressed-tensors' schemes (nn.Linear, groups along the input dim) do not "
+                         "describe; use the GGUF or low-bit export for GPT-2")
+    state = _fp32_weights(weights, config)
+    tokenizer = None
+    if tokenizer_dir is not None:
+        tokenizer = _tokenizer(tokenizer_dir)
+        _check_vocab(tokenizer, config)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} exists and is not a directory")
+
+    tensors, groups, ignore = {}, {}, {"score" if config.num_labels else "lm_head"}
+    for name, t in state.items():
+        hf = to_hf_state_dict({name: t}, config)  # one tensor; none for a tied head (transformers ties it)
+        for hf_name, value in hf.items():
+            module = hf_name.removesuffix(".weight")
+            if is_quantized(t) and name.startswith("blocks."):  # a Linear of the blocks
+                layer, group = _layer(value, bits, block_size)
+                tensors.update({f"{module}.{key}": v for key, v in layer.items()})
+                groups.setdefault(group, []).append(module)
+                continue
+            if is_quantized(t) and name not in _EMBEDDINGS:  # the head, OPT's project_in / project_out
+                ignore.add(module)
+            tensors[hf_name] = on_grid(value, bits, block_size) if is_quantized(t) or vectors_on_grid \
+                else value.contiguous()
+    schemes = {f"group_{i}": _scheme(["Linear"] if len(groups) == 1 else sorted(modules), bits, group)
+               for i, (group, modules) in enumerate(sorted(groups.items()))}
+    token_ids = None if tokenizer is None else {
+        "bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+    hf_config = config_to_hf(config, torch.float32, token_ids)
+    hf_config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": FORMAT, "quantization_status": "compressed",
+        "config_groups": schemes, "ignore": sorted(ignore), "kv_cache_scheme": None,
+        "global_compression_ratio": None}
+    hf_config["zeropp_quantization_block_size"] = block_size  # provenance; transformers keeps it as an attribute
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        replace_output(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
