@@ -158,7 +158,7 @@ def _memory_mb(device: torch.device) -> float:
 
 class Trainer:
     def __init__(self, cfg: Config, env: DistEnv | None = None, build_runtime=build_runtime):
-        """build_runtime(model, cfg.zero_optimization, device) -> zeropp.runtime.Runtime; the
+        """build_runtime(model, cfg.zero_optimization, device, cfg.tensor_parallel) -> zeropp.runtime.Runtime; the
         benchmarks pass their own to train the same model and data under FSDP2 or DeepSpeed."""
         _check(cfg)
         self.cfg = cfg

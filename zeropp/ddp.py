@@ -28,7 +28,7 @@ from zeropp.config import ZeroConfig
 from zeropp.engine import partition_units, unit_numels, zero3_cross_node_bytes
 from zeropp.runtime import Runtime, Timings
 from zeropp.separate import Separate
-from zeropp.topology import Mesh, build_mesh
+from zeropp.topology import Mesh, build_mesh, new_group
 
 
 class DDPRuntime(Runtime):
@@ -67,8 +67,10 @@ class DDPRuntime(Runtime):
         if compression.method == "powersgd":
             # Its own group: the hook chains all-reduces in gloo's callbacks, which must not
             # interleave with DDP's own all-reduces (the unused-parameter map) on the default group.
+            tp, dp = self.mesh.tp_size, self.mesh.world_size  # one group per tensor-parallel index (collective)
+            groups = [new_group([d * tp + t for d in range(dp)]) for t in range(tp)]
             self._powersgd = powerSGD_hook.PowerSGDState(
-                process_group=dist.new_group(), matrix_approximation_rank=compression.powersgd_rank,
+                process_group=groups[dist.get_rank() % tp], matrix_approximation_rank=compression.powersgd_rank,
                 start_powerSGD_iter=2, random_seed=compression.seed)
             self._ddp.register_comm_hook(self._powersgd, self._powersgd_hook)
         elif compression.separate:

@@ -70,6 +70,8 @@ class QuantizedReduce(GradientReducer):
             error = self.errors.get(unit)
             if error is None:
                 error = self.errors[unit] = torch.zeros(grad.numel(), dtype=torch.float32, device=grad.device)
+            # A step skipped for non-finite gradients left non-finite residuals: drop those (no sync).
+            torch.nan_to_num_(error, nan=0.0, posinf=0.0, neginf=0.0)
             grad.add_(error)  # grad is the engine's scratch buffer of this backward
         return self.comm.quantized_reduce_scatter(shard, grad, self.bits, self.block_size, hops=self.hops,
                                                   stages=self.stages, tag=TAG, async_op=async_op, error=error)

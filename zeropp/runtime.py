@@ -4,7 +4,7 @@ The trainer builds a runtime from the config (`build_runtime`: plain DDP for
 `zero_optimization.stage: 0`, our ZeRO-3 / ZeRO++ engine for `stage: 3`; the benchmarks add
 FSDP2 and DeepSpeed) and from then on uses only this:
 
-    runtime = build_runtime(model, cfg.zero_optimization, device)
+    runtime = build_runtime(model, cfg.zero_optimization, device, cfg.tensor_parallel)
     optimizer = runtime.attach_optimizer(build_optimizer(runtime.module, cfg.optim))
     runtime.set_gradient_divide_factor(1.0)     # the loss is already the global mean
     for micro-batch:

@@ -165,6 +165,7 @@ class _EngineStep:
 
     def __init__(self, runtime: DeepSpeed, ds_optimizer):
         self.runtime, self.param_groups = runtime, ds_optimizer.param_groups
+        self.state: dict = {}  # DeepSpeed keeps its states in its own flat partitions, not per parameter
 
     def step(self) -> None:
         self.runtime.engine.step()
@@ -194,7 +195,7 @@ def worker(argv: list[str]) -> int:
     key, cfg = argv[0], parse_args(argv[1:])
     _, family, peer_options = RUNTIMES[key]
     peer = {"fsdp2": FSDP2, "deepspeed": DeepSpeed}[family]
-    trainer = Trainer(cfg, build_runtime=lambda model, zero_cfg, device: peer(model, cfg, **peer_options))
+    trainer = Trainer(cfg, build_runtime=lambda model, zero_cfg, device, tp: peer(model, cfg, **peer_options))
     try:
         trainer.run()
     finally:

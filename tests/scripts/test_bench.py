@@ -216,7 +216,7 @@ def _peer_losses(rank, world, family, argv, resume_argv=None):
     for args in filter(None, (argv, resume_argv)):
         cfg = parse_args(args)
         peer = {"fsdp2": peers.FSDP2, "deepspeed": peers.DeepSpeed}.get(family)
-        trainer = Trainer(cfg, **({"build_runtime": lambda model, zero, device: peer(model, cfg)} if peer else {}))
+        trainer = Trainer(cfg, **({"build_runtime": lambda model, zero, device, tp: peer(model, cfg)} if peer else {}))
         try:
             out.append(trainer.run().losses)
         finally:
@@ -268,3 +268,24 @@ def test_a_benchmark_script_runs_standalone(tmp_path):
                           timeout=300)
     assert proc.returncode == 0 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout[-2000:]
     assert json.loads((tmp_path / "kernel_bandwidth.json").read_text())["sizes"] == [1 << 20]
+
+
+def test_tensor_parallel_plans_run_keys_and_skips(monkeypatch, tmp_path):
+    """The AccTFM benchmark's plans (quick: one rate; full: both rates, every part of AccTFM), its run keys,
+    and why it skips (no root for the cluster, no Tiny Shakespeare), without running a job."""
+    from scripts.bench import tensor_parallel as tp
+
+    quick, full = tp.resolve(_args("tensor_parallel", "--quick")), tp.resolve(_args("tensor_parallel"))
+    assert quick["rates"] == ["100mbit"] and set(full["rates"]) == {"1gbit", "100mbit"}
+    assert {"plain", "k2", "k4", "topk", "q4", "topk-q4", "full"} <= set(full["runs"]) and "full" in quick["runs"]
+    assert tp.parse_key("plain", full)[1] == {"size": 2}
+    assert tp.parse_key("full", full, best_k=4)[1] == {"size": 2, "partitions": 4, "topk_keep_ratio": 0.5,
+                                                        "quantize_bits": 4}
+    assert tp.parse_key("single", full)[1] == {"size": 1}
+    with pytest.raises(ValueError):
+        tp.parse_key("k3", full)
+    monkeypatch.setattr(runner, "cluster_unavailable", lambda: "root (run as root)")
+    result = tp.run(_args("tensor_parallel", "--quick", "--data", str(tmp_path / "missing.txt")), progress=lambda s: None)
+    assert not result["rows"] and "root" in result["timing_skipped"] and "not found" in result["convergence_skipped"]
+    text = suite.markdown("tensor_parallel", result, {})
+    assert "Timing part skipped" in text and "Convergence part skipped" in text
