@@ -344,7 +344,7 @@ def consolidated_model(path: Path, as_trained: bool = False) -> Transformer:
     lora = state.get("lora")
     if lora:
         apply_lora(model, lora["targets"], lora["r"], lora["alpha"])
-    dp_format, _, tensor_parallel = state.get("format", FULL).partition("+tp")
+    dp_format, tensor_parallel, _ = state.get("format", FULL).partition("+tp")
 
     def read(directory: Path) -> dict[str, torch.Tensor]:
         if dp_format == SHARDED:

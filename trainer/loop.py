@@ -272,7 +272,12 @@ class Trainer:
             raise ConfigError(f"resume: checkpoint {path} has LoRA adapters {saved.get('lora')}, this run "
                               f"{_lora_state(self.cfg.finetune.lora)} (finetune.lora); resume with the same ones")
         fmt, want = saved.get("format", FULL), self.runtime.checkpoint_format
-        if fmt != want:
+        if "+tp" in fmt and "+tp" not in want:
+            raise ConfigError(f"resume: checkpoint {path} was written with tensor parallelism; resume it with "
+                              f"tensor_parallel.size > 1 (any size re-slices it), or consolidate it with "
+                              f"scripts/consolidate.py")
+        # A tensor-parallel runtime loads any tensor-parallel size, and plain checkpoints (size 1).
+        if fmt.partition("+tp")[0] != want.partition("+tp")[0]:
             raise ConfigError(
                 f"resume: checkpoint {path} is {fmt!r} but zero_optimization.stage {self.cfg.zero_optimization.stage} "
                 f"needs {want!r}; resume with the stage it was written with, or convert it with scripts/consolidate.py")

@@ -233,6 +233,58 @@ def consolidated_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def unsharded_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every parameter (under its first name) and its optimizer states ("<param>.<state>"),
+    unsharded, as the full format names them; needs no process group."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    reader = _ShardReader(directory, manifest)
+    out = {}
+    for name, layout in manifest["units"].items():
+        flats = {"": reader.read(name, "master", 0, layout["numel"])}
+        states = reader.states(name)
+        flats.update({f".{key}": reader.read(name, key, 0, layout["numel"]) for key, scalar in states.items()
+                      if not scalar})
+        for p in layout["params"]:
+            numel = int(torch.Size(p["shape"]).numel())
+            for suffix, flat in flats.items():
+                if suffix and not p["trainable"]:
+                    continue
+                out[p["name"] + suffix] = flat[p["offset"]:p["offset"] + numel].view(p["shape"]).clone()
+            if p["trainable"]:
+                out.update({f"{p['name']}.{key}": reader.scalar(name, key) for key, scalar in states.items() if scalar})
+    return out
+
+
+def load_unsharded(engine, tensors: dict[str, torch.Tensor], optimizer) -> None:
+    """Set the engine's shards and their optimizer states from unsharded tensors named as
+    `unsharded_tensors` names them (e.g. re-sliced for another tensor-parallel layout)."""
+    for unit in engine.units.values():
+        lo, hi = unit.shard_start, unit.shard_start + unit.shard_numel
+        flats: dict[str, torch.Tensor] = {}
+        scalars: dict[str, torch.Tensor] = {}
+        for slot in unit.slots:
+            for key, tensor in tensors.items():
+                if key != slot.name and not key.startswith(slot.name + "."):
+                    continue
+                suffix = key[len(slot.name):]
+                if "." in suffix[1:]:  # another parameter whose name starts with this one's
+                    continue
+                if suffix and tensor.dim() == 0:
+                    scalars[suffix[1:]] = tensor
+                    continue
+                flat = flats.setdefault(suffix, torch.zeros(unit.padded_numel))
+                flat[slot.offset:slot.offset + slot.numel] = tensor.reshape(-1)
+        if "" not in flats:
+            raise CheckpointError(f"unit {unit.name}: no weights among the tensors to load")
+        unit.load_master_shard(flats[""][lo:hi])
+        for start, piece, _ in _piece_states(unit, optimizer):
+            state = {k[1:]: flat[lo:hi][start:start + piece.numel()].clone() for k, flat in flats.items() if k}
+            state.update({k: v.clone() for k, v in scalars.items()})
+            if state:
+                optimizer.state[piece] = {k: v.to(piece.device) for k, v in state.items()}
+
+
 # ---------------------------------------------------------------------------- the full format (DDP)
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -267,12 +319,19 @@ def load_full(directory: Path, model: torch.nn.Module, optimizer) -> None:
     """Load the unsharded form into the model and its optimizer."""
     path = Path(directory)
     weights = read_safetensors(path / "model.safetensors")
+    states = read_safetensors(path / "optimizer.safetensors")
+    load_full_tensors(model, optimizer, weights, states, where=path)
+
+
+def load_full_tensors(model: torch.nn.Module, optimizer, weights: dict[str, torch.Tensor],
+                      states: dict[str, torch.Tensor], where: Path | str = "tensors") -> None:
+    """Parameters and buffers by name, optimizer states as "<param>.<state>", into the model."""
     expected = model_tensors(model)
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
     if missing or unexpected:
         raise CheckpointError(
-            f"{path / 'model.safetensors'} does not match the model: "
+            f"{where}: the weights do not match the model: "
             f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
             f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
         )
@@ -283,17 +342,15 @@ def load_full(directory: Path, model: torch.nn.Module, optimizer) -> None:
             target = params.get(name, buffers.get(name))
             if target.shape != tensor.shape:
                 raise CheckpointError(
-                    f"{path / 'model.safetensors'}: tensor {name} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(target.shape)}"
+                    f"{where}: tensor {name} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
                 )
             target.copy_(tensor)
 
     by_param: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in read_safetensors(path / "optimizer.safetensors").items():
+    for key, tensor in states.items():
         name, state_key = key.rsplit(".", 1)
         if name not in params:
-            raise CheckpointError(f"{path / 'optimizer.safetensors'}: state {key} names no parameter of "
-                                         f"the model")
+            raise CheckpointError(f"{where}: optimizer state {key} names no parameter of the model")
         by_param.setdefault(name, {})[state_key] = tensor
     for name, entries in by_param.items():
         optimizer.state[params[name]] = {k: v.to(params[name].device) for k, v in entries.items()}

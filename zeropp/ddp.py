@@ -22,7 +22,8 @@ from safetensors.torch import save_file
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from zeropp.checkpoint import FULL, CheckpointError, load_full, read_safetensors, save_full
+from zeropp.checkpoint import (FULL, CheckpointError, load_full, load_full_tensors, model_tensors, read_safetensors,
+                               save_full)
 from zeropp.comm import Comm, CommLedger
 from zeropp.config import ZeroConfig
 from zeropp.engine import partition_units, unit_numels, zero3_cross_node_bytes
@@ -126,6 +127,11 @@ class DDPRuntime(Runtime):
         if self.compressor is not None:  # each rank's error buffers and round counters
             state = {k: v.detach().cpu().contiguous() for k, v in self.compressor.state_dict().items()}
             save_file(state, str(self._compressor_file(directory)), metadata={"world_size": str(self.world_size)})
+
+    def load_unsharded(self, tensors, optimizer) -> None:
+        weights = model_tensors(self.module)
+        load_full_tensors(self.module, optimizer, {k: v for k, v in tensors.items() if k in weights},
+                          {k: v for k, v in tensors.items() if k not in weights})
 
     def load(self, directory, optimizer) -> None:
         load_full(directory, self.module, optimizer)

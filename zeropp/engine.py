@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zeropp.checkpoint import SHARDED, load_shards, save_shards
+from zeropp.checkpoint import SHARDED, load_shards, load_unsharded, save_shards
 from zeropp.comm import Comm
 from zeropp.config import DTYPES, ZeroConfig, ZeroConfigError
 from zeropp.quantized import PlainCodec, QuantizedCodec
@@ -557,6 +557,9 @@ class Zero3Engine(Runtime):
 
     def load(self, directory, optimizer: torch.optim.Optimizer) -> None:
         load_shards(self, Path(directory), optimizer)
+
+    def load_unsharded(self, tensors, optimizer) -> None:
+        load_unsharded(self, tensors, optimizer)
 
     def describe(self) -> str:
         return f"{self.config.describe()}, gradients by {self.reducer.describe()} | topology: {self.mesh.describe()}"

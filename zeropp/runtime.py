@@ -131,6 +131,11 @@ class Runtime:
         """Restore what `save` wrote (every rank calls it)."""
         raise NotImplementedError
 
+    def load_unsharded(self, tensors: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+        """Set the weights and optimizer states from unsharded tensors: parameters by name, states as
+        "<param>.<state>" (a checkpoint consolidated and re-sliced for another tensor-parallel size)."""
+        raise NotImplementedError
+
     @contextmanager
     def inference_weights(self, max_bytes: int | None = None):
         """Context for no-grad forwards of `self.module` (generation): the full weights are made

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from models.transformer import MLP, Attention, Transformer, apply_rope
 from zeropp import acctfm
-from zeropp.checkpoint import FULL
+from zeropp.checkpoint import FULL, SHARDED, read_safetensors, unsharded_tensors
 from zeropp.comm import CommLedger
 from zeropp.config import TensorParallelConfig, ZeroConfig
 from zeropp.runtime import Runtime
@@ -491,7 +491,7 @@ class TensorParallelRuntime(Runtime):
         self.module, self.mesh = model, mesh
         self.ledger = self.tp.ledger = self.inner.ledger
         self.timings = self.inner.timings
-        self.checkpoint_format = f"{self.inner.checkpoint_format}+tp{size}"
+        self.checkpoint_format = f"{self.inner.checkpoint_format}+tp"  # loads any TP size (see load)
         self.partition_plan: list[int] | None = None  # tensor_parallel.partitions 0: planned on the first batch
         self._notes: list[str] = []
 
@@ -610,11 +610,25 @@ class TensorParallelRuntime(Runtime):
             (Path(directory) / PLAN_FILE).write_text(json.dumps({"size": self.tp.size, "dims": dims}, indent=1))
 
     def load(self, directory, optimizer) -> None:
-        path = Path(directory) / f"tp{self.tp.rank:02d}"
-        if not path.is_dir():
-            raise FileNotFoundError(f"{directory}: no tensor-parallel slice {path.name}; the checkpoint was not written "
-                                    f"with tensor_parallel.size={self.tp.size}")
-        self.inner.load(path, optimizer)
+        """Restore a checkpoint of any tensor-parallel size (a plain one is size 1): the same size
+        loads each slice as saved (the DP runtime reshards a different DP size); another size is
+        consolidated in memory and re-sliced for this rank, weights and optimizer states alike."""
+        directory = Path(directory)
+        plan_path = directory / PLAN_FILE
+        saved_size = json.loads(plan_path.read_text())["size"] if plan_path.is_file() else 1
+        if saved_size == self.tp.size:
+            self.inner.load(directory / f"tp{self.tp.rank:02d}", optimizer)
+            return
+        read = unsharded_tensors if self.inner.checkpoint_format == SHARDED else _full_tensors
+        full = consolidated_tensors(directory, read) if saved_size > 1 else read(directory)
+        mine = {}
+        for key, tensor in full.items():
+            base = key if key in self.plan else key.rsplit(".", 1)[0]  # "<param>.<optimizer state>"
+            if base in self.plan and tensor.dim() > 0:
+                dim, start, end = self.plan[base]
+                tensor = tensor.narrow(dim, start, end - start).clone()
+            mine[key] = tensor
+        self.inner.load_unsharded(mine, optimizer)
 
     @contextmanager
     def inference_weights(self, max_bytes=None):
@@ -642,9 +656,16 @@ def consolidated_tensors(directory: str | Path, read_slice) -> dict[str, torch.T
         raise FileNotFoundError(f"{directory}: no {PLAN_FILE}; not a tensor-parallel checkpoint")
     meta = json.loads(plan_path.read_text())
     slices = [read_slice(directory / f"tp{t:02d}") for t in range(meta["size"])]
-    dims = meta["dims"]
-    return {name: torch.cat([s[name] for s in slices], dim=dims[name]) if name in dims else tensor
-            for name, tensor in slices[0].items()}
+    out = {}
+    for name, tensor in slices[0].items():
+        dim = meta["dims"].get(name, meta["dims"].get(name.rsplit(".", 1)[0]))  # optimizer states too
+        out[name] = torch.cat([s[name] for s in slices], dim=dim) if dim is not None and tensor.dim() else tensor
+    return out
+
+
+def _full_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """The full (DDP) format's weights and "<param>.<state>" optimizer states."""
+    return {**read_safetensors(directory / "model.safetensors"), **read_safetensors(directory / "optimizer.safetensors")}
 
 
 def _gather_slices(tensor: torch.Tensor, dim: int, tp: TPComm) -> torch.Tensor:
