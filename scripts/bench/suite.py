@@ -9,8 +9,8 @@ every benchmark.
     python scripts/bench/NAME.py [--quick] [--out DIR] [--update-docs] [its options; --help]   # one benchmark
 
 The registry: SUITE in its run order (cheapest first), then the benchmarks that run on their own
-(memory, reduce_scatter, quantized_perplexity and separate: their sections are in docs/export.md and
-docs/separate.md). A benchmark is a
+(memory, reduce_scatter, quantized_perplexity, separate and tensor_parallel: their sections are in
+docs/export.md, docs/separate.md and docs/tensor_parallel.md). A benchmark is a
 module of this package with `TITLE` (its docs heading), `add_args(parser)` (a default that differs
 under --quick is a `Quick(full, quick)`), `run(args, progress) -> result` (a dict: `rows` are its
 table, `skipped` says why it could not run), `markdown(result)` and optionally `plots(result,
@@ -40,7 +40,7 @@ from scripts.bench.report import ROOT
 
 SUITE = ["comm_volume", "kernel_bandwidth", "ablation", "peers", "rlhf", "convergence"]  # run order: cheapest first
 DOC_ORDER = ["ablation", "peers", "comm_volume", "convergence", "kernel_bandwidth", "rlhf"]  # sections 1-6 of the docs
-BENCHMARKS = SUITE + ["memory", "reduce_scatter", "quantized_perplexity", "separate"]
+BENCHMARKS = SUITE + ["memory", "reduce_scatter", "quantized_perplexity", "separate", "tensor_parallel"]
 
 
 def module(name: str):

@@ -1,0 +1,462 @@
+"""Tensor parallelism with AccTFM (seed 004, docs/tensor_parallel.md): plain Megatron TP against AccTFM's
+pipelined and compressed all-reduces, with TP across a shaped link, and their convergence.
+
+    python scripts/bench/tensor_parallel.py                 # both parts, into runs/bench/tensor_parallel
+    python scripts/bench/tensor_parallel.py --quick         # 100 Mbit/s only, fewer runs and steps (minutes)
+    python scripts/bench/tensor_parallel.py --parts timing --rates 100mbit --runs plain k2 q4 full
+    python scripts/bench/tensor_parallel.py --parts convergence --conv-runs single plain full --conv-steps 500
+
+1. timing: `train.py` on 2 emulated nodes x 1 rank (runner.py, cluster.py) with `tensor_parallel.size 2`,
+   so the tensor-parallel group spans the shaped link (AccTFM's setting: TP across Ethernet), data
+   parallelism of size 1 (zero_optimization.stage 0), at each rate of `--rates`. Per run: the median step
+   time after the warm-up, the speedup over plain TP at that rate, the bytes per step from the ledger
+   and from the veth counters, and where the time goes (the trainer's per-step timings, e.g. "waiting for
+   tp all-reduces"; the rest is compute, quantization included, and everything else).
+2. convergence: Tiny Shakespeare (convergence.py's tiny GPT-2 and schedule) on 2 loopback ranks (TP 2,
+   unshaped), the same seed, steps and schedule for every run, plus one process without tensor
+   parallelism as the exactness anchor: final validation loss against plain TP's (target: full AccTFM
+   within 1%) and against the single process (plain TP should match it to ~1e-4).
+Every run computes in fp32 (train.precision fp32), so what plain TP all-reduces is fp32.
+
+Run keys: `plain` (partitions 1, no compression: Megatron's synchronous all-reduce), or parts joined by
+"-": `kN` (AccTFM pipelining, N = 1, 2, 4 partitions per sublayer, 0 = planned per sublayer by the
+runtime's dynamic program), `topk` (token top-k at --keep-ratio), `qB` (piecewise quantization to B bits);
+`full` = the fastest pipelining run measured at that rate (`--full-partitions` to fix it) + topk + q<--bits>;
+`k0-topk-q4` is full AccTFM with the runtime's planner choosing K per sublayer for the compressed all-reduces.
+In the convergence part `single` is one process without tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from scripts.bench import convergence, report, runner
+from scripts.bench.report import ROOT
+from scripts.bench.suite import Quick, main_one, options
+
+TITLE = "## Measured"
+DOCS = ROOT / "docs" / "tensor_parallel.md"
+STEP = runner.STEP_KEY
+TP_WAIT = "waiting for tp all-reduces"
+RUNS = ["plain", "k2", "k4", "k0", "topk", "q4", "topk-q4", "full", "k0-topk-q4"]
+QUICK_RUNS = ["plain", "k2", "q4", "full"]
+CONV_RUNS, QUICK_CONV_RUNS = ["single", "plain", "topk", "q4", "full"], ["single", "plain", "full"]
+
+
+# ---------------------------------------------------------------- the runs
+
+
+def planner_landed() -> str | None:
+    """None when `tensor_parallel.partitions 0` (planned per sublayer) is accepted and implemented, else why not."""
+    from zeropp.config import TensorParallelConfig
+
+    try:
+        TensorParallelConfig(size=2, partitions=0).validate()
+    except Exception as e:
+        return f"TensorParallelConfig.validate rejects partitions 0 ({e})"
+    import zeropp.tp
+
+    if "plan_partitions" not in inspect.getsource(zeropp.tp):
+        return ("partitions 0 passes validation but zeropp/tp.py does not plan yet (it runs every sublayer "
+                "with max(1, partitions) = 1 partition)")
+    return None
+
+
+def parse_key(key: str, plan: dict, best_k: int | None = None) -> tuple[str, dict]:
+    """(label, tensor_parallel keys) of a run key; `full` needs best_k (or plan's full_partitions)."""
+    if key == "single":
+        return "one process, no tensor parallelism (exactness anchor)", {"size": 1}
+    if key == "full":
+        k = plan["full_partitions"] if plan["full_partitions"] is not None else best_k
+        if k is None:
+            raise ValueError("run 'full' needs a measured pipelining run before it, or --full-partitions")
+        label, keys = parse_key("-".join([f"k{k}", "topk", f"q{plan['bits']}"]), plan)
+        what = "K planned per sublayer" if k == 0 else f"K={k}"
+        return (f"full AccTFM: {what} + top-k tokens {plan['keep_ratio']:g} + piecewise int{plan['bits']}"), keys
+    keys, words = {"size": 2}, []
+    for part in ([] if key == "plain" else key.split("-")):
+        if m := re.fullmatch(r"k([0124])", part):
+            keys["partitions"] = int(m.group(1))
+            words.append({"0": "pipelined, planned per sublayer", "1": "K=1 (not pipelined)"}.get(
+                m.group(1), f"pipelined K={m.group(1)}"))
+        elif part == "topk":
+            keys["topk_keep_ratio"] = plan["keep_ratio"]
+            words.append(f"top-k tokens {plan['keep_ratio']:g}")
+        elif m := re.fullmatch(r"q(\d)", part):
+            keys["quantize_bits"] = int(m.group(1))
+            words.append(f"piecewise int{m.group(1)}")
+        else:
+            raise ValueError(f"unknown run {key!r}: plain, full, single, or kN / topk / qB joined by '-'")
+    return ("plain TP (Megatron: synchronous fp32 all-reduce)" if not words else "TP 2 + " + " + ".join(words)), keys
+
+
+def tp_args(keys: dict) -> list[str]:
+    return [a for k, v in keys.items() for a in (f"--tensor_parallel.{k}", str(v))]
+
+
+def add_args(p) -> None:
+    p.add_argument("--parts", nargs="+", choices=["timing", "convergence"], default=["timing", "convergence"])
+    p.add_argument("--rates", nargs="+", default=Quick(["1gbit", "100mbit"], ["100mbit"]),
+                   help="link rates of the timing part (default %(default)s)")
+    p.add_argument("--runs", nargs="+", default=Quick(RUNS, QUICK_RUNS),
+                   help="timing runs, in order; k0 is left out while the planner has not landed (default %(default)s)")
+    p.add_argument("--conv-runs", nargs="+", default=Quick(CONV_RUNS, QUICK_CONV_RUNS),
+                   help="convergence runs (default %(default)s)")
+    p.add_argument("--steps", type=int, default=Quick(12, 5), help="steps of a timing run (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=2, help="timing steps left out of the medians (default %(default)s)")
+    p.add_argument("--keep-ratio", type=float, default=0.5, help="top-k keep ratio of topk and full (default %(default)s)")
+    p.add_argument("--bits", type=int, default=4, help="quantization bits of full (default %(default)s)")
+    p.add_argument("--full-partitions", type=int, choices=[0, 1, 2, 4],
+                   help="partitions of the full run (default: the fastest pipelining run at that rate)")
+    p.add_argument("--conv-partitions", type=int, default=2, choices=[1, 2, 4],
+                   help="partitions of the full convergence run (pipelining is exact; default %(default)s)")
+    for name, typ, default, what in [
+            ("layers", int, 4, "timing model: GPT-2 layers"), ("d-model", int, 256, "timing model width"),
+            ("heads", int, 8, "timing model heads"), ("micro-batch", int, 4, "timing sequences per step"),
+            ("seq", int, 128, "tokens per sequence (both parts)"),
+            ("conv-steps", int, Quick(300, 60), "convergence steps"), ("conv-micro-batch", int, 8, "convergence"),
+            ("eval-batches", int, 8, "convergence"), ("lr", float, 2e-3, "convergence peak"),
+            ("quiet-load", float, 1.2, "1-minute load the timing part waits to fall below"),
+            ("quiet-wait", float, Quick(600, 0), "longest wait for a quiet machine, s"),
+            ("data", Path, convergence.DATA, "Tiny Shakespeare"), ("timeout", float, 900, "per run, s")]:
+        p.add_argument(f"--{name}", type=typ, default=default, help=f"{what} (default %(default)s)")
+
+
+def resolve(args) -> dict:
+    plan = {**options(args), "data": str(args.data), "eval_interval": max(1, args.conv_steps // (4 if args.quick else 10))}
+    plan["planner"] = planner_landed()
+    planned = [k for k in plan["runs"] if "k0" in k.split("-")]
+    if plan["planner"] and planned:
+        plan["runs"] = [k for k in plan["runs"] if k not in planned]
+        plan["left_out"] = f"{', '.join(planned)} (pipelining planned per sublayer): {plan['planner']}"
+    return plan
+
+
+def timing_args(plan: dict) -> list[str]:
+    """train.py arguments of a timed job: the default corpus (4096-token vocabulary), a GPT-2 of the plan's
+    size, every step logged and nothing else in the steps, fp32 compute, DDP over a DP group of one."""
+    d = plan["d_model"]
+    return ["--config", str(ROOT / "configs" / "quickstart.yaml"), "--model.preset", "gpt2-small-cpu",
+            "--model.n_layer", str(plan["layers"]), "--model.d_model", str(d), "--model.n_head", str(plan["heads"]),
+            "--model.d_ff", str(4 * d), "--model.max_seq_len", str(plan["seq"]), "--data.seq_len", str(plan["seq"]),
+            "--data.cache_dir", str(ROOT / "cache"), "--train.micro_batch_size", str(plan["micro_batch"]),
+            "--train.steps", str(plan["steps"]), *runner.TIMED, "--train.precision", "fp32",
+            *runner.zero_args(stage=0)]
+
+
+def conv_args(plan: dict) -> list[str]:
+    """convergence.py's job (its model, data and schedule), evaluating at step 0, fp32, DDP over a DP group of one."""
+    conv = {**plan, "steps": plan["conv_steps"], "micro_batch": plan["conv_micro_batch"]}
+    return [*convergence.train_args(conv), "--train.log_interval", "1", "--train.eval_at_start", "true",
+            "--train.precision", "fp32", *runner.zero_args(stage=0)]
+
+
+class OneRankPerNode:
+    """An EmulatedCluster whose runs start one rank per node (runner.launch asks for RANKS_PER_NODE), and
+    which keeps the last run's node outputs."""
+
+    def __init__(self, cluster):
+        self._cluster, self.outputs = cluster, []
+
+    def run(self, cmd, nproc_per_node=1, **kwargs):
+        result = self._cluster.run(cmd, nproc_per_node=1, **kwargs)
+        self.outputs = result.node_outputs
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self._cluster, name)
+
+
+def plan_lines(text: str) -> list[str]:
+    """What a planned (k0) run logged of its partition plan (predicted vs measured included)."""
+    keep = [re.sub(r"^\[rank\d+\]:\s*", "", ln.strip()) for ln in text.splitlines()]
+    return [ln for ln in dict.fromkeys(keep) if re.search(r"partition plan|predicted", ln, re.I)
+            and not ln.startswith("runtime:") and "Warning" not in ln][:40]
+
+
+def summarize(row: dict, metrics: list[dict], warmup: int) -> dict:
+    """Medians and means over the steps after the warm-up."""
+    timed = metrics[warmup:] or metrics
+    row.update(step_ms=statistics.median(m[STEP] for m in timed), step_ms_mean=statistics.mean(m[STEP] for m in timed),
+               step_ms_all=[round(m[STEP], 1) for m in metrics], losses=[m["lm loss"] for m in metrics])
+    kinds = sorted({k[:-5] for m in metrics for k in m if k.endswith(" (ms)") and k != STEP})
+    row["timing_kinds"] = kinds
+    for kind in kinds:
+        row[f"{kind} ms"] = statistics.mean(m.get(f"{kind} (ms)", 0.0) for m in timed)
+    row["rest ms"] = row["step_ms_mean"] - sum(row[f"{k} ms"] for k in kinds)
+    if any("cross-node sent (MB)" in m for m in timed):  # logged in MiB
+        row["ledger_cross_mb_rank"] = statistics.median(m.get("cross-node sent (MB)", 0.0) for m in timed) * 2**20 / 1e6
+    if any("comm sent (MB)" in m for m in timed):
+        row["ledger_mb_rank"] = statistics.median(m.get("comm sent (MB)", 0.0) for m in timed) * 2**20 / 1e6
+    return row
+
+
+def run_timing(key: str, plan: dict, rate: str, cluster: OneRankPerNode, work: Path, best_k: int | None) -> dict:
+    label, keys = parse_key(key, plan, best_k)
+    out = work / f"{rate}-{key}"
+    cmd = [sys.executable, ROOT / "train.py", *timing_args(plan), "--train.out_dir", out, *tp_args(keys)]
+    load = round(os.getloadavg()[0], 2)
+    row = {"key": key, "label": label, "part": "timing", "setting": rate, "partitions": keys.get("partitions", 1),
+           "load_at_start": load, **runner.measured_launch(cmd, out / "metrics.jsonl", cluster, plan["steps"],
+                                                            plan["warmup"], plan["timeout"])}
+    row["load_at_end"] = round(os.getloadavg()[0], 2)
+    if keys.get("partitions") == 0:
+        row["plan_log"] = plan_lines("\n".join(cluster.outputs))
+    if not row["ok"]:
+        return row
+    return summarize(row, row.pop("metrics"), plan["warmup"])
+
+
+def run_convergence(key: str, plan: dict, work: Path) -> dict:
+    label, keys = parse_key(key, {**plan, "full_partitions": plan["conv_partitions"]})
+    out = work / f"conv-{key}"
+    cmd = [sys.executable, ROOT / "train.py", *conv_args(plan), "--train.out_dir", out, *tp_args(keys)]
+    start = time.monotonic()
+    rc, text = runner.launch(cmd, nproc=None if key == "single" else 2, timeout=plan["timeout"])
+    metrics = runner.read_metrics(out)
+    val = [(m["step"], m["validation loss"]) for m in metrics if "validation loss" in m]
+    steps = [m for m in metrics if STEP in m]
+    runtime = re.search(r"runtime: (.*)", text)
+    row = {"key": key, "label": label, "part": "convergence", "wall_s": time.monotonic() - start,
+           "runtime": runtime.group(1).strip() if runtime else None}
+    if rc or not val or len(steps) < plan["conv_steps"]:
+        return {**row, "ok": False, "error": f"exit {rc}: {runner.error_tail(text)}"}
+    return {**row, "ok": True, "final_val_loss": val[-1][1], "val_curve": val,
+            "final_train_loss": steps[-1]["lm loss"], "train_losses": [m["lm loss"] for m in steps],
+            "step_ms": statistics.median(m[STEP] for m in steps[1:] or steps)}
+
+
+def run(args, progress=print) -> dict:
+    plan = resolve(args)
+    for key in plan["runs"]:
+        if key != "full":
+            parse_key(key, plan)  # an unknown key fails before anything runs
+    for key in plan["conv_runs"]:
+        parse_key(key, {**plan, "full_partitions": plan["conv_partitions"]})
+    result = {"plan": plan, "rows": [], "notes": []}
+    if plan.get("left_out"):
+        result["notes"].append(f"Left out: {plan['left_out']}.")
+    with tempfile.TemporaryDirectory(prefix="bench-tensor-parallel-") as tmp:
+        if "timing" in plan["parts"]:
+            result["timing_model"] = runner.model_summary(config_args=timing_args(plan))
+            why = runner.cluster_unavailable()
+            if why:
+                result["timing_skipped"] = f"emulated cluster unavailable: {why}"
+            else:
+                from scripts.bench.cluster import EmulatedCluster
+                from scripts.bench.separate import wait_quiet
+
+                result["quiet"] = wait_quiet(plan["quiet_wait"], plan["quiet_load"], progress)
+                progress(f"  timing part starts at load {result['quiet']['load_1min']} (quiet: {result['quiet']['quiet']})")
+                for rate in plan["rates"]:
+                    with EmulatedCluster(nodes=2, rate=rate) as cluster:
+                        one = OneRankPerNode(cluster)
+                        for i, key in enumerate(plan["runs"], 1):
+                            done = [r for r in result["rows"] if r["ok"] and r.get("setting") == rate
+                                    and r["key"] in ("plain", "k1", "k2", "k4", "k0")]
+                            best_k = min(done, key=lambda r: r["step_ms"])["partitions"] if done else None
+                            if key == "full" and best_k is None and plan["full_partitions"] is None:
+                                best_k = 1
+                            result["rows"].append(row := run_timing(key, plan, rate, one, Path(tmp), best_k))
+                            progress(f"  tensor_parallel timing @ {rate} [{i}/{len(plan['runs'])}] {row['label']}: "
+                                     + (f"{row['step_ms']:.0f} ms/step, {row.get('phys_tx_mb_node', 0):.2f} MB/step on "
+                                        f"the link" if row["ok"] else row["error"]) + f" ({row['wall_s']:.0f} s)")
+        if "convergence" in plan["parts"]:
+            if not Path(plan["data"]).is_file():
+                result["convergence_skipped"] = (f"{plan['data']} not found (Tiny Shakespeare lives in ../shared/data "
+                                                 "beside the project)")
+            else:
+                result["conv_model"] = runner.model_summary(config_args=conv_args(plan))
+                for i, key in enumerate(plan["conv_runs"], 1):
+                    result["rows"].append(row := run_convergence(key, plan, Path(tmp)))
+                    progress(f"  tensor_parallel convergence [{i}/{len(plan['conv_runs'])}] {row['label']}: "
+                             + (f"final validation loss {row['final_val_loss']:.4f}" if row["ok"] else row["error"])
+                             + f" ({row['wall_s']:.0f} s)")
+    analyse(result)
+    if not result["notes"]:
+        del result["notes"]
+    return result
+
+
+def analyse(result: dict) -> None:
+    ok = [r for r in result["rows"] if r["ok"]]
+    for r in ok:
+        if r["part"] == "timing":
+            base = next((b for b in ok if b["part"] == "timing" and b["setting"] == r["setting"] and b["key"] == "plain"),
+                        None)
+            if base:
+                r["speedup"] = base["step_ms"] / r["step_ms"]
+                if r.get("phys_tx_mb_node") and base.get("phys_tx_mb_node"):
+                    r["link_ratio"] = r["phys_tx_mb_node"] / base["phys_tx_mb_node"]
+            if "wire_ms" in r:
+                r["link_busy_pct"] = 100 * r["wire_ms"] / r["step_ms"]
+        else:
+            for base in ("plain", "single"):
+                b = next((b for b in ok if b["part"] == "convergence" and b["key"] == base), None)
+                if b and b is not r:
+                    r[f"vs_{base}"] = r["final_val_loss"] / b["final_val_loss"] - 1
+                    r[f"abs_vs_{base}"] = r["final_val_loss"] - b["final_val_loss"]
+
+
+# ---------------------------------------------------------------- the report
+
+
+CONV_COLUMNS = [("label", "run", "{}"), ("final_val_loss", "final validation loss", "{:.4f}"),
+                ("vs_plain", "vs plain TP", "{:+.2%}"), ("abs_vs_single", "minus one process", "{:+.2e}"),
+                ("final_train_loss", "final training loss", "{:.4f}"), ("step_ms", "ms/step (loopback)", "{:.0f}")]
+
+
+def timing_columns(rows: list[dict]) -> list[tuple[str, str, str]]:
+    kinds = sorted({k for r in rows for k in r.get("timing_kinds", [])}, key=lambda k: (k != TP_WAIT, k))
+    return ([("label", "run", "{}"), ("step_ms", "step ms (median)", "{:.0f}"), ("speedup", "speedup vs plain TP", "{:.2f}"),
+             ("ledger_cross_mb_rank", "ledger MB/step/rank", "{:.2f}"), ("phys_tx_mb_node", "link MB/step/node (tx)", "{:.2f}"),
+             ("phys_rx_mb_node", "link MB/step/node (rx)", "{:.2f}"), ("wire_ms", "wire ms", "{:.0f}")]
+            + [(f"{k} ms", f"{k} ms", "{:.0f}") for k in kinds]
+            + [("rest ms", "rest (compute, other) ms", "{:.0f}"), ("load_at_start", "load", "{:.1f}")])
+
+
+def markdown(result: dict) -> str:
+    plan, rows, lines = result["plan"], result["rows"], []
+    timing = [r for r in rows if r["part"] == "timing"]
+    conv = [r for r in rows if r["part"] == "convergence"]
+    if result.get("timing_skipped"):
+        lines += [f"Timing part skipped: {result['timing_skipped']}.", ""]
+    if timing:
+        m, q = result["timing_model"], result["quiet"]
+        from scripts.bench.cluster import parse_rate
+
+        slow = min(plan["rates"], key=parse_rate)
+        by = {(r["setting"], r["key"]): r for r in timing if r["ok"]}
+        tokens = plan["micro_batch"] * plan["seq"]
+        allreduce_mb = 4 * tokens * m["d_model"] / 1e6
+        lines += [f"### Step time, TP 2 across the shaped link ({', '.join(plan['rates'])})", "",
+                  f"`train.py` on 2 emulated nodes x 1 rank ([cluster.md](cluster.md)), `--tensor_parallel.size 2`: the "
+                  "tensor-parallel group spans the node link, data parallelism of size 1 (`zero_optimization.stage 0`). "
+                  f"Model: GPT-2, {m['n_layer']} layers, d_model {m['d_model']}, {m['n_head']} heads, d_ff "
+                  f"{4 * m['d_model']}, vocabulary {m['vocab_size']} (the default corpus): {m['params'] / 1e6:.2f}M "
+                  f"parameters; {plan['micro_batch']}x{plan['seq']} tokens per step (both TP ranks see the same "
+                  f"batch). Compute in fp32 everywhere (`train.precision fp32`), so plain TP all-reduces fp32: each "
+                  f"sublayer's all-reduce is a [{tokens}, {m['d_model']}] tensor = {allreduce_mb:.2f} MB, "
+                  f"{4 * m['n_layer'] + 2} of them per step (forward and backward of every attention and MLP, the "
+                  "embedding's forward and the LM head input's backward), and a ring all-reduce over 2 ranks sends "
+                  "the whole tensor once. The size is chosen so that plain TP at 100 Mbit/s spends most of its step "
+                  "on the link while a step stays under a second: the all-reduces matter, as in AccTFM's setting, "
+                  "and every run takes seconds" + (
+                      f" (measured: plain TP at {slow} waits {base[TP_WAIT + ' ms']:.0f} of its {base['step_ms']:.0f} "
+                      f"ms on the all-reduces; compute and the rest take {base['rest ms']:.0f} ms)"
+                      if (base := by.get((slow, "plain"))) and TP_WAIT + " ms" in base else "") + ".", "",
+                  f"{plan['steps']} steps per run; the step time is the median of the logged "
+                  f"\"{STEP}\" after the first {plan['warmup']}; the timings (rank 0) are means over the same steps; "
+                  "\"rest\" = mean step time minus them: compute (quantization and top-k scoring included) and "
+                  "everything else. Ledger MB: what the runtime's ledger records as sent across nodes by one rank per "
+                  "step (the TP all-reduces; the vocabulary-parallel loss' and grad-norm's few bytes are not in it). "
+                  "Link MB: the node veth counters between those steps, mean over the 2 nodes; wire ms = the busier "
+                  "direction's bytes at the tbf rate. \"full\" uses the partitions of the fastest pipelining run at "
+                  "that rate" + (f" (fixed: {plan['full_partitions']})" if plan["full_partitions"] is not None else "")
+                  + ". The timed part started at 1-minute load "
+                  f"{q['load_1min']} after waiting {q['waited_s']} s"
+                  + ("" if q["quiet"] else f" (NOT quiet: {'; '.join(q['busy']) or 'load'})") + "; the load column "
+                  "is the 1-minute load when each run started (2 cores: above ~1 the runs share them with others).", ""]
+        cols = timing_columns(timing)
+        for rate in plan["rates"]:
+            at = [r for r in timing if r["setting"] == rate]
+            if at:
+                lines += [f"**{rate}**", "", *report.md_table(at, cols), ""]
+        for rate in plan["rates"]:
+            full, pipe = by.get((rate, "full")), [r for r in timing if r["ok"] and r["setting"] == rate
+                                                  and r["key"] in ("k2", "k4", "k0")]
+            comp = [r for r in timing if r["ok"] and r["setting"] == rate and r["key"] in ("topk", "q4", "topk-q4")]
+            bits = []
+            if pipe:
+                bits.append("pipelining " + ", ".join(f"{r['speedup']:.2f}x ({r['key']})" for r in pipe if "speedup" in r))
+            if comp:
+                bits.append("compression " + ", ".join(f"{r['speedup']:.2f}x ({r['key']})" for r in comp if "speedup" in r))
+            if full and "speedup" in full:
+                bits.append(f"full AccTFM {full['speedup']:.2f}x (K={full['partitions']})")
+            if (planned := by.get((rate, "k0-topk-q4"))) and "speedup" in planned:
+                bits.append(f"full AccTFM with planned K {planned['speedup']:.2f}x")
+            if bits:
+                lines.append(f"- {rate}: " + "; ".join(bits) + " over plain TP (paper, 10 Gbit/s Ethernet: 1.11-1.32x "
+                             "from pipelining, 1.21-1.89x from compression, up to 2.08x together).")
+        for key in ("full", "k0-topk-q4"):
+            full = by.get((slow, key))
+            if full and "speedup" in full:
+                lines.append(f"- Goal: full AccTFM >= 1.8x plain TP at {slow}: {full['label']} "
+                             f"{full['speedup']:.2f}x, {'met' if full['speedup'] >= 1.8 else '**not met**'}.")
+        planned = [r for r in timing if r.get("plan_log")]
+        if planned:
+            lines += ["", "The partition plans the planned runs logged (K per sublayer, as the runtime prints them):", "", "```"]
+            for r in planned:
+                lines += [f"# {r['key']} @ {r['setting']}", *r["plan_log"]]
+            lines += ["```"]
+        lines.append("")
+    if result.get("convergence_skipped"):
+        lines += [f"Convergence part skipped: {result['convergence_skipped']}.", ""]
+    if conv:
+        m = result["conv_model"]
+        lines += ["### Convergence on Tiny Shakespeare (2 loopback ranks, TP 2)", "",
+                  f"convergence.py's tiny GPT-2 ({m['n_layer']} layers, d_model {m['d_model']}, {m['n_head']} heads, "
+                  f"vocabulary {m['vocab_size']}: {m['params'] / 1e6:.2f}M parameters), {plan['conv_micro_batch']}x"
+                  f"{plan['seq']} tokens per step, {plan['conv_steps']} steps, AdamW, lr {plan['lr']:g} with warm-up "
+                  f"and cosine decay, the same seed (initial weights, batches) for every run; validation loss at step "
+                  f"0 and every {plan['eval_interval']} steps on {plan['eval_batches']} batches. TP 2 on 2 loopback "
+                  "ranks (no shaping), fp32 compute; \"one process\" is the same job without tensor parallelism, "
+                  f"the exactness anchor. The full run uses K = {plan['conv_partitions']} (pipelining only reorders "
+                  "work).", "", *report.md_table(conv, CONV_COLUMNS), ""]
+        by = {r["key"]: r for r in conv if r["ok"]}
+        if "plain" in by and "abs_vs_single" in by["plain"]:
+            d = by["plain"]["abs_vs_single"]
+            lines.append(f"- Plain TP vs one process, final validation loss: {d:+.2e} (expected ~1e-4 or less: "
+                         f"{'met' if abs(d) <= 1e-4 else '**not met**'}).")
+        for key in ("topk", "q4", "topk-q4", "full"):
+            if key in by and "vs_plain" in by[key]:
+                v = by[key]["vs_plain"]
+                lines.append(f"- {by[key]['label']}: {v:+.2%} from plain TP" + (
+                    f" (target: within 1%: {'met' if abs(v) <= 0.01 else '**not met**'})." if key == "full" else "."))
+        if plan["conv_steps"] < 200:
+            lines.append(f"- Only {plan['conv_steps']} steps (`--quick`): judge the 1% target on the full run.")
+    return "\n".join(lines).rstrip()
+
+
+def plots(result: dict, out_dir: Path) -> list[Path]:
+    plt, paths = report.pyplot(), []
+    timing = [r for r in result["rows"] if r["ok"] and r["part"] == "timing"]
+    conv = [r for r in result["rows"] if r["ok"] and r["part"] == "convergence"]
+    if timing:
+        rates = [rate for rate in result["plan"]["rates"] if any(r["setting"] == rate for r in timing)]
+        fig, axes = plt.subplots(1, len(rates), figsize=(6.5 * len(rates), 4.5), squeeze=False)
+        kinds = sorted({k for r in timing for k in r.get("timing_kinds", [])}, key=lambda k: (k != TP_WAIT, k))
+        for ax, rate in zip(axes[0], rates):
+            at, left = [r for r in timing if r["setting"] == rate], None
+            left = [0.0] * len(at)
+            for kind in kinds + ["rest"]:
+                ax.barh(range(len(at)), vals := [max(0.0, r.get(f"{kind} ms", 0.0)) for r in at], left=left, label=kind)
+                left = [a + b for a, b in zip(left, vals)]
+            ax.set_yticks(range(len(at)), [r["key"] for r in at], fontsize=8)
+            ax.invert_yaxis()
+            ax.set_xlabel("ms per step (rank 0, mean after warm-up); rest = compute and other")
+            ax.set_title(f"TP 2 across {rate}")
+            ax.legend(fontsize=7)
+        paths.append(report.save(fig, out_dir, "tensor_parallel_step_time"))
+    if conv:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        report.curves(ax, {r["label"]: r["val_curve"][1:] for r in conv}, "step", "validation loss", marker="o", ms=2)
+        ax.set_title("Tiny Shakespeare, TP 2 on 2 loopback ranks (step 0 left out)")
+        ax.legend(fontsize=7)
+        paths.append(report.save(fig, out_dir, "tensor_parallel_convergence"))
+    return paths
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:] + ([] if {"--out", "--render"} & set(sys.argv) else
+                           ["--out", os.path.relpath(ROOT / "runs" / "bench" / "tensor_parallel")])
+    if "--update-docs" in argv and not DOCS.is_file():  # a page of just this section; the rest is the lead's
+        DOCS.write_text(f"{TITLE}\n")
+    sys.exit(main_one("tensor_parallel", argv))
