@@ -12,8 +12,11 @@ directory with any LoRA adapters merged. --help lists every key.
 
 import sys
 
-from trainer.config import Config, ConfigError, parse_args
-from trainer.loop import run_main, train
+from trainer.preemption import catch_early
+
+catch_early()  # first: a preemption warning while torch loads or data is prepared must not kill the rank
+from trainer.config import Config, ConfigError, parse_args  # noqa: E402
+from trainer.loop import run_main, train  # noqa: E402
 
 
 def defaults() -> Config:

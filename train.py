@@ -9,8 +9,11 @@ Every config key can be overridden as --section.key value; --help lists them all
 
 import sys
 
-from trainer.config import ConfigError, parse_args
-from trainer.loop import run_main, train
+from trainer.preemption import catch_early
+
+catch_early()  # first: a preemption warning while torch loads or data is prepared must not kill the rank
+from trainer.config import ConfigError, parse_args  # noqa: E402
+from trainer.loop import run_main, train  # noqa: E402
 
 
 def main(argv: list[str]) -> None:

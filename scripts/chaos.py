@@ -13,7 +13,9 @@ run's: bit-identical or not.
 
 Other scenarios, 4 ranks: one rank killed, one rank frozen (SIGSTOP; the others must time out
 after train.dist_timeout and name the collective), the preemption signal to the torchrun
-agent; 1 process: a full disk (a small tmpfs, needs root) and divergence (lr 1e6).
+agent (the ranks must save one checkpoint and exit 0), an elastic restart (torchrun
+--max-restarts 1, a rank killed: the restart must resume bit-identically); 1 process: a full
+disk (a small tmpfs, needs root) and divergence (lr 1e6).
 
 It ends with a table: trials, corrupt checkpoints, dangling pointers, failed resumes, steps
 lost, bit-identical resumes; and one line per other scenario. Exit status 1 if any check failed.
@@ -89,9 +91,21 @@ def run(cmd: list[str], log: Path, timeout: float = 600) -> int:
     try:
         return proc.wait(timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill_tree(proc)
         return -9
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a run and every rank: torchrun starts its ranks in sessions of their own, so the
+    process group's kill does not reach them (and they would save and exit on the agent's death)."""
+    ranks = list(ranks_of(proc).values()) if proc.poll() is None else []
+    for pid in ranks:
+        os.kill(pid, signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for pid in ranks:
+        while _state(pid) not in ("Z", "X"):
+            time.sleep(0.01)
 
 
 def losses(out: Path) -> dict[int, float]:
@@ -145,8 +159,7 @@ def kill_trial(layout: Layout, work: Path, cache: Path, reference: tuple, in_sav
         time.sleep(rng.uniform(0, reference[2]))
     if proc.poll() is not None:  # it ended first (or never saved): no trial, the caller draws again
         return
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_tree(proc)
     tally.trials += 1
     hit_save = any(root.glob(".tmp-step_*")) or any(root.glob(".old-step_*"))
     tally.in_save += hit_save
@@ -200,8 +213,8 @@ def watch(proc: subprocess.Popen, out: Path, step: int, timeout: float = 600) ->
         time.sleep(0.05)
 
 
-def ranks_of(proc: subprocess.Popen) -> dict[int, int]:
-    """rank -> pid of the workers torchrun started (children of the agent running train.py)."""
+def ranks_of(proc: subprocess.Popen, script: str = "train.py") -> dict[int, int]:
+    """rank -> pid of the workers torchrun started (children of the agent running `script`)."""
     found = {}
     for child in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
         try:
@@ -210,7 +223,7 @@ def ranks_of(proc: subprocess.Popen) -> dict[int, int]:
                            if b"=" in kv)
         except OSError:
             continue
-        if any(arg.endswith(b"train.py") for arg in cmdline) and b"RANK" in environ:
+        if any(arg.endswith(script.encode()) for arg in cmdline) and b"RANK" in environ:
             found[int(environ[b"RANK"])] = int(child)
     return found
 
@@ -227,8 +240,7 @@ def rank_fault(layout: Layout, work: Path, cache: Path, sig: int, name: str, tim
     try:
         rc = proc.wait(120)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        kill_tree(proc)
         return f"FAIL: {name}: the job was still running 120 s after the fault"
     took = time.time() - began
     text = log.read_text()
@@ -244,17 +256,55 @@ def rank_fault(layout: Layout, work: Path, cache: Path, sig: int, name: str, tim
 
 
 def agent_signal(layout: Layout, work: Path, cache: Path) -> str:
-    out, log = work / "agent-signal", work / "agent-signal.log"
-    proc = start(layout.command(out, cache), log)
+    """SIGUSR1 to the torchrun agent, which dies of it: its ranks must notice, agree on a step,
+    save one checkpoint and exit 0 (exit codes recorded by scripts/slurm/run_rank.py)."""
+    out, log, codes = work / "agent-signal", work / "agent-signal.log", work / "agent-signal.ranks"
+    cmd, script = layout.command(out, cache), str(ROOT / "train.py")
+    cmd.insert(cmd.index(script), str(ROOT / "scripts" / "slurm" / "run_rank.py"))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**env(), "RANK_EXIT_DIR": str(codes)}, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
     watch(proc, out, 3)
-    workers = list(ranks_of(proc).values())
+    workers = ranks_of(proc, "run_rank.py")
     os.kill(proc.pid, signal.SIGUSR1)
-    time.sleep(5)
-    alive = [w for w in workers if _state(w) not in ("Z", "X")]
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    return (f"{'FAIL' if alive else 'ok'}: SIGUSR1 to the torchrun agent: agent rc {proc.returncode}, "
-            f"{len(alive)} of {len(workers)} ranks still running 5 s later (defect 3 when not 0)")
+    began, agent_rc = time.time(), proc.wait(60)
+    while time.time() < began + 120 and any(_state(w) not in ("Z", "X") for w in workers.values()):
+        time.sleep(0.1)
+    alive = [r for r, w in workers.items() if _state(w) not in ("Z", "X")]
+    for r in alive:
+        os.kill(workers[r], signal.SIGKILL)
+    recorded = {r: (codes / f"rank-{r}").read_text().split()[1] if (codes / f"rank-{r}").is_file() else None
+                for r in workers}
+    root = out / "checkpoints"
+    tally = Tally()
+    inspect(root, tally, "agent signal")
+    latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+    ok = not alive and set(recorded.values()) == {"0"} and latest and not tally.problems and len(workers) > 1
+    return (f"{'ok' if ok else 'FAIL'}: SIGUSR1 to the torchrun agent: agent rc {agent_rc}, ranks' exit codes "
+            f"{recorded}, {len(alive)} still running {time.time() - began:.0f} s later, latest {latest}, "
+            f"problems {tally.problems[:2]}")
+
+
+def elastic_restart(layout: Layout, work: Path, cache: Path, reference: tuple) -> str:
+    """torchrun --max-restarts 1 with --resume auto: a rank SIGKILLed after the first checkpoint;
+    the restarted ranks must resume from it and finish with the uninterrupted run's losses and tensors."""
+    out, log = work / "elastic", work / "elastic.log"
+    cmd = layout.command(out, cache, "--resume", "auto")
+    cmd.insert(cmd.index("--nproc-per-node"), "--max-restarts=1")
+    proc = start(cmd, log)
+    watch(proc, out, INTERVAL + 1)
+    workers = ranks_of(proc)
+    os.kill(workers[len(workers) - 1], signal.SIGKILL)
+    try:
+        rc = proc.wait(600)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        rc = -9
+    resumed = _resumed_step(log)
+    same = losses(out) == reference[0] and (out / "checkpoints" / f"step_{STEPS:08d}").is_dir() and \
+        _equal(tensors(out / "checkpoints" / f"step_{STEPS:08d}"), reference[1])
+    return (f"{'ok' if rc == 0 and resumed and same else 'FAIL'}: elastic restart (--max-restarts 1, rank "
+            f"{len(workers) - 1} killed): rc {rc}, resumed from step {resumed}, bit-identical to the "
+            f"uninterrupted run: {same}")
 
 
 def _state(pid: int) -> str:
@@ -318,7 +368,7 @@ def main(argv=None) -> int:
     parser.add_argument("--trials", type=int, default=30, help="kill trials in all (split over the layouts)")
     parser.add_argument("--ranks", type=int, default=4, help="ranks of the ZeRO++ layout; 0 skips it")
     parser.add_argument("--multi-rank-share", type=float, default=0.3, help="share of the kill trials on --ranks")
-    parser.add_argument("--scenarios", default="kill,rank-kill,rank-freeze,agent-signal,full-disk,nan",
+    parser.add_argument("--scenarios", default="kill,rank-kill,rank-freeze,agent-signal,elastic,full-disk,nan",
                         help="comma-separated subset")
     parser.add_argument("--dist-timeout", type=float, default=20, help="train.dist_timeout of the fault runs")
     parser.add_argument("--out", default="/tmp/chaos")
@@ -352,6 +402,8 @@ def main(argv=None) -> int:
         others.append(rank_fault(multi, work, cache, signal.SIGSTOP, "rank-freeze", args.dist_timeout))
     if args.ranks and "agent-signal" in scenarios:
         others.append(agent_signal(multi, work, cache))
+    if args.ranks and "elastic" in scenarios:
+        others.append(elastic_restart(multi, work, cache, reference_run(multi, work, cache)))
     if "full-disk" in scenarios:
         others.append(full_disk(work, cache))
     if "nan" in scenarios:

@@ -127,8 +127,32 @@ def init_distributed(timeout: float | None = None) -> DistEnv:
             except ValueError:
                 raise LauncherError(f"DIST_TIMEOUT must be a number of seconds, got {value!r}") from None
         dist.init_process_group(_backend(device), rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout))
+                                timeout=timedelta(seconds=timeout), store=elastic_store(rank, world_size, timeout))
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def elastic_store(rank: int, world_size: int, timeout: float) -> dist.Store | None:
+    """Under torchrun, the process group's store with a prefix of this attempt's own
+    (TORCHELASTIC_RESTART_COUNT); None elsewhere (init_process_group reads the environment).
+
+    After `torchrun --max-restarts` restarts the ranks, torch 2.13's env:// rendezvous gives the
+    new attempt the store the old one wrote its gloo addresses to, and the new ranks fail in
+    connectFullMesh ("Connection refused") or wait there for train.dist_timeout; keys under a
+    per-attempt prefix cannot collide. Hosting follows torch: the agent's store where
+    TORCHELASTIC_USE_AGENT_STORE is True, else rank 0's.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return None
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    if missing:
+        raise LauncherError(f"TORCHELASTIC_RESTART_COUNT is set but {' and '.join(missing)} is not: "
+                            f"launch with torchrun, which sets both")
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=not agent_store and rank == 0, timeout=timedelta(seconds=timeout),
+                          multi_tenant=not agent_store)
+    return dist.PrefixStore(f"attempt_{attempt}/", store)
 
 
 def _backend(device: torch.device) -> str:

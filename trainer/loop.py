@@ -457,6 +457,16 @@ class Trainer:
             if self.resumed_from is not None:
                 log.info(f"resumed from checkpoint {self.resumed_from} (step {self.step}, "
                          f"{self.consumed_samples} samples consumed)")
+        # A warning that came during startup (recorded since the entry point's first line), on any
+        # rank: every rank stops here, before any step, with nothing new to save.
+        stop = torch.tensor(float(preemption.received), device=self.env.device)
+        if self.step < t.steps and all_reduce_sum(stop).item():
+            preemption.close()
+            log.info("preempted before the first step: nothing new to save" +
+                     (f" (the newest checkpoint is {self.saved})" if self.saved else ""))
+            log.close()
+            result.preempted, result.checkpoint = True, self.saved
+            return result
         sampler = ResumableBatchSampler(
             self.data.train_indices, t.micro_batch_size, self.dp_rank, self.dp_size, t.seed,
             consumed_samples=self.consumed_samples,
@@ -510,7 +520,9 @@ class Trainer:
         if any(baseline.values()):  # several nodes: there are cross-node bytes to compare
             log.info(cross_node_report(self.step_comm, baseline, self.cfg.zero_optimization.describe()))
         result.checkpoint = self.save()
-        preemption.close()  # after the save: a second warning must not kill the rank mid-save
+        # After the save: a second warning must not kill the rank mid-save (the entry point's
+        # catch_early handler, where there is one, records it from here on).
+        preemption.close()
         if result.preempted:
             log.info(f"preempted at step {self.step}: saved checkpoint {result.checkpoint}")
         log.close()

@@ -11,9 +11,9 @@ when a worker fails, and srun reports the signal it killed the surviving ranks w
 A rank killed by a signal records nothing; the launcher then keeps srun's exit code.
 
 It also starts the rank with $PREEMPT_SIGNAL (the scheduler's warning, e.g. USR1) ignored,
-as torchrun's ranks are under launch.sbatch: the trainer installs its own handler while it
-trains, and a warning that arrives before that, or after training (while the final
-checkpoint is written), is then ignored instead of killing the rank.
+as torchrun's ranks are under launch.sbatch: the entry point installs its own handler
+(train.py and finetune.py from their first line: trainer.preemption.catch_early), and a
+warning that arrives before that is then ignored instead of killing the rank.
 """
 
 from __future__ import annotations
