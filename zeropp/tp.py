@@ -91,10 +91,11 @@ class TPComm:
         self.ledger.record(tag, dtype, sent, sent, cross, cross)
 
     def all_reduce(self, x: torch.Tensor, tag: str, mask: torch.Tensor | None = None,
-                   compress: bool = False, async_op: bool = False) -> _Reduced:
+                   compress: bool = False) -> _Reduced:
         """Sum `x` [..., d] over the group; with `mask` [...] only the selected rows travel (the
         others come back zero); with `compress` they travel piecewise-quantized (zeropp.acctfm,
-        one scale per row). The result is bit-identical on every rank."""
+        one scale per row). Issued asynchronously: `wait()` gives the result, bit-identical on
+        every rank."""
         flat = x.detach()
         rows = flat[mask] if mask is not None else flat.reshape(-1, flat.shape[-1])
         if compress and self.config.quantize_bits:
@@ -109,28 +110,14 @@ class TPComm:
             self._record(tag, rows.dtype, 2 * (self.size - 1) * rows.numel() * rows.element_size() // self.size)
             work = dist.all_reduce(rows, group=self.group, async_op=True)
             reduced = _Reduced(work, rows, flat, mask)
-        if not async_op:
-            return _Done(self._wait(reduced))
         return reduced
 
-    def _wait(self, reduced: _Reduced) -> torch.Tensor:
+    def wait(self, reduced: _Reduced) -> torch.Tensor:
+        """The all-reduce's result, the time spent waiting for it counted."""
         start = time.perf_counter()
         out = reduced.wait()
         self.seconds_waiting += time.perf_counter() - start
         return out
-
-    def wait(self, reduced: _Reduced) -> torch.Tensor:
-        return self._wait(reduced)
-
-
-class _Done:
-    """An all-reduce already waited for (the synchronous path), with the same wait()."""
-
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-    def wait(self):
-        return self.tensor
 
 
 # ---------------------------------------------------------------------------- Megatron's f and g
@@ -169,7 +156,7 @@ class _IssueInputGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.box.pending = ctx.tp.all_reduce(grad, "tp backward all-reduce", ctx.box.mask, ctx.compress, async_op=True)
+        ctx.box.pending = ctx.tp.all_reduce(grad, "tp backward all-reduce", ctx.box.mask, ctx.compress)
         return grad, None, None, None
 
 
@@ -199,7 +186,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.tp.all_reduce(grad, "tp head all-reduce").wait(), None
+        return ctx.tp.wait(ctx.tp.all_reduce(grad, "tp head all-reduce")), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -207,7 +194,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, tp):
-        return tp.all_reduce(x, "tp embedding all-reduce").wait()
+        return tp.wait(tp.all_reduce(x, "tp embedding all-reduce"))
 
     @staticmethod
     def backward(ctx, grad):
@@ -317,7 +304,7 @@ class TensorParallelSublayer:
         for i, c in enumerate(xs):
             if grad:
                 c = _IssueInputGrad.apply(c, tp, boxes[i], compress)
-            start = time.perf_counter()
+            start = time.perf_counter() if self.profile is not None else 0.0
             y = super().forward(c, *(a[i] for a in split_args))
             if self.profile is not None:  # the planner's measurement: one partition's compute and rows
                 self.profile.append((time.perf_counter() - start, y[..., 0].numel(), y.shape[-1] * y.element_size()))
@@ -326,7 +313,7 @@ class TensorParallelSublayer:
                 mask = boxes[i].mask = self._token_mask(split_args, i)
             partials.append(y)
             chunk_masks.append(mask)
-            pending.append(tp.all_reduce(y, "tp forward all-reduce", mask, compress, async_op=True))
+            pending.append(tp.all_reduce(y, "tp forward all-reduce", mask, compress))
         outs = [_ForwardReduced.apply(y, tp, p, m) for y, p, m in zip(partials, pending, chunk_masks)]
         if topk and own_mask:
             self.token_mask = torch.cat(chunk_masks)
