@@ -6,16 +6,16 @@ import torch.distributed as dist
 
 from models.config import ModelConfig
 from models.transformer import Transformer, lm_loss
-from trainer.config import OptimSection
 from trainer.optim import build_optimizer
+from tests.zeropp.test_engine import BATCH, OPTIM, batches
+from tests.zeropp.test_engine import reference as engine_reference
 from trainer.spawn import run_ranks
 from zeropp import build_runtime
 from zeropp.checkpoint import consolidated_state_dict, read_safetensors
 from zeropp.config import TensorParallelConfig, ZeroConfig
 from zeropp.tp import consolidated_tensors
 
-SEQ, BATCH, VOCAB = 16, 8, 97  # an odd vocabulary: the slices differ in length
-OPTIM = OptimSection(lr=1e-3, weight_decay=0.1, warmup_steps=0, decay="constant", eps=1e-6)
+VOCAB = 97  # an odd vocabulary: the slices differ in length (the batches use its first 96 ids)
 
 
 def make_model(preset: str) -> Transformer:
@@ -23,23 +23,9 @@ def make_model(preset: str) -> Transformer:
     return Transformer(ModelConfig.from_preset(preset, vocab_size=VOCAB))
 
 
-def batches(steps: int):
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, VOCAB, (steps, BATCH, SEQ + 1), generator=g)
-
-
-def reference(preset: str, steps: int, clip: float = 1.0):
-    model = make_model(preset)
-    opt = build_optimizer(model, OPTIM)
-    losses = []
-    for sample in batches(steps):
-        loss = lm_loss(model(sample[:, :-1]), sample[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+def reference(preset: str, steps: int):
+    """The single-process run to match (test_engine's, on this file's odd-vocabulary model)."""
+    return engine_reference(make_model(preset), steps)
 
 
 def _build(preset, stage, tp, partitions):
