@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
-import uuid
 from pathlib import Path
 
 import torch
@@ -33,7 +31,7 @@ from safetensors.torch import save_file
 from export.quantized import _check_bits, _check_vocab, _fp32_weights, _tokenizer, is_quantized, on_grid
 from kernels import pack_codes, quantize, unpack_codes
 from models.config import ModelConfig
-from models.hf import config_to_hf, replace_output, to_hf_state_dict
+from models.hf import config_to_hf, staged_directory, to_hf_state_dict
 from zeropp.quantized import WEIGHT_SCALE_DTYPE
 
 FORMAT = "pack-quantized"
@@ -115,16 +113,9 @@ def export_compressed_tensors(weights, config: ModelConfig, out_dir, bits: int, 
         "global_compression_ratio": None}
     hf_config["zeropp_quantization_block_size"] = block_size  # provenance; transformers keeps it as an attribute
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with staged_directory(out_dir) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         if tokenizer is not None:
             tokenizer.save(tmp)
-        replace_output(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir

@@ -19,8 +19,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
-import uuid
 from pathlib import Path
 
 import torch
@@ -29,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from models.config import ModelConfig
-from models.hf import replace_output, to_hf_state_dict
+from models.hf import staged_directory, to_hf_state_dict
 from models.lora import LoRALinear, apply_lora
 from models.transformer import Transformer
 from trainer.checkpoint import read_state, verify_checkpoint
@@ -89,16 +87,9 @@ def _write_dir(out_dir: Path, files) -> Path:
     """Write files (name -> callable(path)) into a temporary directory beside out_dir, then rename it into place."""
     if out_dir.exists() and not out_dir.is_dir():
         raise FileExistsError(f"{out_dir} exists and is not a directory")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with staged_directory(out_dir) as tmp:
         for name, write in files.items():
             write(tmp / name)
-        replace_output(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

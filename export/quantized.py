@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import tempfile
 import uuid
 from pathlib import Path
@@ -35,7 +34,7 @@ from safetensors.torch import save_file
 from data.tokenizer import SentencePieceTokenizer, Tokenizer, load_tokenizer
 from kernels import BITS, dequantize, num_blocks, packed_bytes, quantize, unpack_codes
 from models.config import ModelConfig
-from models.hf import replace_output, to_hf_state_dict
+from models.hf import replace_output, staged_directory, to_hf_state_dict
 from models.transformer import Transformer, rope_inv_freq
 from zeropp.quantized import WEIGHT_SCALE_DTYPE
 
@@ -148,17 +147,10 @@ def export_lowbit(weights, config: ModelConfig, out_dir, bits: int, block_size: 
             "scale_dtype": "float16", "vectors_on_grid": vectors_on_grid,
             "model_config": dataclasses.asdict(config), "quantized": quantized, "fp32": plain}
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with staged_directory(out_dir) as tmp:
         save_file(tensors, str(tmp / LOWBIT_WEIGHTS), metadata={"format": "pt"})
         (tmp / LOWBIT_META).write_text(json.dumps(meta, indent=1) + "\n")
         tokenizer.save(tmp)
-        replace_output(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 

@@ -6,6 +6,7 @@ are plain functions so that a sharded runtime can reuse them shard by shard.
 
 import json
 import os
+from contextlib import contextmanager
 import re
 import shutil
 import uuid
@@ -529,6 +530,21 @@ def replace_output(tmp: Path, target: Path) -> None:
     os.rename(target, old)
     os.rename(tmp, target)
     shutil.rmtree(old)
+
+
+@contextmanager
+def staged_directory(out_dir: Path):
+    """A temporary directory beside `out_dir` to write into; on success it replaces `out_dir`
+    (replace_output), on any error it is removed: the output is never half written."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        replace_output(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def save_hf_checkpoint(model: Transformer, path, max_shard_size: int | None = None, tokenizer_dir=None,
