@@ -1,4 +1,4 @@
-"""Fine-tune a Hugging Face GPT-2 / OPT / LLaMA checkpoint on an SFT data set (Alpaca or HH).
+"""Fine-tune a Hugging Face GPT-2 / OPT / LLaMA / Qwen / Mistral checkpoint on an SFT data set (Alpaca or HH).
 
     python finetune.py --config configs/finetune_alpaca.yaml --finetune.hf_checkpoint path/to/hf_model
     torchrun --nproc-per-node 4 finetune.py --config configs/finetune_alpaca_lora.yaml \\
@@ -7,7 +7,8 @@
 
 The same trainer, checkpoints and config keys as train.py (docs/finetune.md); here
 finetune.hf_checkpoint is required and the run ends by writing <out_dir>/hf, a Hugging Face
-directory with any LoRA adapters merged. --help lists every key.
+directory with any LoRA adapters merged. --help lists every key. A user error ends the run with
+one line; --debug (or ZEROPP_DEBUG=1) shows the traceback.
 """
 
 import sys
@@ -15,8 +16,13 @@ import sys
 from trainer.preemption import catch_early
 
 catch_early()  # first: a preemption warning while torch loads or data is prepared must not kill the rank
-from trainer.config import Config, ConfigError, parse_args  # noqa: E402
+from trainer.config import Config, ConfigError, parse_args, pop_debug  # noqa: E402
 from trainer.loop import run_main, train  # noqa: E402
+
+USAGE = (f"usage: python finetune.py --finetune.hf_checkpoint DIR [--config FILE] [--section.key VALUE ...] "
+         f"[--debug]\n{__doc__}")
+# Keys of pretraining from scratch: a fine-tune's model and tokenizer come from its Hugging Face directory.
+HIDDEN = ("model", "data.json_key", "data.vocab_size")
 
 
 def defaults() -> Config:
@@ -28,14 +34,20 @@ def defaults() -> Config:
 
 
 def main(argv: list[str]) -> None:
+    debug, argv = pop_debug(argv)
     try:
-        cfg = parse_args(argv, defaults())
+        cfg = parse_args(argv, defaults(), usage=USAGE, hide=HIDDEN)
         if cfg.finetune.hf_checkpoint is None:
             raise ConfigError("finetune.py needs --finetune.hf_checkpoint: a Hugging Face model directory "
                               "(config.json, model.safetensors and the tokenizer files)")
     except ConfigError as e:
+        if debug:
+            raise
         sys.exit(f"finetune.py: config error: {e}")
-    run_main("finetune.py", train, cfg)
+    if debug:
+        train(cfg)  # errors keep their traceback
+    else:
+        run_main("finetune.py", train, cfg)
 
 
 if __name__ == "__main__":

@@ -8,16 +8,20 @@
 
 Stages: sft, reward, dpo, ppo, grpo. A stage whose inputs are missing runs the stages that
 make them first (ppo needs <out_dir>/sft/hf and, for reward.source model, <out_dir>/reward/hf).
-Every key can be overridden as --section.key value; --help lists them all (docs/rlhf.md).
+Every key can be overridden as --section.key value; --help lists them all (docs/rlhf.md). A user
+error ends the run with one line; --debug (or ZEROPP_DEBUG=1) shows the traceback.
 """
 
 import sys
+
+from trainer.preemption import catch_early
+catch_early()  # first: a preemption warning while torch loads or data is prepared must not kill the rank
 
 import torch.distributed as dist
 
 from rlhf.config import STAGES, RLHFConfig, check
 from rlhf.common import setup_distributed
-from trainer.config import ConfigError, describe, parse_args
+from trainer.config import ConfigError, help_text, parse_args, pop_debug
 from trainer.loop import run_main
 
 
@@ -55,22 +59,37 @@ def run_stage(stage: str, cfg: RLHFConfig, env) -> dict:
     return run_ppo(cfg, env) if stage == "ppo" else run_grpo(cfg, env)
 
 
+USAGE = f"usage: python rlhf.py <{'|'.join(STAGES)}> [--config FILE] [--section.key VALUE ...] [--debug]\n{__doc__}"
+
+
 def main(argv: list[str]) -> None:
+    debug, argv = pop_debug(argv)
     if not argv or argv[0].startswith("-"):
         if argv and argv[0] in ("-h", "--help"):
-            print(__doc__)
-            print(f"keys (every stage):\n{describe(RLHFConfig())}")
+            print(help_text(RLHFConfig(), USAGE))
             return
-        sys.exit(f"rlhf.py: name a stage first: rlhf.py <{'|'.join(STAGES)}> --config FILE [--key value ...]")
+        sys.exit(f"rlhf.py: name a stage first: rlhf.py <{'|'.join(STAGES)}> --config FILE [--key value ...] "
+                 f"(--help lists the keys)")
     stage = argv[0]
     try:
-        cfg = parse_args(argv[1:], RLHFConfig())
+        if stage not in STAGES:  # before the options, which may ask for --help
+            raise ConfigError(f"unknown stage {stage!r}: expected one of {', '.join(STAGES)}")
+        cfg = parse_args(argv[1:], RLHFConfig(), usage=USAGE)
         check(cfg, stage)
     except ConfigError as e:
+        if debug:
+            raise
         sys.exit(f"rlhf.py: config error: {e}")
+    if debug:
+        run(stage, cfg)  # errors keep their traceback
+    else:
+        run_main(f"rlhf.py {stage}", run, stage, cfg)
+
+
+def run(stage: str, cfg: RLHFConfig) -> dict:
     env, own_group = setup_distributed()
     try:
-        run_main(f"rlhf.py {stage}", run_stage, stage, cfg, env)
+        return run_stage(stage, cfg, env)
     finally:
         if own_group and dist.is_initialized():
             dist.destroy_process_group()

@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from export.quantized import _check_bits, _check_vocab, _fp32_weights, _tokenizer, is_quantized, on_grid
 from kernels import pack_codes, quantize, unpack_codes
 from models.config import ModelConfig
-from models.hf import config_to_hf, staged_directory, to_hf_state_dict
+from models.hf import add_fast_tokenizer, config_to_hf, staged_directory, to_hf_state_dict
 from zeropp.quantized import WEIGHT_SCALE_DTYPE
 
 FORMAT = "pack-quantized"
@@ -118,4 +118,5 @@ def export_compressed_tensors(weights, config: ModelConfig, out_dir, bits: int, 
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         if tokenizer is not None:
             tokenizer.save(tmp)
+            add_fast_tokenizer(tmp)  # a SentencePiece model: also the files transformers' AutoTokenizer reads
     return out_dir

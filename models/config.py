@@ -162,9 +162,19 @@ class ModelConfig:
             raise ValueError(f"unknown ModelConfig field(s) {unknown} for preset {name!r}; "
                              f"valid fields: {', '.join(fields)}")
         preset = PRESETS[name]
+        if "d_model" in overrides and "d_ff" not in overrides:  # a wider model gets a wider MLP
+            overrides["d_ff"] = default_d_ff(preset.activation, overrides["d_model"])
         if "n_kv_head" not in overrides and preset.n_kv_head == preset.n_head:
             overrides["n_kv_head"] = None  # a multi-head preset stays multi-head when n_head changes
         return dataclasses.replace(preset, **overrides)
+
+
+def default_d_ff(activation: str, d_model: int) -> int:
+    """The MLP width that goes with d_model: 4x (GPT-2, OPT); for SwiGLU LLaMA's rule, 2/3 of 4x
+    (the same parameters in three matrices) rounded up to a multiple of 256."""
+    if activation != "swiglu":
+        return 4 * d_model
+    return 256 * -(-(8 * d_model // 3) // 256)
 
 
 def num_params(config: ModelConfig, include_embeddings: bool = True) -> int:

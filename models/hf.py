@@ -10,6 +10,7 @@ from contextlib import contextmanager
 import re
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 
 import torch
@@ -512,12 +513,151 @@ def _write_weights(hf_state: dict, directory: Path, max_shard_size: int | None):
         (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
+# ---------------------------------------------------------------------------------------------
+# Tokenizer files
+
+# Names looked for when a tokenizer does not say which token ends a document (as data/tokenizer.py).
+_WELL_KNOWN_EOS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>")
+_SP_NORMAL, _SP_UNKNOWN, _SP_CONTROL, _SP_USER_DEFINED = 1, 2, 3, 4  # sentencepiece ModelProto piece types
+
+
+def _sentencepiece_proto(model_file: Path):
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    try:
+        proto.ParseFromString(model_file.read_bytes())
+    except Exception as e:  # protobuf's DecodeError
+        raise ValueError(f"{model_file} is not a readable SentencePiece model: {e}") from e
+    return proto
+
+
+def sentencepiece_to_fast(model_file) -> tuple[str, dict]:
+    """A SentencePiece BPE or unigram model as the files of a transformers fast tokenizer:
+    (tokenizer.json text, tokenizer_config.json contents), which `AutoTokenizer` loads as a
+    PreTrainedTokenizerFast that encodes text to the same ids as SentencePiece (no BOS/EOS added)
+    and decodes them to the same text.
+
+    The model's normalizer (precompiled charsmap, extra whitespace, dummy prefix, whitespace as
+    "▁") becomes normalizers; BPE's split into words at whitespace (with
+    allow_whitespace_only_pieces, a run of whitespace stays one word) a Split pre-tokenizer; its
+    merges are every split of a vocabulary piece into two pieces, ranked by the piece's score, which
+    is SentencePiece's merge order; byte fallback is kept. Control and unknown pieces are special
+    tokens; SentencePiece never reads them from text, so split_special_tokens keeps transformers
+    from doing so. Exact for BPE models (tests/models/test_hf.py); a unigram model's Viterbi ties
+    (two segmentations of exactly the same score) may resolve differently. Raises ValueError for
+    what does not convert (word or char models, whitespace as a suffix).
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    model_file = Path(model_file)
+    proto = _sentencepiece_proto(model_file)
+    trainer, norm = proto.trainer_spec, proto.normalizer_spec
+    kind = type(trainer).ModelType.Name(trainer.model_type)
+    if kind not in ("BPE", "UNIGRAM"):
+        raise ValueError(f"{model_file}: model_type {kind} cannot be written as a fast tokenizer (BPE or UNIGRAM)")
+    if trainer.treat_whitespace_as_suffix:
+        raise ValueError(f"{model_file}: treat_whitespace_as_suffix cannot be written as a fast tokenizer")
+    pieces = [(p.piece, p.score, p.type) for p in proto.pieces]
+    unk = pieces[trainer.unk_id][0]
+    if kind == "BPE":
+        vocab = {piece: i for i, (piece, _, _) in enumerate(pieces)}
+        parts = {piece for piece, _, t in pieces if t in (_SP_NORMAL, _SP_USER_DEFINED)}
+        merges = [(piece[:cut], piece[cut:])
+                  for i in sorted(range(len(pieces)), key=lambda i: (-pieces[i][1], i)) if pieces[i][2] == _SP_NORMAL
+                  for piece in [pieces[i][0]] for cut in range(1, len(piece))
+                  if piece[:cut] in parts and piece[cut:] in parts]
+        tok = Tokenizer(models.BPE(vocab, merges, unk_token=unk, byte_fallback=trainer.byte_fallback, fuse_unk=True))
+    else:
+        tok = Tokenizer(models.Unigram([(piece, score) for piece, score, _ in pieces], trainer.unk_id,
+                                       trainer.byte_fallback))
+    steps = [normalizers.Precompiled(norm.precompiled_charsmap)] if norm.precompiled_charsmap else []
+    if norm.remove_extra_whitespaces:
+        steps += [normalizers.Strip(), normalizers.Replace(Regex(" {2,}"), " ")]
+    if norm.add_dummy_prefix:
+        steps.append(normalizers.Prepend(" "))
+    if norm.escape_whitespaces:
+        steps.append(normalizers.Replace(" ", "\u2581"))
+    tok.normalizer = normalizers.Sequence(steps)
+    if kind == "BPE" and trainer.split_by_whitespace:
+        words = "\u2581*[^\u2581]+|\u2581+" if trainer.allow_whitespace_only_pieces else "\u2581[^\u2581]*|[^\u2581]+"
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(words), behavior="isolated")
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if norm.add_dummy_prefix:
+        steps.append(decoders.Strip(" ", 1, 0))
+    tok.decoder = decoders.Sequence(steps)
+    tok.add_special_tokens([AddedToken(piece, special=True, normalized=False)
+                            for piece, _, t in pieces if t in (_SP_CONTROL, _SP_UNKNOWN)])
+    tok.add_tokens([AddedToken(piece, normalized=True) for piece, _, t in pieces if t == _SP_USER_DEFINED])
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "split_special_tokens": True,
+              "clean_up_tokenization_spaces": False, "unk_token": unk}
+    for name in ("bos", "eos", "pad"):
+        index = getattr(trainer, f"{name}_id")
+        if 0 <= index < len(pieces):
+            config[f"{name}_token"] = pieces[index][0]
+    return tok.to_str(pretty=True), config
+
+
+def _special_token_ids(tokenizer_dir: Path) -> dict:
+    """{"bos_token_id", "eos_token_id", "pad_token_id"} of the tokenizer in `tokenizer_dir`, resolved
+    as data/tokenizer.py's load_tokenizer does (tokenizer.json first; a missing pad is the EOS)."""
+    ids: dict = {}
+    if (tokenizer_dir / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        try:
+            tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+        except Exception:  # the Rust side raises plain Exception; the file is copied as it is, with no ids
+            return {}
+        configs = [_read_json(tokenizer_dir / name) for name in ("tokenizer_config.json", "special_tokens_map.json")
+                   if (tokenizer_dir / name).is_file()]
+        for name in ("bos", "eos", "pad"):
+            for config in configs:
+                token = config.get(f"{name}_token")
+                token = token.get("content") if isinstance(token, dict) else token  # a serialized AddedToken
+                if isinstance(token, str):
+                    ids[name] = tok.token_to_id(token)
+                    break
+        if ids.get("eos") is None:
+            ids["eos"] = next((tok.token_to_id(t) for t in _WELL_KNOWN_EOS if tok.token_to_id(t) is not None), None)
+    elif (tokenizer_dir / "tokenizer.model").is_file():
+        try:
+            trainer = _sentencepiece_proto(tokenizer_dir / "tokenizer.model").trainer_spec
+        except ValueError:  # copied as it is, with no ids
+            return {}
+        ids = {name: getattr(trainer, f"{name}_id") for name in ("bos", "eos", "pad")}
+        ids = {name: index if index >= 0 else None for name, index in ids.items()}
+    if ids.get("pad") is None:
+        ids["pad"] = ids.get("eos")
+    return {f"{name}_token_id": ids[name] for name in ("bos", "eos", "pad") if ids.get(name) is not None}
+
+
+def add_fast_tokenizer(directory) -> None:
+    """Where `directory` holds a SentencePiece tokenizer.model and no tokenizer.json, write the fast
+    tokenizer files (sentencepiece_to_fast; an existing tokenizer_config.json keeps its other keys),
+    so that transformers' AutoTokenizer reads it as we do. A model that does not convert is left
+    as it is, with a warning."""
+    directory = Path(directory)
+    if not (directory / "tokenizer.model").is_file() or (directory / "tokenizer.json").is_file():
+        return
+    try:
+        spec, config = sentencepiece_to_fast(directory / "tokenizer.model")
+    except ValueError as e:
+        warnings.warn(f"{e}; {directory} holds tokenizer.model only, which transformers may read differently")
+        return
+    if (directory / "tokenizer_config.json").is_file():
+        config = {**_read_json(directory / "tokenizer_config.json"), **config}
+    (directory / "tokenizer.json").write_text(spec + "\n", encoding="utf-8")
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
 def _copy_tokenizer(tokenizer_dir: Path, directory: Path):
     found = [tokenizer_dir / name for name in TOKENIZER_FILES if (tokenizer_dir / name).is_file()]
     if not found:
         raise FileNotFoundError(f"no tokenizer files in {tokenizer_dir}; looked for {TOKENIZER_FILES}")
     for file in found:
         shutil.copy2(file, directory / file.name)
+    add_fast_tokenizer(directory)
 
 
 def replace_output(tmp: Path, target: Path) -> None:
@@ -554,7 +694,9 @@ def save_hf_checkpoint(model: Transformer, path, max_shard_size: int | None = No
     A score model (config.num_labels > 0) is written as *ForSequenceClassification and needs
     token_ids["pad_token_id"] (see config_to_hf).
 
-    tokenizer_dir: tokenizer files to copy in; token_ids: its special ids for config.json.
+    tokenizer_dir: tokenizer files to copy in (a SentencePiece tokenizer.model alone also gets a
+    tokenizer.json and tokenizer_config.json: sentencepiece_to_fast); token_ids: its special ids for
+    config.json, by default the tokenizer's own (its BOS, EOS and pad, the EOS where it has no pad).
 
     The dir is written beside `path` and renamed into place, so a reader (or a
     crash) never sees a half-written checkpoint; an existing `path` is replaced.
@@ -564,6 +706,8 @@ def save_hf_checkpoint(model: Transformer, path, max_shard_size: int | None = No
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} exists and is not a directory")
     config = model.config
+    if token_ids is None and tokenizer_dir is not None:
+        token_ids = _special_token_ids(Path(tokenizer_dir))
     hf_config = config_to_hf(config, next(model.parameters()).dtype, token_ids)  # fails before anything is written
     hf_state = to_hf_state_dict(model.state_dict(), config)
 

@@ -25,7 +25,7 @@ from rlhf.losses import token_logprobs
 from trainer.checkpoint import load_checkpoint, read_state, resolve_checkpoint, save_checkpoint
 from trainer.config import ConfigError, TrainSection, to_dict
 from trainer.distributed import DistEnv, all_reduce_sum, barrier, init_distributed
-from trainer.loop import autocast_for
+from trainer.precision import autocast_for
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, lr_at
 from zeropp import build_runtime

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from trainer.config import ConfigError, ModelSection, OptimSection
+from trainer.config import ConfigError, InputPath, ModelSection, OptimSection
 from zeropp.config import ZeroConfig, ZeroConfigError
 
 STAGES = ("sft", "reward", "dpo", "ppo", "grpo")
@@ -23,13 +23,13 @@ STAGES = ("sft", "reward", "dpo", "ppo", "grpo")
 class ModelsSection:
     # Where the SFT stage starts: a Hugging Face causal-LM directory, or None for a fresh model
     # of `model.preset` over the built-in character tokenizer (rlhf.tasks; CPU demos and tests).
-    base: str | None = None
+    base: Annotated[str | None, InputPath()] = None
     # The SFT model the actor, the reference and (for the critic / reward model) the score
     # models start from; None: <out_dir>/sft/hf, made by the sft stage first when missing.
-    sft: str | None = None
+    sft: Annotated[str | None, InputPath()] = None
     # The reward model (a *ForSequenceClassification directory); None: <out_dir>/reward/hf,
     # made by the reward stage first when missing (unless the reward is a task's).
-    reward: str | None = None
+    reward: Annotated[str | None, InputPath()] = None
 
 
 @dataclass
@@ -40,42 +40,44 @@ class DataSection:
     task_samples: int = 2000  # records the task generates for the sft / reward / dpo stages
     # Preference pairs (HH-RLHF .jsonl.gz or prompt/chosen/rejected records) for sft (its
     # chosen dialogues), reward and dpo; prompts for ppo / grpo when prompts is unset.
-    preferences: str | None = None
+    preferences: Annotated[str | None, InputPath()] = None
     # Prompts for ppo / grpo: an Alpaca-format JSON (instruction + input), or None for the
     # prompts of `preferences`.
-    prompts: str | None = None
+    prompts: Annotated[str | None, InputPath()] = None
     max_len: int = 256  # prompt + response tokens per sequence
     max_prompt_len: int = 128  # ppo / grpo prompts are cut to their last max_prompt_len tokens
-    valid_fraction: float = 0.05  # held out for accuracy / margins / validation loss
+    valid_fraction: float = 0.05  # share of the pairs or prompts held out for accuracy / margins / validation loss
 
 
 @dataclass
 class TrainSection:
-    seed: int = 1234
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    seed: int = 1234  # initial weights, data order, sampling
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # "auto": bf16 autocast where bf16 is native (CUDA, avx512_bf16 CPUs), else fp32
     micro_batch_size: int = 8  # per rank: sequences (sft, dpo pairs, reward pairs) or prompts (ppo, grpo)
-    log_interval: int = 1
-    eval_interval: int = 50
-    eval_batches: int = 10
-    checkpoint_interval: int = 0  # 0: only at the end
-    out_dir: str = "runs/rlhf"
-    tensorboard: bool = True
-    progress_bar: bool = True
+    log_interval: int = 1  # steps between log lines (console, metrics.jsonl, TensorBoard)
+    eval_interval: int = 50  # steps between held-out evaluations; also at the last step
+    eval_batches: int = 10  # micro-batches of the held-out split per evaluation
+    checkpoint_interval: int = 0  # steps between checkpoints; 0: only at the end
+    out_dir: str = "runs/rlhf"  # each stage writes <out_dir>/<stage>/ (checkpoints, metrics, hf)
+    tensorboard: bool = True  # write TensorBoard scalars to <out_dir>/<stage>/tensorboard
+    progress_bar: bool = True  # a tqdm bar on rank 0
+    # The scheduler's warning signal (Slurm --signal): checkpoint at the end of the current step
+    # and exit cleanly. "" disables.
     preempt_signal: str = "SIGUSR1"
-    peak_tflops: float = 1.0
+    peak_tflops: float = 1.0  # peak of the hardware in TFLOP/s per rank, for MFU
 
 
 @dataclass
 class SFTSection:
-    steps: int = 200
-    lr: float = 1e-4  # DeepSpeed-Chat step 1 (OPT-1.3b): 9.65e-6 at full scale; tiny models want more
-    grad_accum: int = 1
+    steps: int = 200  # optimizer steps of the sft stage
+    lr: float = 1e-4  # learning rate; DeepSpeed-Chat step 1 (OPT-1.3b): 9.65e-6 at full scale; tiny models want more
+    grad_accum: int = 1  # micro-batches accumulated per optimizer step
 
 
 @dataclass
 class RewardSection:
-    steps: int = 200
-    lr: float = 5e-5  # DeepSpeed-Chat step 2 (OPT-350m)
+    steps: int = 200  # optimizer steps of the reward stage
+    lr: float = 5e-5  # learning rate (DeepSpeed-Chat step 2, OPT-350m)
     # "last": the score at each response's last real token (TRL, OpenRLHF); "diverging":
     # DeepSpeed-Chat's mean over the tokens after chosen and rejected first differ.
     loss: Literal["last", "diverging"] = "last"
@@ -86,10 +88,10 @@ class RewardSection:
 
 @dataclass
 class GenerationSection:
-    max_new_tokens: int = 64
-    temperature: float = 1.0  # PPO / GRPO sample from the policy itself (TRL, OpenRLHF)
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
+    max_new_tokens: int = 64  # longest response sampled per prompt (ppo, grpo)
+    temperature: float = 1.0  # sampling temperature; 1: PPO / GRPO sample from the policy itself (TRL, OpenRLHF)
+    top_k: int = 0  # sample among the k likeliest tokens only; 0: off
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens with this much probability; 1: off
     # Bound on the memory of the gathered inference copy of the actor (MiB); 0: whole model.
     # Blocks beyond it are gathered per decoded token, as in training.
     max_gather_mb: float = 0.0
@@ -97,30 +99,31 @@ class GenerationSection:
 
 @dataclass
 class PPOSection:
-    steps: int = 100  # rollouts
-    actor_lr: float = 1e-5  # DeepSpeed-Chat step 3: actor 9.65e-6 ...
-    critic_lr: float = 5e-6  # ... critic 5e-6
+    steps: int = 100  # rollouts, each followed by ppo.epochs x ppo.mini_batches updates
+    actor_lr: float = 1e-5  # the actor's learning rate (DeepSpeed-Chat step 3: 9.65e-6)
+    critic_lr: float = 5e-6  # the critic's learning rate (DeepSpeed-Chat step 3: 5e-6)
     epochs: int = 1  # PPO epochs over each rollout (DeepSpeed-Chat ppo_epochs 1; OpenRLHF max_epochs 1)
     mini_batches: int = 1  # optimizer steps per epoch, the rollout split evenly
     kl_coef: float = 0.1  # β of the per-token k1 penalty (DeepSpeed-Chat kl_ctl 0.1)
     kl_target: float = 0.0  # > 0: adaptive β toward this KL per sequence (Ziegler et al. 2019: 6.0)
-    kl_horizon: int = 10000  # Ziegler et al. 2019
-    reward_clip: float = 5.0  # DeepSpeed-Chat clip_reward_value
-    gamma: float = 1.0  # DeepSpeed-Chat
-    lam: float = 0.95  # DeepSpeed-Chat
+    kl_horizon: int = 10000  # steps over which the adaptive β moves toward kl_target (Ziegler et al. 2019)
+    reward_clip: float = 5.0  # the reward is clipped to ±this (DeepSpeed-Chat clip_reward_value)
+    gamma: float = 1.0  # discount of future rewards in the advantages (DeepSpeed-Chat)
+    lam: float = 0.95  # GAE's lambda (DeepSpeed-Chat)
     clip: float = 0.2  # policy ratio clip (DeepSpeed-Chat cliprange)
-    value_clip: float = 0.2  # DeepSpeed-Chat cliprange_value
-    whiten_advantages: bool = True  # TRL / OpenRLHF (DeepSpeed-Chat does not)
+    value_clip: float = 0.2  # clip of the critic's value update (DeepSpeed-Chat cliprange_value)
+    # Normalize the advantages over the global batch (TRL, OpenRLHF; DeepSpeed-Chat does not).
+    whiten_advantages: bool = True
     ema: float = 0.0  # > 0: keep an EMA of the actor (DeepSpeed-Chat --enable_ema uses 0.992)
     ptx_coef: float = 0.0  # > 0: mix in the SFT loss on SFT data (InstructGPT PPO-ptx; DeepSpeed-Chat 27.8)
 
 
 @dataclass
 class DPOSection:
-    steps: int = 200
-    lr: float = 5e-7  # TRL DPOConfig default learning_rate (1e-6 in the DPO paper)
-    beta: float = 0.1  # DPO paper / TRL
-    label_smoothing: float = 0.0  # cDPO; TRL's sigmoid loss
+    steps: int = 200  # optimizer steps of the dpo stage
+    lr: float = 5e-7  # learning rate (TRL DPOConfig's default; 1e-6 in the DPO paper)
+    beta: float = 0.1  # DPO's β: how far the policy may move from the reference (DPO paper, TRL)
+    label_smoothing: float = 0.0  # assumed share of flipped labels (cDPO; TRL's sigmoid loss)
     # Reference log-probs computed once before training from the initial policy (which is the
     # reference), so no reference model is held; false keeps a frozen reference model.
     precompute_ref: bool = True
@@ -128,31 +131,34 @@ class DPOSection:
 
 @dataclass
 class GRPOSection:
-    steps: int = 100
-    lr: float = 1e-6  # TRL GRPOConfig default
+    steps: int = 100  # optimizer steps of the grpo stage (one generation each)
+    lr: float = 1e-6  # learning rate (TRL GRPOConfig's default)
     group_size: int = 8  # G samples per prompt (TRL num_generations 8)
     iterations: int = 1  # μ: optimizer passes per generation (TRL num_iterations 1)
-    clip: float = 0.2  # TRL epsilon
+    clip: float = 0.2  # policy ratio clip (TRL epsilon)
     beta: float = 0.0  # k3 KL to the reference (TRL default 0.0; DeepSeekMath 0.04)
     scale_rewards: bool = True  # divide by the group's std (DeepSeekMath; TRL scale_rewards)
 
 
 @dataclass
 class RLHFConfig:
-    model: ModelSection = field(default_factory=ModelSection)  # only for a fresh base
-    models: ModelsSection = field(default_factory=ModelsSection)
-    data: DataSection = field(default_factory=DataSection)
-    train: TrainSection = field(default_factory=TrainSection)
+    model: ModelSection = field(default_factory=ModelSection)  # the shape of a fresh base (models.base unset) only
+    models: ModelsSection = field(default_factory=ModelsSection)  # where each stage's models come from
+    data: DataSection = field(default_factory=DataSection)  # a built-in task, or preference pairs and prompts
+    train: TrainSection = field(default_factory=TrainSection)  # batches, logging, evaluation, checkpoints
+    # AdamW and its schedule for every stage; the learning rate is each stage's own (sft.lr, ...).
     optim: OptimSection = field(default_factory=lambda: OptimSection(
-        warmup_steps=0, decay="constant", weight_decay=0.0, beta2=0.95))  # lr per stage below
+        warmup_steps=0, decay="constant", weight_decay=0.0, beta2=0.95))
+    # The runtime of every model of a stage: 0 plain DDP, 3 ZeRO-3, plus ZeRO++ (docs/zeropp.md).
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
-    generation: GenerationSection = field(default_factory=GenerationSection)
-    sft: SFTSection = field(default_factory=SFTSection)
-    reward: RewardSection = field(default_factory=RewardSection)
-    ppo: PPOSection = field(default_factory=PPOSection)
-    dpo: DPOSection = field(default_factory=DPOSection)
-    grpo: GRPOSection = field(default_factory=GRPOSection)
-    resume: str | None = None  # as train.py: a checkpoint dir, "latest" or "auto" (this stage's)
+    generation: GenerationSection = field(default_factory=GenerationSection)  # sampling the ppo / grpo rollouts
+    sft: SFTSection = field(default_factory=SFTSection)  # stage 1: supervised fine-tuning
+    reward: RewardSection = field(default_factory=RewardSection)  # stage 2: the reward model
+    ppo: PPOSection = field(default_factory=PPOSection)  # PPO: actor, critic, reference and reward model
+    dpo: DPOSection = field(default_factory=DPOSection)  # DPO on preference pairs
+    grpo: GRPOSection = field(default_factory=GRPOSection)  # GRPO: groups of samples per prompt, no critic
+    # As train.py's: a checkpoint dir, "latest" or "auto" (of the stage that runs).
+    resume: Annotated[str | None, InputPath(("latest", "auto"))] = None
 
     def stage_dir(self, stage: str) -> Path:
         return Path(self.train.out_dir) / stage

@@ -5,38 +5,65 @@ overriding the last: the dataclass defaults, a YAML file (``--config configs/x.y
 dotted command-line overrides (``--optim.lr 3e-4 --train.steps 100``). Every key is checked
 against the dataclass it lands in, so a typo is an error that names the key and lists the
 valid ones, and every value is converted to the field's declared type or rejected.
+
+Each field is documented by the ``#`` comment block directly above it and any comment at the end
+of its line; a field with neither shares the comment block above the run of fields it belongs to
+(fields with no blank line between them). ``field_docs`` reads them from the source once;
+``--help`` prints them, and a test requires one for every field.
+
+Paths a run reads (fields annotated ``Annotated[str, InputPath()]``) are taken relative to the YAML
+file that sets them, so a preset works from any directory; on the command line they are relative
+to the current directory, as usual. Paths a run writes (``train.out_dir``, ``data.cache_dir``) are
+relative to the current directory wherever they are set.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
+import io
 import math
+import os
+import textwrap
+import tokenize
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Iterable, Literal
 
 import yaml
 
 from models.lora import DEFAULT_TARGETS
 from zeropp.config import TensorParallelConfig, ZeroConfig
 
+DEBUG_ENV = "ZEROPP_DEBUG"  # set to 1 (or pass --debug) to see the traceback of an error
+
 
 class ConfigError(ValueError):
     """A configuration key or value that cannot be used; the message says which and why."""
 
 
+@dataclass(frozen=True)
+class InputPath:
+    """Marks a string field as a path the run reads: ``Annotated[str, InputPath()]``. Set in a YAML
+    file, a relative path is taken relative to that file's directory; `keywords` are values that
+    are not paths (data.path's "default", resume's "latest" and "auto")."""
+
+    keywords: tuple[str, ...] = ()
+
+
 @dataclass
 class ModelSection:
-    preset: str = "gpt2-tiny"  # a name from models.config.PRESETS
-    # Optional overrides of the preset's shape; None keeps the preset's value.
-    n_layer: int | None = None
-    n_head: int | None = None
-    n_kv_head: int | None = None
-    d_model: int | None = None
-    d_ff: int | None = None
-    max_seq_len: int | None = None
+    preset: str = "gpt2-tiny"  # a name from models.config.PRESETS (gpt2-tiny, llama-tiny, qwen3-0.6b, ...)
+    n_layer: int | None = None  # transformer blocks (None: the preset's)
+    n_head: int | None = None  # attention (query) heads (None: the preset's)
+    n_kv_head: int | None = None  # key/value heads, < n_head for grouped-query attention (None: the preset's)
+    d_model: int | None = None  # hidden size (None: the preset's)
+    d_ff: int | None = None  # MLP inner size (None: the preset's)
+    max_seq_len: int | None = None  # longest sequence the model takes (None: the preset's)
     # The vocabulary follows the tokenizer, padded up to a multiple of this (as Megatron does)
     # so the embedding matmuls stay aligned.
     make_vocab_size_divisible_by: int = 64
@@ -45,50 +72,51 @@ class ModelSection:
 @dataclass
 class DataSection:
     # "default" (the embedded corpus), a text/json/jsonl(.gz) file, or a Megatron .bin/.idx
-    # prefix made by scripts/preprocess_data.py.
-    path: str = "default"
-    json_key: str = "text"
+    # prefix made by scripts/preprocess_data.py; for a fine-tune, the SFT data set (docs/finetune.md).
+    path: Annotated[str, InputPath(("default",))] = "default"
+    json_key: str = "text"  # the text field of json/jsonl records
     # A SentencePiece .model or a Hugging Face checkpoint dir with tokenizer.json. When None,
     # a SentencePiece model of `vocab_size` is trained on the data and cached.
-    tokenizer: str | None = None
-    vocab_size: int = 4096
-    seq_len: int = 128
-    valid_fraction: float = 0.05
-    cache_dir: str = "cache"
-    workers: int = 2
+    tokenizer: Annotated[str | None, InputPath()] = None
+    vocab_size: int = 4096  # of the SentencePiece model trained when data.tokenizer is None
+    seq_len: int = 128  # tokens per training sample (a fine-tune: the longest example; longer ones are cut)
+    valid_fraction: float = 0.05  # share of the data held out for the validation loss
+    cache_dir: str = "cache"  # tokenized data and trained tokenizers, reused by later runs
+    workers: int = 2  # processes that tokenize the corpus
 
 
 @dataclass
 class OptimSection:
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 10
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    clip_grad: float = 1.0  # 0 disables clipping
+    lr: float = 1e-3  # AdamW's peak learning rate, reached after the warmup
+    min_lr: float = 1e-4  # where the decay ends, at the last step
+    warmup_steps: int = 10  # linear warmup from 0 to lr
+    decay: Literal["cosine", "linear", "constant"] = "cosine"  # from lr to min_lr after the warmup
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay, on matrices only
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay
+    eps: float = 1e-8  # AdamW's epsilon
+    clip_grad: float = 1.0  # clip the global gradient norm to this; 0 disables clipping
 
 
 @dataclass
 class TrainSection:
-    steps: int = 200
-    micro_batch_size: int = 8  # per rank
-    grad_accum: int = 1
-    seed: int = 1234
-    # "auto": bf16 autocast on CUDA, fp32 on CPU (bf16 matmuls are slow on CPUs).
+    steps: int = 200  # optimizer steps of the whole run
+    micro_batch_size: int = 8  # samples per rank and forward/backward
+    grad_accum: int = 1  # micro-batches accumulated per optimizer step
+    seed: int = 1234  # initial weights, data order and dropout
+    # "auto": bf16 autocast where the hardware multiplies bf16 natively (CUDA; a CPU with
+    # avx512_bf16 / amx_bf16 / Arm bf16), fp32 elsewhere; master weights stay fp32 (docs/training.md).
     precision: Literal["auto", "fp32", "bf16"] = "auto"
-    log_interval: int = 10
-    eval_interval: int = 100  # also evaluates at the last step
-    eval_batches: int = 10
-    checkpoint_interval: int = 0  # 0: only at the end
-    out_dir: str = "runs/default"
+    log_interval: int = 10  # steps between log lines (console, metrics.jsonl, TensorBoard)
+    eval_interval: int = 100  # steps between validation losses; also evaluates at the last step
+    eval_batches: int = 10  # global batches of the fixed validation set per evaluation
+    checkpoint_interval: int = 0  # steps between checkpoints; 0: only at the end
+    out_dir: str = "runs/default"  # checkpoints/, metrics.jsonl, tensorboard/ and hf/ go here
     # A fresh run (no `resume`) refuses an out_dir that holds another run's checkpoints or
     # metrics; true deletes them first (checkpoints/, metrics.jsonl, tensorboard/, hf/).
     overwrite: bool = False
-    tensorboard: bool = True
-    progress_bar: bool = True
+    tensorboard: bool = True  # write TensorBoard scalars to <out_dir>/tensorboard
+    progress_bar: bool = True  # a tqdm bar on rank 0
     # Peak of the hardware in TFLOP/s per rank, for MFU. On CPU a rough figure suffices.
     peak_tflops: float = 1.0
     # The scheduler's warning signal (Slurm --signal): checkpoint at the end of the current
@@ -118,34 +146,40 @@ class LoraSection:
     # (q_proj) or a suffix of the full name (blocks.0.attn.q_proj). The MLP's are up_proj and
     # down_proj, plus gate_proj for LLaMA. On the command line: --finetune.lora.targets q_proj,v_proj
     targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
+    # A PEFT adapter directory (adapter_config.json + adapter_model.safetensors, e.g. from
+    # scripts/consolidate.py --peft-adapter) to start the adapters from instead of fresh ones, to
+    # continue training it; its r, lora_alpha and layers must be the ones above. None: fresh adapters.
+    init_from: Annotated[str | None, InputPath()] = None
 
 
 @dataclass
 class FinetuneSection:
-    # A Hugging Face model directory (config.json + safetensors; GPT-2, OPT or LLaMA). When set,
-    # the run fine-tunes it on the SFT data set at data.path (prompt tokens masked out of the
-    # loss) instead of pretraining model.preset; the tokenizer is the directory's own unless
-    # data.tokenizer names another.
-    hf_checkpoint: str | None = None
+    # A Hugging Face model directory (config.json + safetensors; GPT-2, OPT, LLaMA, Qwen2/3 or
+    # Mistral). When set, the run fine-tunes it on the SFT data set at data.path (prompt tokens
+    # masked out of the loss) instead of pretraining model.preset; the tokenizer is the directory's
+    # own unless data.tokenizer names another.
+    hf_checkpoint: Annotated[str | None, InputPath()] = None
     # Record format of data.path (docs/data.md): auto-detected from the first record's keys,
     # or alpaca (instruction / input / output), hh (HH-RLHF "chosen" dialogues) or completion
     # (prompt / completion, the prompt verbatim).
     data_format: Literal["auto", "alpaca", "hh", "completion"] = "auto"
-    lora: LoraSection = field(default_factory=LoraSection)
+    lora: LoraSection = field(default_factory=LoraSection)  # LoRA adapters instead of training every weight
 
 
 @dataclass
 class Config:
-    model: ModelSection = field(default_factory=ModelSection)
-    data: DataSection = field(default_factory=DataSection)
-    optim: OptimSection = field(default_factory=OptimSection)
-    train: TrainSection = field(default_factory=TrainSection)
+    model: ModelSection = field(default_factory=ModelSection)  # the model to pretrain (a preset and its shape)
+    data: DataSection = field(default_factory=DataSection)  # the corpus or SFT data set and its tokenizer
+    optim: OptimSection = field(default_factory=OptimSection)  # AdamW and the learning-rate schedule
+    train: TrainSection = field(default_factory=TrainSection)  # batches, steps, logging, evaluation, checkpoints
+    # Sharded data parallelism: 0 plain DDP, 3 ZeRO-3, plus ZeRO++ (docs/zero3.md, docs/zeropp.md).
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    # Megatron-style tensor parallelism with AccTFM (docs/tensor_parallel.md).
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
-    finetune: FinetuneSection = field(default_factory=FinetuneSection)
+    finetune: FinetuneSection = field(default_factory=FinetuneSection)  # fine-tuning a Hugging Face model
     # A checkpoint directory to continue from; "latest": out_dir's latest checkpoint;
     # "auto": the latest if there is one, else start fresh (requeued jobs).
-    resume: str | None = None
+    resume: Annotated[str | None, InputPath(("latest", "auto"))] = None
 
 
 # ----------------------------------------------------------------------------- values
@@ -250,8 +284,27 @@ def _hints(obj) -> dict[str, Any]:
     return typing.get_type_hints(type(obj))
 
 
-def set_key(cfg, dotted: str, value: Any) -> None:
-    """Set one dotted key (``optim.lr``) on a config tree, converting and checking it."""
+@functools.cache
+def _input_paths(cls) -> dict[str, InputPath]:
+    """Fields of dataclass `cls` that are paths the run reads, with their markers."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return {name: meta for name, hint in hints.items() if typing.get_origin(hint) is Annotated
+            for meta in hint.__metadata__ if isinstance(meta, InputPath)}
+
+
+def _resolve_path(value: Any, marker: InputPath, base: Path) -> Any:
+    """A relative path read from a YAML file in `base`, made absolute from there."""
+    if not isinstance(value, str) or not value or value in marker.keywords or value.lower() in ("none", "null"):
+        return value
+    path = os.path.expanduser(value)
+    return path if os.path.isabs(path) else os.path.normpath(os.path.join(os.path.abspath(base), path))
+
+
+def set_key(cfg, dotted: str, value: Any, base: str | Path | None = None) -> None:
+    """Set one dotted key (``optim.lr``) on a config tree, converting and checking it.
+
+    base: the directory of the YAML file the value comes from; relative input paths resolve there.
+    """
     node = cfg
     parts = dotted.split(".")
     for depth, part in enumerate(parts):
@@ -268,8 +321,11 @@ def set_key(cfg, dotted: str, value: Any) -> None:
                 if not isinstance(value, dict):
                     raise ConfigError(f"{dotted}: expected a mapping of keys, got {value!r}")
                 for k, v in value.items():
-                    set_key(cfg, f"{dotted}.{k}", v)
+                    set_key(cfg, f"{dotted}.{k}", v, base)
                 return
+            marker = _input_paths(type(node)).get(part)
+            if marker is not None and base is not None:
+                value = _resolve_path(value, marker, Path(base))
             setattr(node, part, _convert(value, _hints(node)[part], dotted))
             return
         if not dataclasses.is_dataclass(child):
@@ -277,10 +333,11 @@ def set_key(cfg, dotted: str, value: Any) -> None:
         node = child
 
 
-def apply_dict(cfg, values: dict, prefix: str = "") -> None:
+def apply_dict(cfg, values: dict, prefix: str = "", base: str | Path | None = None) -> None:
+    """Set every key of a (nested) mapping; base: as set_key's, for values read from a YAML file."""
     for key, value in values.items():
         dotted = f"{prefix}{key}"
-        set_key(cfg, dotted, value)
+        set_key(cfg, dotted, value, base)
 
 
 def load_yaml(path: str | Path) -> dict:
@@ -298,11 +355,21 @@ def load_yaml(path: str | Path) -> dict:
     return values
 
 
-def parse_args(argv: list[str], cfg=None):
+def pop_debug(argv: list[str]) -> tuple[bool, list[str]]:
+    """(whether errors should keep their traceback, argv without --debug): --debug anywhere, or
+    ZEROPP_DEBUG set to anything but "" / 0 / false."""
+    rest = [arg for arg in argv if arg != "--debug"]
+    env = os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+    return env or len(rest) != len(argv), rest
+
+
+def parse_args(argv: list[str], cfg=None, *, usage: str | None = None, hide: Iterable[str] = ()):
     """Build a Config from ``--config FILE`` and ``--dotted.key value`` arguments.
 
     ``--key=value`` works too; a bare ``--flag`` followed by another option (or nothing)
-    means ``true``. ``--help`` prints every key with its default and exits.
+    means ``true``. ``-h`` / ``--help`` prints `usage` and every key (``help_text``, without the
+    keys and sections in `hide`) and exits. Relative input paths in the YAML file are taken
+    relative to its directory (InputPath).
     """
     cfg = Config() if cfg is None else cfg
     pairs: list[tuple[str, Any]] = []
@@ -310,8 +377,11 @@ def parse_args(argv: list[str], cfg=None):
     i = 0
     while i < len(argv):
         arg = argv[i]
+        if arg in ("-h", "--help"):
+            print(help_text(cfg, usage, hide))
+            raise SystemExit(0)
         if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}: arguments are --key value pairs")
+            raise ConfigError(f"unexpected argument {arg!r}: arguments are --key value pairs (--help lists the keys)")
         key, eq, value = arg[2:].partition("=")
         if not eq:
             if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
@@ -320,15 +390,12 @@ def parse_args(argv: list[str], cfg=None):
             else:
                 value = "true"
         i += 1
-        if key == "help":
-            print(describe(cfg))
-            raise SystemExit(0)
         if key == "config":
             config_file = value
         else:
             pairs.append((key.replace("-", "_"), value))
     if config_file is not None:
-        apply_dict(cfg, load_yaml(config_file))
+        apply_dict(cfg, load_yaml(config_file), base=Path(config_file).parent)
     for key, value in pairs:
         set_key(cfg, key, value)
     return cfg
@@ -344,13 +411,144 @@ def from_dict(values: dict, cls=Config):
     return cfg
 
 
-def describe(cfg, prefix: str = "") -> str:
-    """Every key with its current value, one per line (what --help prints)."""
-    lines = []
-    for name in _fields(cfg):
-        value = getattr(cfg, name)
-        if dataclasses.is_dataclass(value):
-            lines.append(describe(value, f"{prefix}{name}."))
+# ----------------------------------------------------------------------------- help
+
+
+@functools.cache
+def field_docs(cls) -> dict[str, str]:
+    """Field name -> description, for dataclass `cls` (and its bases): the ``#`` comment block
+    directly above the field plus a comment at the end of its line; a field with neither takes
+    the comment block above the run of fields it belongs to (no blank line in between)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass) and klass is not object:
+            docs.update(_own_field_docs(klass))
+    return {f.name: docs.get(f.name, "") for f in dataclasses.fields(cls)}
+
+
+def _own_field_docs(klass) -> dict[str, str]:
+    try:
+        source = textwrap.dedent(inspect.getsource(klass))
+    except (OSError, TypeError):  # no source (frozen app, interactive): no descriptions
+        return {}
+    lines = source.splitlines()
+    comments: dict[int, tuple[bool, str]] = {}  # line (1-based) -> (a line of its own, text)
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            own = not lines[tok.start[0] - 1][:tok.start[1]].strip()
+            comments[tok.start[0]] = (own, tok.string.lstrip("#").strip())
+    (node,) = ast.parse(source).body
+    docs, group, previous_end = {}, "", None
+    for stmt in node.body:
+        if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+            previous_end = None  # a method or a docstring ends a run of fields
+            continue
+        above, line = [], stmt.lineno - 1
+        while line in comments and comments[line][0]:
+            above.insert(0, comments[line][1])
+            line -= 1
+        trailing = [text for n in range(stmt.lineno, stmt.end_lineno + 1)
+                    for own, text in [comments.get(n, (True, ""))] if not own and text]
+        if above:
+            group = " ".join(above)
+        elif previous_end is None or line != previous_end:  # a blank line (or nothing) above: a new run
+            group = ""
+        own_text = " ".join(above + trailing)
+        docs[stmt.target.id] = own_text or group
+        previous_end = stmt.end_lineno
+    return docs
+
+
+def type_name(annotation: Any) -> str:
+    """How --help shows a field's type: int, float, str, bool, path, {a,b}, list[str], or X | none."""
+    if typing.get_origin(annotation) is Annotated:
+        base = type_name(typing.get_args(annotation)[0])
+        return base.replace("str", "path") if any(isinstance(m, InputPath) for m in annotation.__metadata__) else base
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        names = [type_name(a) for a in args if a is not type(None)]
+        return " | ".join(names) + (" | none" if type(None) in args else "")
+    if origin is Literal:
+        return "{" + ",".join(str(a) for a in args) + "}"
+    if origin is list:
+        return f"list[{type_name(args[0])}]"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def format_value(value: Any) -> str:
+    """A value as it is written on the command line."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return ",".join(format_value(v) for v in value)
+    if isinstance(value, str):
+        return value if value and value.strip() == value and "," not in value else repr(value)
+    return repr(value)
+
+
+def _section_doc(parent_doc: str, section) -> str:
+    if parent_doc:
+        return parent_doc
+    doc = inspect.getdoc(type(section)) or ""
+    if doc.startswith(type(section).__name__ + "("):  # the signature dataclasses puts where there is no docstring
+        return ""
+    return " ".join(doc.split("\n\n")[0].split())
+
+
+def help_text(cfg, usage: str | None = None, hide: Iterable[str] = (), width: int = 100) -> str:
+    """`usage`, then every key of the config tree `cfg`, section by section: its type, its default
+    (the value in `cfg`) and its description (field_docs); keys and sections named in `hide` are left out."""
+    hide = set(hide)
+    out = [usage.strip("\n")] if usage else []
+    out += ["", "options:",
+            "  --config FILE        a YAML file of keys (configs/*.yaml); keys given on the command line win",
+            "  --debug              show the full traceback of an error (also: ZEROPP_DEBUG=1)",
+            "  -h, --help           this help",
+            "", "keys (--section.key value, or --section.key=value; YAML: the same nesting):"]
+    wrap = functools.partial(textwrap.fill, width=width, initial_indent=" " * 6, subsequent_indent=" " * 6)
+
+    def keys(node, prefix: str) -> list[str]:
+        lines, docs, hints = [], field_docs(type(node)), typing.get_type_hints(type(node), include_extras=True)
+        leaves = [f for f in dataclasses.fields(node) if not dataclasses.is_dataclass(getattr(node, f.name))
+                  and f"{prefix}{f.name}" not in hide]
+        for i, f in enumerate(leaves):
+            lines.append(f"  --{prefix}{f.name} {type_name(hints[f.name])}  "
+                         f"(default: {format_value(getattr(node, f.name))})")
+            nxt = leaves[i + 1] if i + 1 < len(leaves) else None
+            if nxt is None or docs[nxt.name] != docs[f.name]:  # a description shared by a run of keys: once, after it
+                lines.append(wrap(docs[f.name]) if docs[f.name] else "")
+        return [line for line in lines if line]
+
+    def sections(node, prefix: str) -> list[str]:
+        lines, docs = [], field_docs(type(node))
+        for f in dataclasses.fields(node):
+            child, name = getattr(node, f.name), f"{prefix}{f.name}"
+            if not dataclasses.is_dataclass(child) or name in hide:
+                continue
+            about = _section_doc(docs[f.name], child)
+            header = textwrap.fill(f"{name}: {about}", width=width, subsequent_indent="    ") if about else f"{name}:"
+            lines += ["", header, *keys(child, f"{name}.")]
+            lines += sections(child, f"{name}.")
+        return lines
+
+    top = keys(cfg, "")
+    if top:
+        out += ["", "top level:", *top]
+    out += sections(cfg, "")
+    return "\n".join(out)
+
+
+def all_fields(cfg, prefix: str = "") -> list[tuple[str, type, str]]:
+    """(dotted key, dataclass, description) of every leaf key of the config tree `cfg`."""
+    out = []
+    docs = field_docs(type(cfg))
+    for f in dataclasses.fields(cfg):
+        child = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(child):
+            out += all_fields(child, f"{prefix}{f.name}.")
         else:
-            lines.append(f"  --{prefix}{name} {value!r}")
-    return "\n".join(lines)
+            out.append((f"{prefix}{f.name}", type(cfg), docs[f.name]))
+    return out
+

@@ -103,10 +103,14 @@ def init_distributed(timeout: float | None = None) -> DistEnv:
     CUDA ranks use NCCL on their local GPU; CPU ranks use gloo with one thread each, since
     several ranks share the machine's cores. Under srun (one task per rank) the Slurm
     variables are exported as RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE first. `timeout`
-    (seconds; the config's train.dist_timeout) bounds how long a collective may wait for the
-    other ranks; without one, DIST_TIMEOUT from the environment, else DEFAULT_TIMEOUT.
-    zeropp.topology gives every sub-group the same.
+    (seconds; the config's train.dist_timeout, the one way to set it) bounds how long a
+    collective may wait for the other ranks; without one, DEFAULT_TIMEOUT. zeropp.topology
+    gives every sub-group the same. The DIST_TIMEOUT variable that once set it is refused, so
+    that a value there is not silently ignored.
     """
+    if os.environ.get("DIST_TIMEOUT"):
+        raise LauncherError(f"DIST_TIMEOUT={os.environ['DIST_TIMEOUT']} is not read any more: set the timeout with "
+                            f"--train.dist_timeout SECONDS (default {DEFAULT_TIMEOUT:g}) and unset DIST_TIMEOUT")
     os.environ.update(slurm_rank_env())
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -121,11 +125,7 @@ def init_distributed(timeout: float | None = None) -> DistEnv:
         if device.type == "cpu":
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
         if timeout is None:
-            value = os.environ.get("DIST_TIMEOUT") or str(DEFAULT_TIMEOUT)
-            try:
-                timeout = float(value)
-            except ValueError:
-                raise LauncherError(f"DIST_TIMEOUT must be a number of seconds, got {value!r}") from None
+            timeout = DEFAULT_TIMEOUT
         dist.init_process_group(_backend(device), rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout), store=elastic_store(rank, world_size, timeout))
     return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device)

@@ -37,6 +37,7 @@ from trainer.distributed import (DistEnv, LauncherError, PeerError, all_gather_o
 from trainer.finetune_data import FinetuneData, prepare_finetuning
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, lr_at
+from trainer.precision import autocast_for, compute_dtype
 from trainer.preemption import PreemptionSignal, signal_number
 from trainer.pretrain_data import DataError, PretrainData, prepare_pretraining
 from data.sources import MissingKeyError
@@ -112,8 +113,11 @@ def _check_finetune(cfg: Config) -> None:
 
 
 def _lora_state(lora: LoraSection) -> dict | None:
-    """What a checkpoint records of the adapters: resuming needs the same ones."""
-    return dataclasses.asdict(lora) if lora.r else None
+    """What a checkpoint records of the adapters: resuming needs the same ones (not where they started:
+    init_from only initialises a fresh run)."""
+    if not lora.r:
+        return None
+    return {k: v for k, v in dataclasses.asdict(lora).items() if k != "init_from"}
 
 
 def _check(cfg: Config) -> None:
@@ -142,12 +146,11 @@ def _check(cfg: Config) -> None:
     _check_finetune(cfg)
 
 
-def autocast_for(precision: str, device: torch.device):
-    """bf16 autocast on CUDA ("auto" or "bf16"); fp32 on CPU unless bf16 is asked for."""
-    use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
-    if use_bf16:
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return nullcontext()
+def precision_line(precision: str, device: torch.device) -> str:
+    bf16 = compute_dtype(precision, device) == torch.bfloat16
+    what = "bf16 autocast, fp32 master weights" if bf16 else "fp32"
+    why = {"auto": f" (train.precision auto: {'native' if bf16 else 'no native'} bf16 on this {device.type})"}
+    return what + why.get(precision, f" (train.precision {precision})")
 
 
 def _memory_mb(device: torch.device) -> float:
@@ -256,6 +259,13 @@ class Trainer:
                 apply_lora(model, lora.targets, lora.r, lora.alpha, lora.dropout)
             except ValueError as e:
                 raise ConfigError(f"finetune.lora: {e}") from e
+            if lora.init_from:
+                from export.peft import load_peft_adapter  # export/ imports trainer.checkpoint
+
+                try:
+                    load_peft_adapter(model, lora.init_from)
+                except (OSError, ValueError) as e:
+                    raise ConfigError(f"finetune.lora.init_from {lora.init_from!r}: {e}") from e
         return model
 
     def _resume(self, path: Path) -> None:
@@ -452,6 +462,10 @@ class Trainer:
                 f"world size {self.env.world_size} | global batch {self.global_batch}"
             )
             log.info(f"runtime: {self.runtime.describe()}")
+            log.info(f"compute: {precision_line(t.precision, self.env.device)}")
+            for line in traffic_and_memory_lines(self.runtime.predicted_step_bytes(t.grad_accum),
+                                                 self.runtime.model_state_bytes(self.optimizer)):
+                log.info(line)
             for note in self.notes:
                 log.info(note)
             if self.resumed_from is not None:
@@ -516,9 +530,10 @@ class Trainer:
             if stop and self.step != t.steps:
                 result.preempted = True
                 break
-        baseline = self.runtime.zero3_cross_node_bytes() if self.step_comm else {}
-        if any(baseline.values()):  # several nodes: there are cross-node bytes to compare
-            log.info(cross_node_report(self.step_comm, baseline, self.cfg.zero_optimization.describe()))
+        if self.step_comm and self.env.world_size > 1:
+            log.info(cross_node_report(self.step_comm, self.runtime.zero3_cross_node_bytes(),
+                                       self.cfg.zero_optimization.describe(),
+                                       self.runtime.predicted_step_bytes(t.grad_accum)))
         result.checkpoint = self.save()
         # After the save: a second warning must not kill the rank mid-save (the entry point's
         # catch_early handler, where there is one, records it from here on).
@@ -541,18 +556,42 @@ class Trainer:
                     total_steps=self.cfg.train.steps)
 
 
-def cross_node_report(step: dict[str, dict], zero3: dict[str, int], runtime: str) -> str:
-    """The last step's cross-node bytes of this rank by collective, next to what plain ZeRO-3
-    sends for the same model and layout: the table the README's main job ends with."""
-    rows = [(tag, step.get(tag, {}).get("cross_node_sent", 0), base) for tag, base in zero3.items()]
-    rows.append(("total", sum(r[1] for r in rows), sum(r[2] for r in rows)))
+def cross_node_report(step: dict[str, dict], zero3: dict[str, int], runtime: str,
+                      predicted: dict[str, dict] | None = None) -> str:
+    """The last step's cross-node bytes of this rank by collective, next to what the runtime
+    predicted from sizes alone and what plain ZeRO-3 sends for the same model and layout: the
+    table the README's main job ends with. On one node there is nothing to compare (no
+    collective crosses a node): one line says so."""
+    if not any(zero3.values()) and not any(e.get("cross_node_sent", 0) for e in step.values()):
+        return f"cross-node bytes ({runtime}): single node: no cross-node traffic"
+    predicted = predicted or {}
+    cross = lambda table, tag: table.get(tag, {}).get("cross_node_sent")  # noqa: E731
+    rows = [(tag, cross(step, tag) or 0, cross(predicted, tag), base) for tag, base in zero3.items()]
+    known = all(r[2] is not None for r in rows)
+    rows.append(("total", sum(r[1] for r in rows), sum(r[2] for r in rows) if known else None,
+                 sum(r[3] for r in rows)))
+    mb = lambda v: f"{v / 2**20:.3f}" if v is not None else "-"  # noqa: E731
     lines = [f"cross-node bytes sent by this rank in one training step (communication ledger): {runtime} "
              f"vs ZeRO-3 (bf16) on the same model and nodes",
-             f"  {'collective':<16} {'this run (MB)':>14} {'ZeRO-3 (MB)':>12} {'ratio':>6}"]
-    for tag, ours, base in rows:
-        lines.append(f"  {tag:<16} {ours / 2**20:>14.3f} {base / 2**20:>12.3f} "
+             f"  {'collective':<16} {'this run (MB)':>14} {'predicted (MB)':>15} {'ZeRO-3 (MB)':>12} {'ratio':>6}"]
+    for tag, ours, expected, base in rows:
+        lines.append(f"  {tag:<16} {mb(ours):>14} {mb(expected):>15} {mb(base):>12} "
                      f"{ours / base if base else float('nan'):>6.2f}")
     return "\n".join(lines)
+
+
+def traffic_and_memory_lines(predicted: dict[str, dict], memory: dict[str, int]) -> list[str]:
+    """The log's first word on the trade-off the configuration makes: the bytes this rank will
+    send per step by collective (and how many cross nodes), and the model state it holds."""
+    lines = []
+    if predicted:
+        parts = [f"{tag} {v['sent'] / 2**20:.2f} MB ({v['cross_node_sent'] / 2**20:.2f} cross-node)"
+                 for tag, v in predicted.items()]
+        lines.append("predicted traffic per step, this rank: " + ", ".join(parts))
+    if memory:
+        parts = [f"{kind} {n / 2**20:.2f} MB" for kind, n in memory.items()]
+        lines.append(f"model state per rank: {sum(memory.values()) / 2**20:.2f} MB (" + ", ".join(parts) + ")")
+    return lines
 
 
 def train(cfg: Config) -> TrainResult:

@@ -24,6 +24,7 @@ POLL_SECONDS = 0.25  # how often AgentWatch looks at the parent pid
 
 _early: dict = {"signum": None, "previous": None, "received": False}  # what catch_early installed
 _agent: AgentWatch | None = None
+_seen = {"preempted": False}  # whether a PreemptionSignal here reported the signal (see preempted())
 
 
 class AgentWatch(threading.Thread):
@@ -68,6 +69,17 @@ def _record_early(signum, frame) -> None:
     _early["received"] = True
 
 
+def preempted() -> bool:
+    """Whether this process was told to stop for a preemption: a PreemptionSignal's `received`
+    was true when the trainer looked (before the first step or at a step's end), so the run
+    stopped early and saved, unless that was its last step. A signal that comes after the last
+    look (during the final save) does not count: the run had finished. scripts/slurm/run_rank.py
+    records it with the exit code, so that the batch script requeues a preempted run, also where
+    only the ranks got the signal (Slurm's `--signal=SIG@T` without `B:`, a preemption's SIGTERM
+    in its grace time), and not a finished one."""
+    return _seen["preempted"]
+
+
 def _take_early(signum: int) -> bool:
     """Whether catch_early saw `signum` (and forget it). Where the config names another signal
     than catch_early caught, that one gets its previous action back, and is re-raised if it came."""
@@ -98,7 +110,10 @@ class PreemptionSignal:
 
     @property
     def received(self) -> bool:
-        return self._got or (self._agent is not None and self._agent.gone.is_set())
+        got = self._got or (self._agent is not None and self._agent.gone.is_set())
+        if got:
+            _seen["preempted"] = True
+        return got
 
     def _handle(self, signum, frame) -> None:
         self._got = True

@@ -16,6 +16,17 @@ send/recv moves each byte once and measured 1.65-1.85x faster for fp32 on 4 rank
 (`scripts/bench/reduce_scatter.py`), so gloo uses the ring, run on a dedicated thread and
 process group so it overlaps compute like an async collective. NCCL uses its native
 reduce-scatter.
+
+Node-aware collectives (gloo, several nodes of several ranks): gloo's ring all-gather over
+N nodes x L ranks carries a shard over every ring edge, so the edge entering a node brings in
+N·L - 1 of the N·L shards where the (N - 1)·L of the other nodes suffice (2 x 2: 0.75 of the
+model instead of 0.5). The
+node-aware all-gather gathers first across nodes among the ranks with the same local rank
+(each shard crosses once per remote node), then inside the node; its output holds the shards
+local-rank-major (`Comm.gather_order`), and the decode puts them in place, so no extra copy
+is made. The node-aware reduce-scatter is the mirror: a ring inside the node over the chunks
+each local rank will own, then a ring across nodes of the node sums. Both move exactly
+(N - 1)/N of a node's bytes across and reduce to the flat collectives on one node.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from kernels import dequant_reduce, dequant_reduce_quant, dequantize, quantize_transposed
+from kernels import dequant_reduce, dequant_reduce_quant, dequantize, num_blocks, packed_bytes, quantize_transposed
 from zeropp.topology import Mesh
 
 
@@ -100,6 +111,12 @@ class _DoneWork:
         pass
 
 
+def uses_node_aware(mesh: Mesh, backend: str) -> bool:
+    """Whether the dp all-gather and reduce-scatter go node-aware: on gloo with several nodes of
+    several ranks (NCCL keeps its own algorithms; one node or one rank per node is flat anyway)."""
+    return backend == "gloo" and mesh.num_nodes > 1 and mesh.ranks_per_node > 1
+
+
 class Comm:
     """Collectives over the groups of a Mesh, each recorded in the ledger.
 
@@ -107,27 +124,67 @@ class Comm:
     what the bytes are for in the ledger.
     """
 
-    def __init__(self, mesh: Mesh, ledger: CommLedger | None = None):
+    def __init__(self, mesh: Mesh, ledger: CommLedger | None = None, node_aware: bool = True):
         self.mesh = mesh
         self.ledger = ledger if ledger is not None else CommLedger()
         self.backend = dist.get_backend(mesh.group("dp"))
         # gloo: the ring and qgZ run on their own thread, over the mesh's twin groups
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeropp-comm") \
             if self.backend == "gloo" else None
+        self.node_aware = node_aware and uses_node_aware(mesh, self.backend)
+
+    def volume(self, chunk_bytes: int, group: str = "dp", node_aware: bool = False) -> tuple[int, int]:
+        """(bytes sent, of which cross-node) by this rank in a collective over `group` that moves one
+        `chunk_bytes` chunk between each pair of members (all-gather of a shard, reduce-scatter
+        or all-to-all of chunks); received is the same. Node-aware (dp, gloo, several nodes of
+        several ranks): a chunk crosses once per remote node, the node's other chunks inside it."""
+        if node_aware and group == "dp" and self.node_aware:
+            nodes, local = self.mesh.num_nodes, self.mesh.ranks_per_node
+            return (nodes - 1) * chunk_bytes + (local - 1) * nodes * chunk_bytes, (nodes - 1) * chunk_bytes
+        return (self.mesh.size(group) - 1) * chunk_bytes, self.mesh.remote_members(group) * chunk_bytes
+
+    def _record(self, tag: str, dtype: torch.dtype, chunk_bytes: int, group: str, node_aware: bool = False) -> None:
+        sent, cross = self.volume(chunk_bytes, group, node_aware)
+        self.ledger.record(tag, dtype, sent, sent, cross, cross)
+
+    @property
+    def gather_order(self) -> list[int]:
+        """The DP rank whose shard sits at each position of a `dp` all-gather's output with
+        `node_aware=True`: local-rank-major when the gather is node-aware, else rank order."""
+        m = self.mesh
+        if not self.node_aware:
+            return list(range(m.world_size))
+        return [n * m.ranks_per_node + local for local in range(m.ranks_per_node) for n in range(m.num_nodes)]
 
     # ------------------------------------------------------------------ collectives
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, group: str = "dp", tag: str = "all-gather",
-                   async_op: bool = False):
-        """`out` (1-D, n x shard) receives every member's shard, in group-rank order."""
+                   async_op: bool = False, node_aware: bool = False):
+        """`out` (1-D, n x shard) receives every member's shard, in group-rank order; with
+        `node_aware` (a caller that reorders as it decodes) in `gather_order` for the dp group."""
         n = self.mesh.size(group)
-        nbytes = shard.numel() * shard.element_size()
-        cross = self.mesh.remote_members(group)
-        self.ledger.record(tag, shard.dtype, (n - 1) * nbytes, (n - 1) * nbytes, cross * nbytes, cross * nbytes)
+        node_aware = node_aware and group == "dp" and self.node_aware
+        self._record(tag, shard.dtype, shard.numel() * shard.element_size(), group, node_aware)
+        if node_aware:
+            return self._on_thread(lambda: self._node_aware_all_gather(out, shard), async_op)
         if n == 1:
             out.copy_(shard)
             return _DoneWork() if async_op else None
         return dist.all_gather_single(out, shard, group=self.mesh.group(group), async_op=async_op)
+
+    def _node_aware_all_gather(self, out, shard):
+        """Across nodes among the ranks with this local rank, then inside the node (on the comm thread)."""
+        m = self.mesh
+        across = torch.empty(m.num_nodes * shard.numel(), dtype=shard.dtype, device=shard.device)
+        dist.all_gather_single(across, shard, group=m.group("inter_node", thread=True))
+        dist.all_gather_single(out, across, group=m.group("intra_node", thread=True))
+
+    def _on_thread(self, work, async_op):
+        future = self._executor.submit(work)
+        if async_op:
+            return _FutureWork(future)
+        future.result()
+        return None
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, group: str = "dp", tag: str = "reduce-scatter",
                        async_op: bool = False, accumulate: bool = False,
@@ -137,19 +194,18 @@ class Comm:
         `full` is 1-D in the wire dtype; `out` may be of another dtype (an fp32 accumulator).
         """
         n = self.mesh.size(group)
-        nbytes = full.numel() // n * full.element_size()  # one chunk, in the wire dtype
-        cross = self.mesh.remote_members(group)
-        self.ledger.record(tag, full.dtype, (n - 1) * nbytes, (n - 1) * nbytes, cross * nbytes, cross * nbytes)
+        node_aware = group == "dp" and self.node_aware
+        self._record(tag, full.dtype, full.numel() // n * full.element_size(), group, node_aware)
+        if node_aware:
+            return self._on_thread(lambda: self._node_aware_reduce_scatter(out, full, accumulate, accumulate_dtype),
+                                   async_op)
         if n == 1:
             out.add_(full) if accumulate else out.copy_(full)
             return _DoneWork() if async_op else None
         if self._executor is None:
             return self._native_reduce_scatter(out, full, group, async_op, accumulate)
-        future = self._executor.submit(self._ring_reduce_scatter, out, full, group, accumulate, accumulate_dtype)
-        if async_op:
-            return _FutureWork(future)
-        future.result()
-        return None
+        return self._on_thread(lambda: self._ring_reduce_scatter(out, full, group, accumulate, accumulate_dtype),
+                               async_op)
 
     def _native_reduce_scatter(self, out, full, group, async_op, accumulate):
         if not accumulate and out.dtype == full.dtype:
@@ -167,19 +223,32 @@ class Comm:
         return None
 
     def _ring_reduce_scatter(self, out, full, group, accumulate, accumulate_dtype):
-        """Ring reduce-scatter from send/recv: n-1 steps, each moving one chunk to the next rank.
+        partial = self._ring(full.view(self.mesh.size(group), -1), group, full.dtype, accumulate_dtype)
+        out.add_(partial) if accumulate else out.copy_(partial)
+
+    def _node_aware_reduce_scatter(self, out, full, accumulate, accumulate_dtype):
+        """A ring inside the node over each local rank's chunks of every node (node sums), then a
+        ring across nodes among the ranks with the same local rank."""
+        m = self.mesh
+        by_local = full.view(m.num_nodes, m.ranks_per_node, -1).transpose(0, 1)  # [local rank, node, chunk]
+        node_sums = self._ring(by_local, "intra_node", full.dtype, accumulate_dtype)  # [node, chunk]
+        partial = self._ring(node_sums, "inter_node", full.dtype, accumulate_dtype)
+        out.add_(partial) if accumulate else out.copy_(partial)
+
+    def _ring(self, chunks, group, wire_dtype, accumulate_dtype):
+        """Ring reduce-scatter from send/recv over `group`: n - 1 steps, each moving one chunk
+        (chunks[i]: what member i receives the sum of) to the next member; returns this member's sum.
 
         Partial sums are kept in `accumulate_dtype` and only rounded to the wire dtype for
         sending, so a bf16 wire loses no more than one rounding per hop.
         """
         members, mesh = self.mesh.members(group), self.mesh
         n, r = len(members), mesh.group_rank(group)
+        partial = chunks[(r - 1) % n].to(accumulate_dtype)
         pg = mesh.group(group, thread=True)
         to_rank = mesh.global_ranks[members[(r + 1) % n]]
         from_rank = mesh.global_ranks[members[(r - 1) % n]]
-        chunks = full.view(n, -1)
-        partial = chunks[(r - 1) % n].to(accumulate_dtype)
-        send = partial.to(full.dtype)
+        send = partial.to(wire_dtype).contiguous()
         recv = torch.empty_like(send)
         for k in range(n - 1):
             ops = [dist.P2POp(dist.isend, send, to_rank, pg), dist.P2POp(dist.irecv, recv, from_rank, pg)]
@@ -187,8 +256,8 @@ class Comm:
                 work.wait()
             partial = recv.to(accumulate_dtype) + chunks[(r - k - 2) % n]
             if k < n - 2:
-                send = partial.to(full.dtype)
-        out.add_(partial) if accumulate else out.copy_(partial)
+                send = partial.to(wire_dtype)
+        return partial
 
     def quantized_reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, bits: int, block_size: int,
                                  hops: int = 2, stages: int = 1, tag: str = "quantized reduce-scatter",
@@ -214,6 +283,23 @@ class Comm:
             return _FutureWork(future)
         future.result()
         return None
+
+    def quantized_reduce_scatter_volume(self, numel: int, bits: int, block_size: int, hops: int = 2,
+                                        stages: int = 1) -> tuple[int, int]:
+        """(bytes sent, of which cross-node) by one quantized_reduce_scatter of `numel` elements: the
+        all-to-alls of codes and fp32 scales that _qgz records."""
+        m = self.mesh
+        one_hop = hops == 1 or m.num_nodes == 1 or m.ranks_per_node == 1
+        sub = numel // m.world_size // stages
+        hops_made = [("dp", m.world_size * sub)] if one_hop else \
+            [("intra_node", m.world_size * sub), ("inter_node", m.num_nodes * sub)]
+        sent = cross = 0
+        for group, elements in hops_made:
+            n = m.size(group)
+            for chunk in (packed_bytes(elements, bits, block_size) // n, num_blocks(elements, block_size) // n * 4):
+                s, c = self.volume(chunk, group)
+                sent, cross = sent + stages * s, cross + stages * c
+        return sent, cross
 
     def _qgz(self, out, full, bits, block_size, hops, stages, tag, error):
         m = self.mesh
@@ -253,9 +339,7 @@ class Comm:
 
     def _record_a2a(self, out, inp, group, tag, pg, async_op):
         n = self.mesh.size(group)
-        chunk = inp.numel() // n * inp.element_size()
-        cross = self.mesh.remote_members(group)
-        self.ledger.record(tag, inp.dtype, (n - 1) * chunk, (n - 1) * chunk, cross * chunk, cross * chunk)
+        self._record(tag, inp.dtype, inp.numel() // n * inp.element_size(), group)
         if n == 1:
             out.copy_(inp)
             return _DoneWork()

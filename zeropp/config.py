@@ -132,6 +132,10 @@ class ZeroConfig:
     stage: int = 0
     # Issue gathers and reduce-scatters asynchronously and prefetch the next unit.
     overlap_comm: bool = True
+    # Blocks gathered ahead of the one computing (with overlap_comm): more than 1 keeps a slow
+    # link busy through a block whose compute is shorter than its gather; each costs one more
+    # block's gathered weights of memory.
+    prefetch_depth: int = 1
     # Units with more elements than this are not prefetched (DeepSpeed's meaning: numel).
     stage3_prefetch_bucket_size: int = 50_000_000
     # Dtype of the weight all-gather and the gradient reduce-scatter; the master weights,
@@ -143,6 +147,11 @@ class ZeroConfig:
     # Ranks per node; unset takes the launcher's (LOCAL_WORLD_SIZE, Slurm). Set it to emulate
     # nodes on one machine (4 ranks as 2 nodes x 2).
     ranks_per_node: int | None = None
+    # On gloo with several nodes of several ranks, the weight all-gather and the exact gradient
+    # reduce-scatter go across nodes among same-local-rank peers and inside the node separately,
+    # so each shard crosses the node boundary once per remote node (docs/zero3.md). NCCL
+    # keeps its own algorithms.
+    node_aware_collectives: bool = True
 
     # ZeRO++ (docs/zeropp.md). qwZ: block-quantized weight all-gather.
     zero_quantized_weights: bool = False
@@ -215,6 +224,9 @@ class ZeroConfig:
         if self.stage not in (0, 3):
             raise ZeroConfigError(
                 f"zero_optimization.stage={self.stage} is not supported: use 0 (plain DDP) or 3 (ZeRO-3)")
+        if self.prefetch_depth < 1:
+            raise ZeroConfigError(f"zero_optimization.prefetch_depth must be >= 1, got {self.prefetch_depth} "
+                                  f"(overlap_comm: false turns prefetching off)")
         if self.stage3_prefetch_bucket_size < 0:
             raise ZeroConfigError(
                 f"zero_optimization.stage3_prefetch_bucket_size must be >= 0, got {self.stage3_prefetch_bucket_size}")

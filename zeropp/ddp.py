@@ -167,7 +167,7 @@ class DDPRuntime(Runtime):
     def zero3_cross_node_bytes(self) -> dict[str, int]:
         if self.mesh is None:
             return {}
-        return zero3_cross_node_bytes(unit_numels(partition_units(self.module)), self.mesh)
+        return zero3_cross_node_bytes(unit_numels(partition_units(self.module)), self.mesh, self.comm.node_aware)
 
     def close(self) -> None:
         if self.comm is not None:

@@ -4,16 +4,17 @@ Units (zeropp.unit): each transformer block is one; the embeddings with the LM h
 OPT's project_in/out) form one; all norms form one (as in YaFSDP); frozen parameters of each
 form a unit of their own. The engine decides when each unit moves through its data flow:
 
-Forward: the model's pre-hook re-encodes the wire of every unit whose master changed (the
-optimizer stepped, a checkpoint loaded) and gathers the two resident units (embeddings,
-norms) into buffers of their own, once per weight update. A block's pre-hook gathers it into
-one of two preallocated, alternating buffers and binds its parameters as views of it; the
-next block's gather is issued first (prefetch in the order recorded on the first forward),
-so communication overlaps compute.
+Forward: a unit's wire is re-encoded just before its gather when its master changed (the
+optimizer stepped, a checkpoint loaded). The model's pre-hook gathers the two resident units
+(embeddings, norms) into buffers of their own, once per weight update, and issues the first
+blocks' gathers behind theirs before it waits for anything. A block's pre-hook gathers it into
+one of `prefetch_depth` + 1 preallocated, rotating buffers and binds its parameters as views
+of it; the next blocks' gathers (`prefetch_depth` of them) are issued first (prefetch in the
+order recorded on the first forward), so communication overlaps compute.
 
 Backward: an identity autograd function on each block's output (`_PreBackward`) fires
 before the block's backward: it re-gathers the block (from the hpZ secondary when valid)
-into the same buffer and prefetches the next one. The parameters' gradients land in one
+into the same buffer and prefetches the next ones. The parameters' gradients land in one
 flat buffer per unit; the unit's gate fires when all are in, and the engine hands the flat
 gradient to the reducer (zeropp.reducers), asynchronously. When the backward ends, a final
 callback waits for every reduce, so each parameter's .grad (a view of the unit's fp32
@@ -42,7 +43,7 @@ from zeropp.checkpoint import SHARDED, load_shards, load_unsharded, save_shards
 from zeropp.comm import Comm
 from zeropp.config import DTYPES, ZeroConfig, ZeroConfigError
 from zeropp.quantized import PlainCodec, QuantizedCodec
-from zeropp.reducers import ExactReduceScatter, ProjectedReduce, QuantizedReduce
+from zeropp.reducers import TAG as REDUCE_TAG, ExactReduceScatter, ProjectedReduce, QuantizedReduce
 from zeropp.runtime import InferenceWeights, Runtime, Timings
 from zeropp.separate import Separate
 from zeropp.topology import Mesh, build_mesh
@@ -146,16 +147,21 @@ def unit_numels(units: dict[str, list]) -> dict[str, int]:
     return {name: sum(p.numel() for _, p, _, _ in params) for name, params in units.items()}
 
 
-def zero3_cross_node_bytes(numels: dict[str, int], mesh: Mesh) -> dict[str, int]:
+def zero3_cross_node_bytes(numels: dict[str, int], mesh: Mesh, node_aware: bool) -> dict[str, int]:
     """Cross-node bytes a rank sends in one training step under plain ZeRO-3 (bf16 wire, no qwZ,
-    hpZ or qgZ) for units of these sizes and this node layout, by the ledger's rules."""
+    hpZ or qgZ, the default prefetch depth) for units of these sizes and this node layout, by the
+    ledger's rules."""
     world = mesh.world_size
-    remote = world - mesh.ranks_per_node  # peers on other nodes
+    # per shard: once to each remote node (node-aware), else to each peer on another node
+    remote = mesh.num_nodes - 1 if node_aware else world - mesh.ranks_per_node
+    blocks = sorted({int(n.split(".")[1]) for n in numels if n.startswith("blocks.")})
+    regathered = set(blocks[:-(ZeroConfig.prefetch_depth + 1)])  # the last blocks' buffers still hold them
 
     def cross(names):
         return sum(remote * -(-max(1, numels[n]) // world) * DTYPES["bf16"].itemsize for n in names)
 
-    return {"forward gather": cross(numels), "backward gather": cross(n for n in numels if n.startswith("blocks.")),
+    return {"forward gather": cross(numels),
+            "backward gather": cross(n for n in numels if n.startswith("blocks.") and int(n.split(".")[1]) in regathered),
             "gradient reduce": cross(n for n in numels if not n.endswith(FROZEN_SUFFIX))}
 
 
@@ -184,7 +190,7 @@ class Zero3Engine(Runtime):
         # By default the layout the config asks for: its ranks per node, hpZ's secondary group size.
         self.mesh = mesh or build_mesh(ranks_per_node=cfg.ranks_per_node, secondary_size=(
             cfg.zero_hpz_partition_size if cfg.zero_hpz_partition_size > 1 else None))
-        self.comm = Comm(self.mesh)
+        self.comm = Comm(self.mesh, node_aware=cfg.node_aware_collectives)
         self.ledger = self.comm.ledger
         self.timings = Timings()
         self.gradient_divide_factor = float(self.mesh.world_size)
@@ -218,17 +224,18 @@ class Zero3Engine(Runtime):
         self.blocks = [u for group in self.block_groups for u in group]
         self.resident = [self.units[n] for base in ("embedding", "norms") for n in (base, base + FROZEN_SUFFIX)
                          if n in self.units]
+        self._slots = cfg.prefetch_depth + 1  # weight buffers: the computing block's and the prefetched ones
         if cfg.hpz and self.mesh.secondary_size > 1:
             for u in self.blocks:  # resident units are not re-gathered for the backward
                 u.enable_secondary(self.mesh.secondary_size)
         self._allocate_buffers()
 
         # The block order of the first forward: prefetch follows it, and a block's position
-        # picks which of the two alternating buffers it uses.
+        # picks which of the rotating buffers it uses.
         self._order: list[list[Unit]] = []
         self._order_known = False
         self._position: dict[int, int] = {}
-        self._occupant: list[list[Unit] | None] = [None, None]  # the block group each buffer holds
+        self._occupant: list[list[Unit] | None] = [None] * self._slots  # the block group each buffer holds
         self._phase = Phase.FORWARD
         self._rollout: InferenceWeights | None = None  # set inside inference_weights
         self._hooks = [model.register_forward_pre_hook(self._model_pre_forward),
@@ -243,11 +250,16 @@ class Zero3Engine(Runtime):
     def _new_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, device=self.device)
 
+    def _decodes_in_place(self, unit: Unit) -> bool:
+        """The gathered bytes are the weights themselves (wire dtype = compute dtype), unless a
+        node-aware gather's shards must be put in place while decoding."""
+        return unit.codec.dtype == self.param_dtype and not self.comm.node_aware
+
     def _allocate_buffers(self) -> None:
-        """Two alternating byte buffers shared by the blocks, each holding one block's units side by
-        side (gathered bytes, and decoded weights when those differ in dtype), and two gradient
-        buffers; a resident unit has buffers of its own."""
-        shared_compute = all(u.codec.dtype == self.param_dtype for u in self.blocks)
+        """prefetch_depth + 1 rotating byte buffers shared by the blocks, each holding one block's
+        units side by side (gathered bytes, and decoded weights when those differ in dtype), and two
+        gradient buffers; a resident unit has buffers of its own."""
+        shared_compute = all(self._decodes_in_place(u) for u in self.blocks)
         gather_bytes = compute_numel = grad_numel = 0
         offsets = {}  # unit -> (byte offset in a gather buffer, element offset in a compute buffer)
         for group in self.block_groups:
@@ -259,41 +271,69 @@ class Zero3Engine(Runtime):
                 if u.trainable:
                     grad_numel = max(grad_numel, u.padded_numel)
             gather_bytes, compute_numel = max(gather_bytes, gather_at), max(compute_numel, compute_at)
-        gather_pair = [self._new_buffer(gather_bytes, torch.uint8) for _ in range(2)]
-        compute_pair = [] if shared_compute else [self._new_buffer(compute_numel, self.param_dtype) for _ in range(2)]
+        gather_pair = [self._new_buffer(gather_bytes, torch.uint8) for _ in range(self._slots)]
+        compute_pair = [] if shared_compute else [self._new_buffer(compute_numel, self.param_dtype)
+                                                  for _ in range(self._slots)]
         self._grad_pair = [self._new_buffer(grad_numel, self.param_dtype) for _ in range(2)]
         self._grad_owner: list[Unit | None] = [None, None]
         for u, (gather_at, compute_at) in offsets.items():
-            for s in range(2):
+            for s in range(self._slots):
                 gather = gather_pair[s][gather_at:gather_at + u.gathered_numel * u.wire.element_size()] \
                     .view(u.codec.dtype)
                 compute = gather if shared_compute else compute_pair[s][compute_at:compute_at + u.padded_numel]
                 u.buffers.append((gather, compute))
         for u in self.resident:
             gather = self._new_buffer(u.gathered_numel, u.codec.dtype)
-            compute = gather if u.codec.dtype == self.param_dtype else self._new_buffer(u.padded_numel, self.param_dtype)
+            compute = gather if self._decodes_in_place(u) else self._new_buffer(u.padded_numel, self.param_dtype)
             u.buffers = [(gather, compute)]
             u.grad_buffer = self._new_buffer(u.padded_numel, self.param_dtype) if u.trainable else None
 
     # ------------------------------------------------------------------ gathering
 
+    def _refresh(self, unit: Unit) -> None:
+        with self.timings.timer("weight encode"):
+            unit.refresh()
+
+    def _issue_gather(self, unit: Unit, async_op: bool | None = None) -> None:
+        """Re-encode the unit's wire if its master changed (just before its gather, so the
+        encoding of later blocks overlaps the earlier gathers), then gather it."""
+        self._refresh(unit)
+        unit.gather(self.comm, self._phase, async_op=self.config.overlap_comm if async_op is None else async_op)
+
+    def _holds_current(self, unit: Unit) -> bool:
+        """Whether the unit's buffer still holds its current weights (re-encoded first if its master
+        changed): a block no later block has taken the buffer of since it was gathered, e.g. the
+        last blocks of the forward when the backward starts, the first ones of the backward when
+        the next micro-batch's forward starts. Those are not gathered again."""
+        self._refresh(unit)
+        return unit.pending_gather is None and unit.gathered_version == unit.version
+
     def _ensure_gathered(self, units: list[Unit]) -> None:
         """Wait for the units' prefetched gathers (issuing the missing ones) and decode them."""
-        for unit in units:
+        due = [u for u in units if not self._holds_current(u)]
+        for unit in due:
             if unit.pending_gather is None:
-                unit.gather(self.comm, self._phase, async_op=self.config.overlap_comm)
-        for unit in units:
+                self._issue_gather(unit)
+        for unit in due:
             unit.decode(self.comm, self._phase, self.timings)
 
-    def _prefetch(self, group: list[Unit] | None) -> None:
-        if group and group[0].inference is not None:  # a rollout holds it: nothing to gather
+    def _prefetch_from(self, pos: int, step: int) -> None:
+        """Prefetch the prefetch_depth block groups from position `pos` on, in direction `step`
+        (+1 forward, -1 backward); their buffers are those of blocks already done."""
+        for k in range(self.config.prefetch_depth):
+            at = pos + k * step
+            if 0 <= at < len(self._order):
+                self._prefetch(self._order[at])
+
+    def _prefetch(self, group: list[Unit]) -> None:
+        if group[0].inference is not None:  # a rollout holds it: nothing to gather
             return
-        due = [u for u in group or () if u.pending_gather is None and self.config.overlap_comm
-               and u.padded_numel <= self.config.stage3_prefetch_bucket_size]
+        due = [u for u in group if self.config.overlap_comm and u.pending_gather is None
+               and u.padded_numel <= self.config.stage3_prefetch_bucket_size and not self._holds_current(u)]
         if due:
             self._take_buffer(group)
         for unit in due:
-            unit.gather(self.comm, self._phase, async_op=True)
+            self._issue_gather(unit, async_op=True)
 
     def _take_buffer(self, group: list[Unit]) -> None:
         """The block group is about to be gathered into its buffer: its previous holder lets go."""
@@ -313,23 +353,28 @@ class Zero3Engine(Runtime):
         elif grad:
             raise RuntimeError("a forward inside Zero3Engine.inference_weights must run under torch.no_grad(): "
                                "the inference copy has no gradient path; train outside the context")
-        with self.timings.timer("weight encode"):
-            for u in self.units.values():
-                u.refresh()
-        # Own buffers: gathered once per weight update.
-        self._ensure_gathered([u for u in self.resident if u.gathered_version != u.version])
+        # Own buffers: gathered once per weight update. Their gathers go out first, the first
+        # blocks' right behind them, before anything waits.
+        stale = [u for u in self.resident if not self._holds_current(u)]
+        for u in stale:
+            self._issue_gather(u)
+        if self._order_known:
+            self._prefetch_from(0, +1)
+        self._ensure_gathered(stale)
         if self._rollout is not None:  # weights edited inside the context: renew their copies
-            self._gather_copies([u for u in self.blocks if u.inference is not None and u.gathered_version != u.version])
+            held = [u for u in self.blocks if u.inference is not None]
+            for u in held:
+                self._refresh(u)
+            self._gather_copies([u for u in held if u.gathered_version != u.version])
         for u in self.resident:
             u.bind(grad, self._reduce)
-        if self._order_known:
-            self._prefetch(self._order[0])
 
     def _block_pre_forward(self, group: list[Unit]):
         if not self._order_known and id(group[0]) not in self._position:
             for unit in group:
                 self._position[id(unit)] = len(self._order)
-                unit.slot = len(self._order) % 2
+                unit.slot = len(self._order) % self._slots
+                unit.grad_slot = len(self._order) % 2
             self._order.append(group)
         if group[0].inference is None:
             self._take_buffer(group)
@@ -337,8 +382,7 @@ class Zero3Engine(Runtime):
         for unit in group:  # a held inference copy is only bound (again): no gather
             unit.bind(torch.is_grad_enabled(), self._reduce)
         if self._order_known:
-            pos = self._position[id(group[0])]
-            self._prefetch(self._order[pos + 1] if pos + 1 < len(self._order) else None)
+            self._prefetch_from(self._position[id(group[0])] + 1, +1)
 
     def _block_post_forward(self, group: list[Unit], output):
         # Wrapped even when the block is frozen: the backward still needs its weights to carry
@@ -360,7 +404,7 @@ class Zero3Engine(Runtime):
         if unit in self.resident:
             buf, previous = unit.grad_buffer, unit
         else:
-            s = unit.slot
+            s = unit.grad_slot
             previous = self._grad_owner[s]
             if previous is not None and previous is not unit and previous.writing_grads:
                 # The previous owner's gate has not fired yet (autograd ordering): use a fresh buffer.
@@ -386,13 +430,11 @@ class Zero3Engine(Runtime):
             if unit.trainable:
                 self._set_grad_target(unit)
         if units is self.resident:  # their buffers still hold the forward's weights
-            if self._order:
-                self._prefetch(self._order[-1])
+            self._prefetch_from(len(self._order) - 1, -1)
         else:
             self._take_buffer(units)
             self._ensure_gathered(units)
-            pos = self._position[id(units[0])]
-            self._prefetch(self._order[pos - 1] if pos > 0 else None)
+            self._prefetch_from(self._position[id(units[0])] - 1, -1)
 
     def _build_reducer(self):
         cfg = self.config
@@ -433,7 +475,7 @@ class Zero3Engine(Runtime):
         before the previous is decoded; the gathered bytes go once decoded."""
         def issue(u: Unit) -> None:
             _, compute = u.inference
-            gather = compute if u.codec.dtype == compute.dtype else self._new_buffer(u.gathered_numel, u.codec.dtype)
+            gather = compute if self._decodes_in_place(u) else self._new_buffer(u.gathered_numel, u.codec.dtype)
             u.hold_inference_copy(gather, compute)
             u.gather(self.comm, self._phase, async_op=True)
 
@@ -485,7 +527,7 @@ class Zero3Engine(Runtime):
             with self.timings.timer("weight encode"):
                 for u in self.units.values():
                     u.refresh()
-            self._ensure_gathered([u for u in self.resident if u.gathered_version != u.version])
+            self._ensure_gathered(self.resident)
             for u in held:
                 u.hold_inference_copy(None, self._new_buffer(u.padded_numel, self.param_dtype))
             self._gather_copies(held)
@@ -565,7 +607,38 @@ class Zero3Engine(Runtime):
         return f"{self.config.describe()}, gradients by {self.reducer.describe()} | topology: {self.mesh.describe()}"
 
     def zero3_cross_node_bytes(self) -> dict[str, int]:
-        return zero3_cross_node_bytes(self._unit_numels, self.mesh)
+        return zero3_cross_node_bytes(self._unit_numels, self.mesh, self.comm.node_aware)
+
+    def predicted_step_bytes(self, micro_batches: int = 1) -> dict[str, dict[str, int]]:
+        """What this rank should send in one training step of `micro_batches` forward/backward
+        passes, by ledger tag: {"sent", "cross_node_sent"} bytes, from the units' sizes and the
+        configuration alone (the ledger of the step measures the same). The embeddings and norms
+        are gathered once per step; the blocks per pass, the backward from the hpZ secondary.
+        A reducer whose volume depends on the round (SEPARATE) leaves "gradient reduce" out."""
+        totals: dict[str, list[int]] = {}
+
+        def add(tag, volume, times=1):
+            sent, cross = totals.setdefault(tag, [0, 0])
+            totals[tag] = [sent + times * volume[0], cross + times * volume[1]]
+
+        held = min(self.config.prefetch_depth + 1, len(self.block_groups))  # blocks the buffers hold
+        position = {id(u): i for i, group in enumerate(self.block_groups) for u in group}
+        for u in self.units.values():
+            forward = self.comm.volume(u.wire.numel() * u.wire.element_size(), "dp", node_aware=True)
+            if u in self.resident:
+                add("forward gather", forward)
+            else:
+                # the first `held` blocks stay from one micro-batch's backward to the next forward,
+                # the last `held` from each forward to its backward
+                i = position[id(u)]
+                add("forward gather", forward, 1 + (micro_batches - 1) * (i >= held))
+                backward = forward if u.secondary is None else \
+                    self.comm.volume(u.secondary.numel() * u.secondary.element_size(), "secondary")
+                add("backward gather", backward, micro_batches * (i < len(self.block_groups) - held))
+            reduce = self.reducer.volume(u.padded_numel) if u.trainable else (0, 0)
+            if reduce is not None:
+                add(REDUCE_TAG, reduce, micro_batches)
+        return {tag: {"sent": sent, "cross_node_sent": cross} for tag, (sent, cross) in totals.items()}
 
     def model_state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Per-rank model-state memory by kind: master, comm copy, gradient shard, hpZ secondary,

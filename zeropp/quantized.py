@@ -31,9 +31,15 @@ class PlainCodec:
     def encode(self, master: torch.Tensor, wire: torch.Tensor) -> None:
         wire.copy_(master)
 
-    def decode(self, gathered: torch.Tensor, out: torch.Tensor, world: int) -> None:
-        if out.data_ptr() != gathered.data_ptr():
-            out.copy_(gathered)
+    def decode(self, gathered: torch.Tensor, out: torch.Tensor, world: int, order: list[int] | None = None) -> None:
+        """`order[p]`: the rank whose shard is p-th in `gathered` (None: rank order)."""
+        if order is None or order == sorted(order):
+            if out.data_ptr() != gathered.data_ptr():
+                out.copy_(gathered)
+            return
+        sources, targets = gathered.view(world, -1), out.view(world, -1)
+        for p, r in enumerate(order):
+            targets[r].copy_(sources[p])
 
 
 class QuantizedCodec:
@@ -62,10 +68,11 @@ class QuantizedCodec:
         quantize(master, self.bits, self.block_size, scale_dtype=WEIGHT_SCALE_DTYPE, codes_out=codes,
                  scales_out=scales)
 
-    def decode(self, gathered: torch.Tensor, out: torch.Tensor, world: int) -> None:
+    def decode(self, gathered: torch.Tensor, out: torch.Tensor, world: int, order: list[int] | None = None) -> None:
+        """`order[p]`: the rank whose shard is p-th in `gathered` (None: rank order)."""
         shard_numel = out.numel() // world
         per_rank = gathered.view(world, -1)
-        for r in range(world):
-            codes, scales = self._split(per_rank[r], shard_numel)
+        for p, r in enumerate(order or range(world)):
+            codes, scales = self._split(per_rank[p], shard_numel)
             dequantize(codes, scales, shard_numel, self.bits, self.block_size, dtype=out.dtype,
                        out=out[r * shard_numel:(r + 1) * shard_numel])

@@ -43,6 +43,11 @@ class GradientReducer:
     def describe(self) -> str:
         raise NotImplementedError
 
+    def volume(self, numel: int) -> tuple[int, int] | None:
+        """(bytes sent, of which cross-node) reducing a gradient of `numel` elements; None where it
+        depends on the values or the round (SEPARATE)."""
+        return None
+
 
 class ExactReduceScatter(GradientReducer):
     def __init__(self, comm: Comm, wire_dtype: torch.dtype):
@@ -54,6 +59,10 @@ class ExactReduceScatter(GradientReducer):
 
     def describe(self) -> str:
         return f"reduce-scatter ({str(self.wire_dtype).replace('torch.', '')})"
+
+    def volume(self, numel: int) -> tuple[int, int]:
+        chunk = numel // self.comm.mesh.world_size * self.wire_dtype.itemsize
+        return self.comm.volume(chunk, "dp", node_aware=True)
 
 
 class QuantizedReduce(GradientReducer):
@@ -85,6 +94,9 @@ class QuantizedReduce(GradientReducer):
             raise ValueError(f"qgZ{' with' if self.error_feedback else ' without'} error feedback cannot load "
                              f"reducer state {unexpected[:4]}")
         self.errors = {k[:-len(".error")]: v.float() for k, v in state.items()}
+
+    def volume(self, numel: int) -> tuple[int, int]:
+        return self.comm.quantized_reduce_scatter_volume(numel, self.bits, self.block_size, self.hops, self.stages)
 
     def describe(self) -> str:
         ef = " + error feedback" if self.error_feedback else ""

@@ -162,5 +162,15 @@ class Runtime:
         node layout, by collective: the baseline the step's ledger is reported against."""
         raise NotImplementedError
 
+    def predicted_step_bytes(self, micro_batches: int = 1) -> dict[str, dict[str, int]]:
+        """What this rank should send in one training step, by ledger tag ({"sent",
+        "cross_node_sent"} bytes), from sizes and configuration alone; {} where not predicted."""
+        return {}
+
+    def model_state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Model-state memory this rank holds, by kind (with the optimizer's states when given);
+        {} where not counted."""
+        return {}
+
     def close(self) -> None:
         pass

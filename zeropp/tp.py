@@ -629,6 +629,12 @@ class TensorParallelRuntime(Runtime):
     def zero3_cross_node_bytes(self) -> dict[str, int]:
         return self.inner.zero3_cross_node_bytes()
 
+    def predicted_step_bytes(self, micro_batches: int = 1) -> dict[str, dict[str, int]]:
+        return self.inner.predicted_step_bytes(micro_batches)  # the DP dimension's (TP's all-reduces: not yet)
+
+    def model_state_bytes(self, optimizer=None) -> dict[str, int]:
+        return self.inner.model_state_bytes(optimizer)
+
     def close(self) -> None:
         self.inner.close()
 

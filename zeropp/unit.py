@@ -134,7 +134,8 @@ class Unit:
         self.gathered_version = self.secondary_version = -1
         self._encoded_master_version = -1
         self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (gather, compute) per buffer slot
-        self.slot = 0  # which of the two alternating buffers the unit uses (resident units: their own)
+        self.slot = 0  # which of the rotating weight buffers the unit uses (resident units: their own)
+        self.grad_slot = 0  # which of the two alternating gradient buffers
         # A rollout's inference copy: (gather buffer or None once decoded, compute buffer), used
         # instead of buffers[slot] while set.
         self.inference: tuple[torch.Tensor | None, torch.Tensor] | None = None
@@ -227,11 +228,13 @@ class Unit:
         source = self.source(phase)
         shard = self.secondary if source is Source.SECONDARY else self.wire
         self.pending_gather = comm.all_gather(gather, shard, group=source.value, tag=f"{phase.value} gather",
-                                              async_op=async_op)
+                                              async_op=async_op, node_aware=True)
 
     def decode(self, comm, phase: Phase, timings) -> None:
-        """Wait for the gather, decode into the compute buffer; in a forward with autograd, keep
-        this rank's part of the bytes as the hpZ secondary."""
+        """Wait for the gather, decode into the compute buffer (putting the shards of a node-aware
+        gather in place); in a forward with autograd, keep this rank's part of the bytes as the
+        hpZ secondary. The secondary slices of a group concatenate to the primary's gathered
+        bytes, so both sources decode in the primary's order."""
         timer = timings.timer
         if self.pending_gather is not None:  # a synchronous gather (overlap_comm off) is already in
             with timer("waiting for gathers"):
@@ -239,7 +242,7 @@ class Unit:
                 self.pending_gather = None
         gather, compute = self._buffer_pair()
         with timer("weight decode"):
-            self.codec.decode(gather, compute, self.world_size)
+            self.codec.decode(gather, compute, self.world_size, comm.gather_order)
         self.gathered_version = self.version
         if self.secondary is not None and phase is Phase.FORWARD and torch.is_grad_enabled():
             n = self.secondary.numel()

@@ -51,6 +51,15 @@ def test_from_preset_overrides():
     assert ModelConfig.from_preset("llama-tiny", n_head=8).n_kv_head == 2  # GQA stays as set
 
 
+def test_d_model_override_scales_d_ff_unless_given():
+    assert ModelConfig.from_preset("gpt2-tiny", d_model=384).d_ff == 1536  # 4x
+    assert ModelConfig.from_preset("opt-tiny", d_model=96).d_ff == 384
+    assert ModelConfig.from_preset("llama-7b", d_model=4096).d_ff == 11008  # LLaMA's rule, as published
+    assert ModelConfig.from_preset("llama-tiny", d_model=384).d_ff == 1024  # 2/3 of 4x, up to a multiple of 256
+    assert ModelConfig.from_preset("gpt2-tiny", d_model=384, d_ff=100).d_ff == 100  # given: kept
+    assert ModelConfig.from_preset("gpt2-tiny", n_layer=3).d_ff == ModelConfig.from_preset("gpt2-tiny").d_ff
+
+
 def test_from_preset_errors():
     with pytest.raises(ValueError, match="unknown model preset 'gpt5'.*gpt2-tiny"):
         ModelConfig.from_preset("gpt5")

@@ -1,5 +1,6 @@
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -334,3 +335,119 @@ def test_failed_save_leaves_target_untouched(tmp_path):
                            tokenizer_dir=tmp_path / "empty")
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
     assert [p.name for p in target.iterdir()] == ["keep.txt"]
+
+
+# --- tokenizer files and special ids in exports ---------------------------------------------
+
+FAMILIES = ["gpt2-tiny", "opt-tiny", "llama-tiny", "qwen2-tiny", "qwen3-tiny", "mistral-tiny"]
+ALPACA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "alpaca_en_demo.json"
+EDGE_CASES = ["", " ", "   ", "a  b   c    ", "\tx\t\ty\n\n z", "1234567 89.5", "héllo wörld 你好 🙂 ½ ﬁ",
+              "  leading and trailing  ", "▁▁x▁", "</s> <s> <pad> <unk> literally", "def f(x):\n    return x  # ok"]
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory) -> list[str]:
+    """A few hundred strings: Alpaca's fields where ../shared/data has it, else the embedded corpus's
+    paragraphs; plus whitespace runs, digits, characters outside the vocabulary and special-token text."""
+    if ALPACA.is_file():
+        records = json.loads(ALPACA.read_text())[:120]
+        found = [r[key] for r in records for key in ("instruction", "input", "output") if r.get(key)]
+    else:
+        from data.corpus import default_corpus
+
+        found = default_corpus(tmp_path_factory.mktemp("cache")).read_text().split("\n\n")[:300]
+    return found + EDGE_CASES
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_dirs(tmp_path_factory) -> dict[str, Path]:
+    """kind -> a directory holding only a tokenizer.model: "ours" as data/tokenizer.py trains them (BPE,
+    identity normalization, no dummy prefix, whitespace-only pieces, byte fallback, pad), "default"
+    SentencePiece's defaults (nmt_nfkc, dummy prefix, extra whitespace removed, no byte fallback)."""
+    import sentencepiece as spm
+
+    from data.corpus import default_corpus
+    from data.tokenizer import train_sentencepiece
+
+    work = tmp_path_factory.mktemp("spm")
+    lines = default_corpus(work / "cache").read_text().splitlines()[:20000]
+    (work / "sample.txt").write_text("\n".join(lines))
+    dirs = {kind: work / kind for kind in ("ours", "default")}
+    for directory in dirs.values():
+        directory.mkdir()
+    train_sentencepiece([work / "sample.txt"], dirs["ours"] / "tokenizer", 1000)
+    spm.SentencePieceTrainer.train(input=str(work / "sample.txt"), model_prefix=str(dirs["default"] / "tokenizer"),
+                                   vocab_size=1000, model_type="bpe", minloglevel=2, num_threads=1)
+    for directory in dirs.values():
+        (directory / "tokenizer.vocab").unlink()
+    return dirs
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_sentencepiece_export_reads_the_same_in_auto_tokenizer(preset, sentencepiece_dirs, texts, tmp_path):
+    """An export with a SentencePiece tokenizer also holds tokenizer.json + tokenizer_config.json, so
+    that AutoTokenizer encodes and decodes exactly as SentencePiece does, and config.json names the
+    tokenizer's special ids. transformers 5 gives model_type qwen2 its byte-level Qwen2Tokenizer
+    whatever tokenizer_config.json says: there the class that file names reads it (docs/models.md)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from data.tokenizer import SentencePieceTokenizer, load_tokenizer
+
+    for kind, directory in sentencepiece_dirs.items():
+        ours = SentencePieceTokenizer(directory / "tokenizer.model")
+        model = Transformer(ModelConfig.from_preset(preset, vocab_size=1024))
+        out = tmp_path / kind
+        save_hf_checkpoint(model, out, tokenizer_dir=directory)
+        assert {"tokenizer.model", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+        auto = (PreTrainedTokenizerFast if preset == "qwen2-tiny" else AutoTokenizer).from_pretrained(out)
+        reloaded = load_tokenizer(out)  # our own reading of the export (tokenizer.json first)
+        for text in texts:
+            ids = ours.encode(text)
+            assert auto(text)["input_ids"] == ids, (kind, text)
+            if auto.unk_token_id not in ids:  # SentencePiece decodes <unk> as " \u2047 "
+                assert auto.decode(ids, skip_special_tokens=True) == ours.decode(ids), (kind, text)
+            if "</s>" not in text:  # our tokenizers.Tokenizer reads special-token text as the special token
+                assert reloaded.encode(text) == ids, (kind, text)
+        config = json.loads((out / "config.json").read_text())
+        expected = {"bos_token_id": ours.bos_id, "eos_token_id": ours.eos_id, "pad_token_id": ours.pad_id}
+        assert {k: config[k] for k in expected} == expected
+        assert (auto.bos_token_id, auto.eos_token_id) == (ours.bos_id, ours.eos_id)
+        assert (reloaded.bos_id, reloaded.eos_id, reloaded.pad_id, reloaded.vocab_size) == \
+            (ours.bos_id, ours.eos_id, ours.pad_id, ours.vocab_size)
+
+
+def test_token_ids_default_to_the_tokenizers(tmp_path):
+    """save_hf_checkpoint(tokenizer_dir=...) without token_ids writes the tokenizer's BOS / EOS / pad
+    ids into config.json (a tokenizer.json directory; the SentencePiece case is checked above)."""
+    from tokenizers import Tokenizer, models
+
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    vocab = {"<unk>": 0, "<|endoftext|>": 1, "<s>": 2, "<pad>": 3, "a": 4}
+    Tokenizer(models.WordLevel(vocab, unk_token="<unk>")).save(str(tok_dir / "tokenizer.json"))
+    model = Transformer(ModelConfig.from_preset("llama-tiny", vocab_size=64))
+    save_hf_checkpoint(model, tmp_path / "a", tokenizer_dir=tok_dir)  # EOS by its well-known name, pad = EOS
+    config = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert (config["eos_token_id"], config["pad_token_id"], config.get("bos_token_id")) == (1, 1, None)
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "pad_token": "<pad>"}))
+    save_hf_checkpoint(model, tmp_path / "b", tokenizer_dir=tok_dir)
+    config = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (2, 1, 3)
+    save_hf_checkpoint(model, tmp_path / "c", tokenizer_dir=tok_dir, token_ids={"eos_token_id": 4})  # given: kept
+    config = json.loads((tmp_path / "c" / "config.json").read_text())
+    assert config["eos_token_id"] == 4 and "bos_token_id" not in config
+
+
+def test_llama_bias_flags_each_on_its_own(hf_checkpoint, tmp_path):
+    """attention_bias=True with mlp_bias=False (conftest's llama3 kind) loads, matches transformers and
+    saves back with the same flags."""
+    hf, path = hf_checkpoint("llama3")
+    assert (hf.config.attention_bias, hf.config.mlp_bias) == (True, False)
+    model = load_hf_checkpoint(path)
+    assert (model.config.has_bias("qkv"), model.config.has_bias("o"), model.config.has_bias("mlp")) == \
+        (True, True, False)
+    tokens = torch.randint(0, VOCAB, (2, 12))
+    torch.testing.assert_close(ours_logits(model, tokens), hf_logits(hf, tokens), **TOL)
+    save_hf_checkpoint(model, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["attention_bias"], config["mlp_bias"]) == (True, False)

@@ -40,3 +40,22 @@ def test_unknown_stage_and_missing_data():
         check(RLHFConfig(), "rl")
     with pytest.raises(ConfigError, match="data.task"):
         check(RLHFConfig(), "dpo")
+
+
+def test_every_key_has_a_description():
+    from trainer.config import all_fields
+
+    missing = [key for key, _, doc in all_fields(RLHFConfig()) if not doc.strip()]
+    assert not missing, f"keys without a description (a # comment above or beside the field): {missing}"
+
+
+def test_preset_paths_resolve_relative_to_the_config_file(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    shared = (Path(__file__).resolve().parents[2] / ".." / "shared" / "data").resolve()
+    for name in ("rlhf_sft_hh", "rlhf_reward_hh", "rlhf_dpo_hh"):
+        cfg = parse_args(["--config", str(next(p for p in CONFIGS if p.stem == name))], RLHFConfig())
+        assert cfg.data.preferences == str(shared / "hh-rlhf-harmless-base-test.jsonl.gz")
+        if shared.is_dir():
+            assert os.path.isfile(cfg.data.preferences)

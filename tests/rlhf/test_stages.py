@@ -104,9 +104,11 @@ def _main(rank, world, argv):
 
 
 def _tiny(out_dir, *extra) -> list[str]:
+    """fp32 compute: the tests compare against exact references (the policy starts as the reference
+    model), which bf16 autocast (`precision: auto` on a CPU with native bf16) would blur."""
     return ["--config", "configs/rlhf_tiny.yaml", "--train.out_dir", str(out_dir), "--data.task_samples", "200",
             "--sft.steps", "6", "--reward.steps", "4", "--ppo.steps", "4", "--train.micro_batch_size", "4",
-            "--train.log_interval", "1", "--generation.max_new_tokens", "6", *extra]
+            "--train.log_interval", "1", "--generation.max_new_tokens", "6", "--train.precision", "fp32", *extra]
 
 
 def _metrics(path) -> dict[int, dict]:

@@ -84,7 +84,8 @@ def test_errors_name_the_problem(checkpoints, tmp_path):
     hf = export_hf(resolve_checkpoint(str(checkpoints), "."), tmp_path / "hf")  # an HF dir records no qwZ
     assert f"{hf} was not trained with qwZ, so there is no bit width to default to: pass --bits" in error(
         hf, tmp_path / "out", "--format", "safetensors")
-    (hf / "tokenizer.model").unlink()
+    for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json"):
+        (hf / name).unlink(missing_ok=True)
     assert f"{hf} names no tokenizer (hf); pass --tokenizer" in error(
         hf, tmp_path / "out", "--format", "safetensors", "--bits", "4")
 

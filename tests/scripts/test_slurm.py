@@ -94,7 +94,8 @@ class Cluster:
         log_dir.mkdir(parents=True, exist_ok=True)
         job_env = {**self.env, "LAUNCHER": launcher, **(env or {})}
         out = subprocess.run(
-            ["sbatch", "--parsable", f"--output={log_dir}/%j.out", "--time=3", *sbatch_opts,
+            # 10 minutes: the script's time-limit warning (B:USR1@120) must not come during a test
+            ["sbatch", "--parsable", f"--output={log_dir}/%j.out", "--time=10", *sbatch_opts,
              str(SLURM / "launch.sbatch"), entry, *args],
             env=job_env, cwd=REPO, capture_output=True, text=True, timeout=30,
         )
@@ -137,6 +138,19 @@ def losses(out_dir: Path) -> dict[int, float]:
     steps = [r["step"] for r in rows if "lm loss" in r]
     assert len(steps) == len(set(steps)), f"steps logged twice (a restart from scratch?): {steps}"
     return {r["step"]: r["lm loss"] for r in rows if "lm loss" in r}
+
+
+def _wait_for_steps(job: Job, out: Path, steps: int, timeout: float = 120) -> None:
+    """Until the run in `out` logged `steps` steps; fails (and cancels the job) past the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = out / "metrics.jsonl"
+        if metrics.exists() and metrics.read_text().count('"lm loss"') >= steps:
+            return
+        if job.info().get("JobState") in FINAL or time.monotonic() > deadline:
+            job.cancel()
+            pytest.fail(f"job {job.id} did not start training; log:\n{job.text()[-4000:]}")
+        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -217,15 +231,7 @@ def test_torchrun_form_preempted_requeued_and_resumed_exactly(cluster, reference
     out = tmp_path / "out"
     job = cluster.submit(tmp_path / "logs", "train.py", *TRAIN, "--train.out_dir", str(out), "--resume", "auto",
                          env={"REQUEUE_ON_PREEMPT": "1"})
-    deadline = time.monotonic() + 120
-    while True:  # signal once two steps are logged: the trainer's handler is installed by then
-        metrics = out / "metrics.jsonl"
-        if metrics.exists() and metrics.read_text().count('"lm loss"') >= 2:
-            break
-        if job.info().get("JobState") in FINAL or time.monotonic() > deadline:
-            job.cancel()
-            pytest.fail(f"job {job.id} did not start training; log:\n{job.text()[-4000:]}")
-        time.sleep(0.1)
+    _wait_for_steps(job, out, 2)  # the trainer's handler is installed by then
     cluster.run("scancel", "--batch", "--signal=USR1", str(job.id))
     info = job.wait(timeout=150)
     log = job.text()
@@ -253,17 +259,20 @@ def test_torchrun_form_preempted_requeued_and_resumed_exactly(cluster, reference
 
 
 FAILING = """\
-import os, sys, time
+import os, signal, sys, time
 import torch.distributed as dist
 from trainer.distributed import init_distributed
 
-env = init_distributed()
+env = init_distributed(float(os.environ["FAIL_TIMEOUT"]))
 print(f"rank {env.rank} of {env.world_size}, LOCAL_WORLD_SIZE={os.environ['LOCAL_WORLD_SIZE']}", flush=True)
 dist.barrier()
+if os.environ["FAIL_MODE"] == "kill" and env.rank == 2:  # the first rank of the second node
+    os.kill(os.getpid(), signal.SIGKILL)
 if env.rank == env.world_size - 1:  # on the second node
     if os.environ["FAIL_MODE"] == "exit":
         sys.exit(7)
-    time.sleep(3600)  # hang: never joins the next collective
+    if os.environ["FAIL_MODE"] == "hang":
+        time.sleep(3600)  # never joins the next collective
 dist.barrier()
 """
 
@@ -274,13 +283,13 @@ def test_failing_rank_exit_code_becomes_the_jobs(cluster, tmp_path, launcher):
     entry = tmp_path / "failing.py"
     entry.write_text(FAILING)
     job = cluster.submit(tmp_path / "logs", str(entry), launcher=launcher,
-                         env={"FAIL_MODE": "exit", "PYTHONPATH": str(REPO), "DIST_TIMEOUT": "60"})
+                         env={"FAIL_MODE": "exit", "PYTHONPATH": str(REPO), "FAIL_TIMEOUT": "60"})
     info = job.wait(timeout=90)
     log = job.text()
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "7:0", log[-4000:]
     assert "a rank failed with exit code 7" in log
     assert "LOCAL_WORLD_SIZE=2" in log
-    # The other ranks, blocked in a collective, were killed at once, not by DIST_TIMEOUT.
+    # The other ranks, blocked in a collective, were killed at once, not by their timeout.
     assert job.elapsed < 45, f"job took {job.elapsed:.0f}s"
 
 
@@ -289,13 +298,100 @@ def test_hung_rank_fails_the_job_after_dist_timeout(cluster, tmp_path):
     entry = tmp_path / "failing.py"
     entry.write_text(FAILING)
     job = cluster.submit(tmp_path / "logs", str(entry), launcher="srun",
-                         env={"FAIL_MODE": "hang", "PYTHONPATH": str(REPO), "DIST_TIMEOUT": "3"})
+                         env={"FAIL_MODE": "hang", "PYTHONPATH": str(REPO), "FAIL_TIMEOUT": "3"})
     info = job.wait(timeout=90)
     log = job.text()
     # The waiting ranks' collective times out after 3 s; srun then kills the hung rank.
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "1:0", log[-4000:]
     assert "Timed out" in log or "timed out" in log, log[-4000:]
     assert job.elapsed < 60, f"job took {job.elapsed:.0f}s"
+
+
+SHORT = [*TRAIN, "--train.steps", "8"]  # (the later --train.steps wins)
+TERM = {"PREEMPT_SIGNAL": "TERM", "REQUEUE_ON_PREEMPT": "1"}
+
+
+@needs_slurm
+def test_sigterm_to_the_whole_batch_step_saves_requeues_and_resumes_under_torchrun(cluster, tmp_path):
+    """Issue 19, defect 11 (a, c, e). With PREEMPT_SIGNAL=TERM, `scancel --full --signal=TERM`
+    signals the batch shell's process group: the shell traps it and forwards it to the ranks;
+    srun, in a process group of its own, does not get it (it would SIGKILL every rank); the
+    torchrun agents leave SIGTERM to their ranks (--signals-to-handle without it) instead of
+    shutting them down and exiting 143. One checkpoint, exit 0, requeued, resumed, logged."""
+    out = tmp_path / "out"
+    job = cluster.submit(tmp_path / "logs", "train.py", *SHORT, "--train.out_dir", str(out), "--resume", "auto",
+                         "--train.preempt_signal", "SIGTERM", env=TERM)
+    _wait_for_steps(job, out, 2)
+    cluster.run("scancel", "--full", "--signal=TERM", str(job.id))
+    info = job.wait(timeout=120)
+    log = job.text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "1", log[-4000:]
+    assert "launch: received SIGTERM; forwarding it to the ranks" in log and "forcing job termination" not in log
+    match = re.search(r"preempted at step (\d+): saved checkpoint (\S+)", log)
+    assert match, log[-4000:]
+    step = int(match.group(1))
+    assert "requeueing job" in log
+    # The resumed run says which checkpoint it loaded, and continues from it.
+    assert f"resumed from checkpoint {match.group(2)} (step {step}," in log, log[-4000:]
+    assert sorted(losses(out)) == list(range(1, 9))
+
+
+@needs_slurm
+def test_plain_scancel_cancels_and_never_requeues(cluster, tmp_path):
+    """Issue 19, defect 11 (b). With PREEMPT_SIGNAL=TERM and REQUEUE_ON_PREEMPT=1 a plain
+    `scancel` (SIGTERM to every process, then SIGKILL) used to be taken for a preemption: the
+    ranks saved and exited 0 and the job requeued itself, so it could not be cancelled. Slurm has
+    the job CANCELLED (COMPLETING) by then: no forwarding, no requeue."""
+    out = tmp_path / "out"
+    job = cluster.submit(tmp_path / "logs", "train.py", *TRAIN, "--train.out_dir", str(out), "--resume", "auto",
+                         "--train.preempt_signal", "SIGTERM", launcher="srun", env=TERM)
+    _wait_for_steps(job, out, 1)
+    cluster.run("scancel", str(job.id))
+    info = job.wait(timeout=60)  # a requeue would come before the job ends (and so show here)
+    log = job.text()
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", log[-4000:]
+    assert "not a preemption; not forwarded, no requeue" in log, log[-4000:]
+    assert "requeueing job" not in log and "(restart 1)" not in log
+
+
+@needs_slurm
+def test_preemption_signal_to_the_steps_only_is_known_by_the_ranks_records(cluster, tmp_path):
+    """A preemption's SIGTERM in its GraceTime (here `scancel --signal=TERM`) reaches the steps,
+    not the batch shell: the ranks save and record that they stopped for it (run_rank.py), and the
+    batch script requeues on that. The requeued job can still be cancelled."""
+    out = tmp_path / "out"
+    job = cluster.submit(tmp_path / "logs", "train.py", *SHORT, "--train.out_dir", str(out), "--resume", "auto",
+                         "--train.preempt_signal", "SIGTERM", launcher="srun", env=TERM)
+    _wait_for_steps(job, out, 1)
+    cluster.run("scancel", "--signal=TERM", str(job.id))
+    deadline = time.monotonic() + 60
+    while (info := job.info()).get("Restarts") == "0" and info.get("JobState") not in FINAL:
+        if time.monotonic() > deadline:
+            job.cancel()
+            pytest.fail(f"job {job.id} was not requeued; log:\n{job.text()[-4000:]}")
+        time.sleep(0.2)
+    log = job.text()
+    assert info["Restarts"] == "1", log[-4000:]
+    assert "launch: received" not in log, log[-4000:]  # the batch shell never saw it
+    assert "launch: 4 rank(s) stopped for SIGTERM and saved" in log and "requeueing job" in log, log[-4000:]
+    assert re.search(r"preempted at step \d+: saved checkpoint", log), log[-4000:]
+    job.cancel()
+    assert job.wait(timeout=60)["JobState"] == "CANCELLED"
+
+
+@needs_slurm
+@pytest.mark.parametrize("launcher", ["srun", "torchrun"])
+def test_a_killed_rank_is_the_first_failure_not_its_survivors(cluster, tmp_path, launcher):
+    """Issue 19, defect 11 (d). Rank 2 dies of SIGKILL; the others' collectives fail (exit 1):
+    the job's code is the killed rank's, 128 + 9, and the summary names it."""
+    entry = tmp_path / "failing.py"
+    entry.write_text(FAILING)
+    job = cluster.submit(tmp_path / "logs", str(entry), launcher=launcher,
+                         env={"FAIL_MODE": "kill", "PYTHONPATH": str(REPO), "FAIL_TIMEOUT": "60"})
+    info = job.wait(timeout=90)
+    log = job.text()
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "137:0", log[-4000:]
+    assert "launch: a rank failed with exit code 137 (rank 2 killed by SIGKILL, the first to fail" in log, log[-4000:]
 
 
 # --------------------------------------------------------------------------------------------
@@ -356,20 +452,66 @@ def test_init_distributed_exports_the_layout_for_a_one_task_step(monkeypatch):
     assert os.environ["LOCAL_WORLD_SIZE"] == "1" and os.environ["WORLD_SIZE"] == "1"
 
 
-@pytest.mark.parametrize("body, code", [
-    ("import sys; sys.exit(5)", 5),
-    ("raise RuntimeError('boom')", 1),
-    ("import sys; sys.exit('config error: x')", 1),
-    ("import sys; assert __name__ == '__main__' and sys.argv[1:] == ['--a', 'b']", 0),
+@pytest.mark.parametrize("body, code, how", [
+    ("import sys; sys.exit(5)", 5, "exited"),
+    ("raise RuntimeError('boom')", 1, "exited"),
+    ("import sys; sys.exit('config error: x')", 1, "exited"),
+    ("import sys; assert __name__ == '__main__' and sys.argv[1:] == ['--a', 'b']", 0, "exited"),
     # The warning signal before the trainer handles it (or after) does not kill the rank.
-    ("import os, signal; os.kill(os.getpid(), signal.SIGUSR1)", 0),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGUSR1)", 0, "exited"),
+    # ... and where the trainer saw it (and so stopped early), the record says so.
+    ("import os, signal\nfrom trainer.preemption import PreemptionSignal, catch_early\ncatch_early()\n"
+     "os.kill(os.getpid(), signal.SIGUSR1)\nassert PreemptionSignal('SIGUSR1').received", 0, "preempted"),
+    ("import os, signal\nfrom trainer.preemption import PreemptionSignal\np = PreemptionSignal('SIGUSR1')\n"
+     "p.close()\nos.kill(os.getpid(), signal.SIGUSR1)", 0, "exited"),  # after the last look: finished
+    # A collective that lost its peer (gloo's words), directly or as the cause of the entry point's
+    # one-line error: a consequence of another rank's death.
+    ("raise RuntimeError('[pair.cc:537] Read error [127.0.0.1]:59108: Connection reset by peer.')", 1, "peer"),
+    ("import sys\ntry:\n    raise RuntimeError('Connection closed by peer')\nexcept RuntimeError:\n"
+     "    sys.exit('train.py: error: rank 1: a collective failed')", 1, "peer"),
 ])
-def test_run_rank_records_the_exit_code(tmp_path, body, code):
+def test_run_rank_records_the_exit_code(tmp_path, body, code, how):
     script = tmp_path / "entry.py"
     script.write_text(body + "\n")
     env = {**os.environ, "RANK_EXIT_DIR": str(tmp_path / "ranks"), "RANK": "3", "PREEMPT_SIGNAL": "USR1"}
     proc = subprocess.run([sys.executable, str(SLURM / "run_rank.py"), str(script), "--a", "b"], env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == code, proc.stderr
-    when, recorded = (tmp_path / "ranks" / "rank-3").read_text().split()
-    assert int(recorded) == code and float(when) > 0
+    when, recorded, recorded_how = (tmp_path / "ranks" / "rank-3").read_text().split()
+    assert (int(recorded), recorded_how) == (code, how) and float(when) > 0
+
+
+def test_a_rank_killed_by_a_signal_is_recorded_by_its_watcher(tmp_path):
+    """The killed rank cannot write its line; its watcher (rank_watcher.py) writes the time of
+    death and the signal, read while the rank is not reaped yet (here: until we wait for it)."""
+    script = tmp_path / "entry.py"
+    script.write_text("import time\nprint('started', flush=True)\ntime.sleep(60)\n")
+    ranks = tmp_path / "ranks"
+    env = {**os.environ, "RANK_EXIT_DIR": str(ranks), "RANK": "2"}
+    proc = subprocess.Popen([sys.executable, str(SLURM / "run_rank.py"), str(script)], env=env,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "started"
+        before = time.time()
+        proc.kill()
+        deadline = time.monotonic() + 30
+        while not (ranks / "rank-2").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        when, code, how = (ranks / "rank-2").read_text().split()
+        assert (code, how) == ("137", "signal:SIGKILL") and before <= float(when) < before + 30
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_dist_timeout_is_set_by_the_config_key_only(monkeypatch, tmp_path):
+    """DIST_TIMEOUT once set the collective timeout beside train.dist_timeout (and silently lost to
+    it): both the launcher and init_distributed refuse it, naming the key."""
+    monkeypatch.setenv("DIST_TIMEOUT", "30")
+    with pytest.raises(LauncherError, match="DIST_TIMEOUT=30 is not read any more: set the timeout with "
+                                            "--train.dist_timeout"):
+        init_distributed()
+    env = {**os.environ, "DIST_TIMEOUT": "30"}
+    proc = subprocess.run(["bash", str(SLURM / "launch.sbatch"), "train.py"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "pass --train.dist_timeout 30 to train.py" in proc.stderr, proc.stderr

@@ -111,7 +111,7 @@ def ft_args(hf_dir, data, out_dir, *extra) -> list[str]:
             "--train.micro_batch_size", "4", "--train.steps", "8", "--train.log_interval", "2",
             "--train.eval_interval", "4", "--train.eval_batches", "2", "--train.out_dir", str(out_dir),
             "--train.tensorboard", "false", "--train.progress_bar", "false", "--optim.warmup_steps", "2",
-            "--optim.lr", "3e-3", *extra]
+            "--optim.lr", "3e-3", "--train.precision", "fp32", *extra]  # fp32 references, as tiny_args
 
 
 def ft_config(*args):
@@ -320,7 +320,7 @@ def test_bad_inputs_name_the_file_key_or_value(hf_dirs, synthetic, tmp_path):
         Trainer(ft_config(*ft_args(hf_dir, synthetic, tmp_path / "x", *LORA, "--finetune.lora.targets", "q_proj,qkv")))
 
     # Config keys: unknown ones, and ones that mean nothing for this kind of run.
-    with pytest.raises(ConfigError, match=r"finetune.lora.rank.*valid keys: alpha, dropout, r, targets"):
+    with pytest.raises(ConfigError, match=r"finetune.lora.rank.*valid keys: alpha, dropout, init_from, r, targets"):
         ft_config("--finetune.lora.rank", "4")
     with pytest.raises(ConfigError, match=r"finetune.lora.targets: value 5 is not a list"):
         from_dict({"finetune": {"lora": {"targets": 5}}})

@@ -408,6 +408,23 @@ def test_a_preemption_signal_during_startup_exits_cleanly_before_any_step(corpus
     assert not list((out / "checkpoints").glob("step_*")) and "lm loss" not in output
 
 
+@pytest.mark.parametrize("entry", ["train.py", "finetune.py", "rlhf.py"])
+def test_every_entry_point_catches_the_preemption_signal_before_torch_loads(entry):
+    """catch_early() comes first in every entry point: when torch starts to load, the preemption
+    signal already has a handler (a warning during the imports is recorded, not fatal)."""
+    code = ("import os, runpy, signal, sys\n"
+            "def hook(event, args):\n"
+            "    if event == 'import' and args[0] == 'torch':\n"
+            "        print('caught', signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None), flush=True)\n"
+            "        os._exit(0)\n"
+            "sys.addaudithook(hook)\n"
+            f"sys.argv = [{entry!r}, '--help']\n"
+            f"runpy.run_path({entry!r}, run_name='__main__')\n")
+    env = {k: v for k, v in _env().items() if k != "PREEMPT_SIGNAL"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "caught True", proc.stdout + proc.stderr[-2000:]
+
+
 def test_preemption_signal_to_the_torchrun_agent_saves_one_checkpoint_and_every_rank_exits_0(tmp_path):
     """SIGUSR1 kills torchrun's agent (it has no handler); its ranks, in sessions of their own, see
     their parent change, agree on a step, save one verified checkpoint and exit 0 (recorded by

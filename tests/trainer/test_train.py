@@ -1,7 +1,10 @@
 """End-to-end training: determinism, bit-exact resume, DDP against one process, clear errors."""
 
+import contextlib
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,13 +41,15 @@ def corpus(tmp_path_factory):
 
 
 def tiny_args(corpus, out_dir, cache_dir, *extra):
+    """A short run computing in fp32 (the tests compare against fp32 references; `precision: auto`
+    would pick bf16 on a CPU with native bf16)."""
     return [
         "--model.preset", "gpt2-tiny", "--data.path", str(corpus), "--data.vocab_size", "512",
         "--data.seq_len", "32", "--data.cache_dir", str(cache_dir), "--data.workers", "1",
         "--train.micro_batch_size", "4", "--train.steps", "8", "--train.log_interval", "2",
         "--train.eval_interval", "4", "--train.eval_batches", "2", "--train.out_dir", str(out_dir),
         "--train.tensorboard", "false", "--train.progress_bar", "false", "--optim.warmup_steps", "2",
-        *extra,
+        "--train.precision", "fp32", *extra,
     ]
 
 
@@ -153,6 +158,12 @@ def _train_on_ranks(rank, world, argv):
     return result.losses, result.val_loss
 
 
+def _train_on_ranks_with_log(rank, world, argv):
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        result = train(parse_args(argv))
+    return result.losses, result.val_loss, out.getvalue()
+
+
 ZERO3_FP32 = ("--zero_optimization.stage", "3", "--zero_optimization.communication_data_type", "fp32")
 
 
@@ -223,9 +234,18 @@ def test_zeropp_on_two_nodes_of_two_tracks_the_reference(corpus, tmp_path):
                      "--zero_optimization.zero_hpz_partition_size", "2",
                      "--zero_optimization.zero_quantized_gradients", "true",
                      "--zero_optimization.zero_quantization_block_size", "64")
-    losses, val = run_ranks(_train_on_ranks, 4, args=(argv,), ranks_per_node=2)[0]
+    losses, val, log = run_ranks(_train_on_ranks_with_log, 4, args=(argv,), ranks_per_node=2)[0]
     assert losses[8] < losses[1] - 0.2  # it learns
     assert max(abs(losses[s] - reference.losses[s]) / reference.losses[s] for s in losses) < 0.02
     assert abs(val - reference.val_loss) / reference.val_loss < 0.02
     metrics = [json.loads(line) for line in (tmp_path / "zpp" / "metrics.jsonl").read_text().splitlines()]
     assert all(m["cross-node sent (MB)"] > 0 for m in metrics if "lm loss" in m)
+    # The log states the predicted traffic and model state first, and ends with the last step's
+    # cross-node bytes next to the prediction: equal, collective by collective.
+    assert "predicted traffic per step, this rank: forward gather" in log and "model state per rank:" in log
+    report = log[log.index("cross-node bytes sent by this rank"):]
+    rows = dict((tag, (a, b)) for tag, a, b in
+                re.findall(r"^\s+(forward gather|backward gather|gradient reduce|total)\s+(\S+)\s+(\S+)", report, re.M))
+    assert rows.keys() == {"forward gather", "backward gather", "gradient reduce", "total"}, report
+    assert all(measured == predicted for measured, predicted in rows.values()), report
+    assert rows["backward gather"][0] == "0.000" and float(rows["forward gather"][0]) > 0  # hpZ: inside the node

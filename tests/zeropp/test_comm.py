@@ -9,7 +9,7 @@ from zeropp.topology import TopologyError, build_mesh
 
 def _collectives(rank, world, ranks_per_node, dtype):
     topo = build_mesh(ranks_per_node=ranks_per_node)
-    comm = Comm(topo)
+    comm = Comm(topo, node_aware=False)
     n = 5  # shard numel: deliberately not a power of two
     g = torch.Generator().manual_seed(100 + rank)
     shard = torch.randn(n, generator=g).to(dtype)
@@ -62,6 +62,64 @@ def test_bf16_wire_reduce_scatter_accumulates_in_fp32():
     for err, _, _ in results:
         # one bf16 rounding per hop of values ~ sum of 4 unit normals: well under 0.1
         assert err < 0.1
+
+
+def _node_aware_vs_flat(rank, world, ranks_per_node):
+    mesh = build_mesh(ranks_per_node=ranks_per_node)
+    flat, aware = Comm(mesh, node_aware=False), Comm(mesh)
+    n = 7  # shard numel: not a power of two
+    g = torch.Generator().manual_seed(7 + rank)
+    shard = torch.randn(n, generator=g).to(torch.bfloat16)
+    expect = torch.empty(n * world, dtype=torch.bfloat16)
+    flat.all_gather(expect, shard, tag="gather")
+    got = torch.empty_like(expect)
+    aware.all_gather(got, shard, tag="gather", async_op=True, node_aware=True).wait()
+    in_place = torch.empty_like(got)
+    for p, r in enumerate(aware.gather_order):  # what the decode does
+        in_place[r * n:(r + 1) * n] = got[p * n:(p + 1) * n]
+    gathers_equal = torch.equal(in_place, expect)
+
+    # integers: every summation order is exact, so the two reduce-scatters must agree bit for bit
+    full = torch.randint(-1000, 1000, (n * world,), generator=g).float()
+    results = []
+    for comm in (flat, aware):
+        out = torch.full((n,), 0.5)
+        comm.reduce_scatter(out, full, tag="reduce", async_op=True, accumulate=True).wait()
+        results.append(out)
+    reference = full.double()
+    dist.all_reduce(reference)
+    # random values on a bf16 wire: within the flat ring's rounding of the exact sum
+    normal = torch.randn(n * world, generator=g).to(torch.bfloat16)
+    exact = normal.double()
+    dist.all_reduce(exact)
+    errors = []
+    for comm in (flat, aware):
+        out = torch.zeros(n)
+        comm.reduce_scatter(out, normal, tag="bf16 reduce")
+        errors.append((out.double() - exact.view(world, n)[rank]).abs().max().item())
+    for comm in (flat, aware):
+        comm.close()
+    return (gathers_equal, torch.equal(results[0], results[1]),
+            torch.equal(results[1].double() - 0.5, reference.view(world, n)[rank]), errors,
+            aware.node_aware, aware.ledger.totals(), flat.ledger.totals())
+
+
+@pytest.mark.parametrize("nodes,local", [(2, 2), (2, 3), (3, 2), (1, 4), (4, 1)])
+def test_node_aware_collectives_match_flat_and_cross_each_boundary_once(nodes, local):
+    """The node-aware all-gather (reordered as the decode does) and reduce-scatter equal the flat
+    ones bit for bit; a node sends (N - 1)/N of the model's bytes across, the flat ring more."""
+    world = nodes * local
+    results = run_ranks(_node_aware_vs_flat, world, args=(local,), ranks_per_node=local)
+    shard = {"gather": 7 * 2, "reduce": 7 * 4}  # bytes of one rank's shard: bf16 gather, fp32 reduce
+    for gathers_equal, reduces_equal, reduce_exact, (flat_err, aware_err), aware, ledger, flat_ledger in results:
+        assert gathers_equal and reduces_equal and reduce_exact
+        assert aware_err < 0.1 and flat_err < 0.1  # one bf16 rounding per hop of sums of ~world normals
+        assert aware == (nodes > 1 and local > 1)  # one node or one rank per node: the flat collectives
+        for tag, nbytes in shard.items():
+            assert ledger[tag]["sent"] == flat_ledger[tag]["sent"] == (world - 1) * nbytes
+            # per node: local ranks x (nodes - 1) shards = (N - 1)/N of the model's nodes x local shards
+            assert ledger[tag]["cross_node_sent"] * local == (nodes - 1) / nodes * world * nbytes
+            assert flat_ledger[tag]["cross_node_sent"] == (world - local) * nbytes
 
 
 def _bad_layout(rank, world):

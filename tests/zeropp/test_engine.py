@@ -112,6 +112,37 @@ def test_zero3_matches_single_process(world, ranks_per_node):
         assert worst < 1e-5, f"{preset}: weights differ by {worst} ({max(state, key=lambda k: (state[k] - ref_state[k]).abs().max().item())})"
 
 
+def deeper_model(n_layer: int) -> Transformer:
+    """gpt2-tiny with more blocks than the rotating buffers hold."""
+    torch.manual_seed(0)
+    return Transformer(ModelConfig.from_preset("gpt2-tiny", vocab_size=96, n_layer=n_layer))
+
+
+def _deep_prefetch_run(rank, world, depths, steps):
+    out = {}
+    for depth in depths:
+        engine, optimizer = make_engine(deeper_model(5), ZeroConfig(stage=3, communication_data_type="fp32",
+                                                                   prefetch_depth=depth, zero_hpz_partition_size=2),
+                                        ranks_per_node=2)
+        losses = [train_step(engine, optimizer, sample, rank, world) for sample in batches(steps)]
+        gathers = engine.ledger.totals()["forward gather"]["calls"]
+        out[depth] = losses, engine.full_state_dict(), gathers, len(engine.units)
+        engine.close()
+    return out
+
+
+def test_deeper_prefetch_matches_single_process():
+    """prefetch_depth 2 and 3 (5 blocks, so the rotating buffers wrap) on 2 nodes x 2 with hpZ:
+    the same losses and weights as one process, and still one forward gather per unit and step."""
+    steps = 6
+    ref_losses, ref_state = reference(deeper_model(5), steps)
+    for depth, (losses, state, gathers, units) in run_ranks(_deep_prefetch_run, 4, args=((2, 3), steps),
+                                                            ranks_per_node=2)[0].items():
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, depth
+        assert max((state[k] - ref_state[k]).abs().max().item() for k in state) < 1e-5, depth
+        assert gathers == units * steps, depth
+
+
 def test_gradient_accumulation_equals_big_batch():
     ref_losses, ref_state = reference("gpt2-tiny", 5)
     losses, state, _ = run_ranks(_zero_run, 2, args=("gpt2-tiny", 5, 2, 3, 1.0))[0]  # 3 micro-batches of 2
@@ -133,7 +164,7 @@ def test_unsupported_structure_is_a_clear_error():
 
 
 def _one_step_ledger(rank, world):
-    engine, optimizer = make_engine(make_model("gpt2-tiny"), ZeroConfig(stage=3, communication_data_type="bf16"),
+    engine, optimizer = make_engine(deeper_model(4), ZeroConfig(stage=3, communication_data_type="bf16"),
                                     ranks_per_node=2)
     train_step(engine, optimizer, batches(1)[0], rank, world)
     totals = engine.ledger.totals()
@@ -143,21 +174,25 @@ def _one_step_ledger(rank, world):
 
 
 def test_ledger_one_step_on_two_nodes_of_two():
-    """Forward gather and gradient reduce each move M (bf16), the backward gather the blocks
-    (the embeddings and norms keep their forward gather); two thirds of it cross-node."""
+    """Forward gather and gradient reduce each move M (bf16); the backward gathers the blocks the
+    two weight buffers no longer hold (blocks 0 and 1 of 4: the last two are still there when
+    the backward starts; the embeddings and norms keep their forward gather); with the
+    node-aware collectives a shard crosses once to the other node: a third of what a rank
+    moves is cross-node."""
     totals, sizes = run_ranks(_one_step_ledger, 4, ranks_per_node=2)[0]
     model_bytes = 2 * sum(sizes.values())  # M: the padded model in bf16
-    block_bytes = 2 * sum(n for name, n in sizes.items() if name.startswith("blocks."))
+    regathered = 2 * (sizes["blocks.0"] + sizes["blocks.1"])
     fwd, bwd, grad = totals["forward gather"], totals["backward gather"], totals["gradient reduce"]
     # A rank receives the 3 other shards of every unit it gathers: 3/4 of their bytes.
     assert fwd["received"] == model_bytes * 3 // 4
-    assert bwd["received"] == block_bytes * 3 // 4
+    assert bwd["received"] == regathered * 3 // 4
     assert grad["sent"] == model_bytes * 3 // 4
-    # Two of the three peers sit on the other node.
+    # Of the three shards a rank receives (sends) per unit, one crosses to or from the other node
+    # (the flat ring's accounting: two, the two peers on the other node).
     for entry in (fwd, bwd, grad):
-        assert entry["cross_node_received"] * 3 == entry["received"] * 2
+        assert entry["cross_node_received"] * 3 == entry["received"]
+        assert entry["cross_node_sent"] * 3 == entry["sent"]
         assert entry["dtypes"] == ["bfloat16"]
-    assert block_bytes > 0.8 * model_bytes
 
 
 def _two_engines_frozen_and_memory(rank, world):

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from kernels import dequantize, quantize
 from models.config import ModelConfig
 from models.transformer import Transformer, lm_loss
-from tests.zeropp.test_engine import batches, make_engine, make_model, reference, train_step
+from tests.zeropp.test_engine import BATCH, batches, deeper_model, make_engine, make_model, reference, train_step
 from trainer.spawn import run_ranks
 from zeropp.comm import Comm
 from zeropp.config import ZeroConfig
@@ -100,7 +100,7 @@ def test_qgz_reduce_scatter_is_the_sum_within_the_quantization_bound(nodes, rank
 
 
 def _one_step(rank, world, cfg_kwargs):
-    engine, optimizer = make_engine(make_model("gpt2-tiny"), ZeroConfig(stage=3, **cfg_kwargs), ranks_per_node=2,
+    engine, optimizer = make_engine(deeper_model(4), ZeroConfig(stage=3, **cfg_kwargs), ranks_per_node=2,
                                     secondary_size=cfg_kwargs.get("zero_hpz_partition_size") or None)
     train_step(engine, optimizer, batches(1)[0], rank, world)
     totals, baseline = engine.ledger.totals(), engine.zero3_cross_node_bytes()
@@ -108,9 +108,12 @@ def _one_step(rank, world, cfg_kwargs):
     return totals, baseline
 
 
-def test_ledger_zeropp_cuts_cross_node_bytes_to_under_028_of_zero3():
-    """One step on 2 nodes x 2: forward int8 (half of bf16), backward inside the node (hpZ: 0
-    cross-node bytes), gradients int4 over the 2-hop all-to-all: <= 0.28 of ZeRO-3's bytes."""
+def test_ledger_zeropp_cuts_cross_node_bytes_to_under_033_of_zero3():
+    """One step on 2 nodes x 2 of a 4-block model: forward int8 (half of bf16), backward inside
+    the node (hpZ: 0 cross-node bytes), gradients int4 over the 2-hop all-to-all: <= 0.33 of
+    ZeRO-3's bytes, both with node-aware collectives (each shard crosses once; against gloo's
+    flat ring ZeRO-3 sends twice as much on 2 x 2, tests/zeropp/test_comm.py) and ZeRO-3's
+    backward re-gathering only the 2 of 4 blocks its buffers no longer hold."""
     zero3 = run_ranks(_one_step, 4, args=({},), ranks_per_node=2)
     zeropp = run_ranks(_one_step, 4, args=({"zero_quantized_weights": True, "zero_hpz_partition_size": 2,
                                             "zero_quantization_block_size": BLOCK,
@@ -120,9 +123,10 @@ def test_ledger_zeropp_cuts_cross_node_bytes_to_under_028_of_zero3():
         assert baseline == {tag: base[tag]["cross_node_sent"] for tag in baseline}
         assert ours["backward gather"]["cross_node_sent"] == 0
         assert ours["forward gather"]["cross_node_sent"] < 0.52 * base["forward gather"]["cross_node_sent"]
-        assert ours["gradient reduce"]["cross_node_sent"] < 0.15 * base["gradient reduce"]["cross_node_sent"]
+        # int4 codes + scales where ZeRO-3 sends bf16, both crossing once
+        assert ours["gradient reduce"]["cross_node_sent"] < 0.3 * base["gradient reduce"]["cross_node_sent"]
         total = lambda t: sum(e["cross_node_sent"] for k, e in t.items() if k != "grad norm")  # noqa: E731
-        assert total(ours) <= 0.28 * total(base), (total(ours), total(base))
+        assert total(ours) <= 0.33 * total(base), (total(ours), total(base))
 
 
 def _train(rank, world, cfg_kwargs, steps, secondary=None):
@@ -295,3 +299,32 @@ def test_frozen_weights_stored_quantized_train_like_their_quantized_grid(tmp_pat
         assert memory["quantized frozen weights"] <= 1.1 * (1 + 2 / BLOCK) * n_frozen / 4
         assert memory["master"] <= 1.1 * 4 * n_trainable / 4
         assert r[6]  # the reloaded engine holds the very same codes
+
+
+def _predicted_and_measured(rank, world, cfg_kwargs, accum):
+    engine, optimizer = make_engine(deeper_model(5), ZeroConfig(stage=3, **cfg_kwargs), ranks_per_node=2,
+                                    secondary_size=cfg_kwargs.get("zero_hpz_partition_size") or None)
+    train_step(engine, optimizer, batches(1)[0], rank, world)  # the first step also learns the block order
+    engine.ledger.reset()
+    per_rank = BATCH // world
+    mine = batches(2)[1][rank * per_rank:(rank + 1) * per_rank]
+    for micro in mine.chunk(accum):
+        engine.backward(lm_loss(engine(micro[:, :-1]), micro[:, 1:]))
+    optimizer.step()
+    measured = {tag: {k: e[k] for k in ("sent", "cross_node_sent")} for tag, e in engine.ledger.totals().items()}
+    predicted = engine.predicted_step_bytes(accum)
+    engine.close()
+    return predicted, measured
+
+
+@pytest.mark.parametrize("cfg_kwargs,world,accum", [
+    ({}, 4, 1),
+    ({"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantization_block_size": BLOCK,
+      "zero_quantized_gradients": True, "zero_quantized_gradients_stages": 2}, 4, 2),
+    ({"zero_quantized_weights": True, "zero_quantized_gradients": True, "zero_quantization_block_size": BLOCK,
+      "communication_data_type": "fp32"}, 6, 1),
+])
+def test_predicted_step_bytes_equal_the_ledger(cfg_kwargs, world, accum):
+    """The traffic the engine predicts from sizes and configuration alone is what the step sends."""
+    for predicted, measured in run_ranks(_predicted_and_measured, world, args=(cfg_kwargs, accum), ranks_per_node=2):
+        assert predicted == measured

@@ -1,0 +1,173 @@
+"""The entry points as a user runs them: train.py, finetune.py and rlhf.py in a subprocess (--help,
+one-line user errors, --debug), finetune.lora.init_from, and the end-of-run cross-node report."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhf.config import RLHFConfig
+from tests.trainer.test_finetune import LORA, LORA_TARGETS, ft_args, ft_config, hf_dirs, synthetic, tokenizer_dir  # noqa: F401
+from trainer.config import Config, ConfigError, all_fields, field_docs
+from trainer.loop import Trainer, cross_node_report, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_entry(script: str, *args: str, cwd: Path, **env) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k != "ZEROPP_DEBUG"}
+    environ.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **env)
+    return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=cwd, env=environ, capture_output=True,
+                          text=True, timeout=300)
+
+
+# --- --help -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script,cfg,shown,hidden", [
+    ("train.py", Config(), ("model", "optim", "zero_optimization"), ("finetune",)),
+    ("finetune.py", Config(), ("finetune", "finetune.lora", "optim"), ("model", "data.vocab_size", "data.json_key")),
+    ("rlhf.py", RLHFConfig(), ("models", "ppo", "grpo", "generation"), ("finetune", "tensor_parallel")),
+], ids=["train", "finetune", "rlhf"])
+def test_help_shows_usage_and_every_key_with_type_default_and_description(script, cfg, shown, hidden, tmp_path):
+    for flag in ("-h", "--help"):
+        result = run_entry(script, flag, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith(f"usage: python {script}")
+        out = result.stdout
+    for section in shown:
+        assert f"\n{section}:" in out, section
+    for key, cls, doc in all_fields(cfg):
+        if any(key == h or key.startswith(h + ".") for h in hidden):
+            assert f"  --{key} " not in out, key
+            continue
+        line = next((line for line in out.splitlines() if line.startswith(f"  --{key} ")), None)
+        assert line is not None and "(default: " in line, key
+        first_words = " ".join(doc.split()[:4])
+        assert first_words in " ".join(out.split()), (key, first_words)  # the description
+    if script == "rlhf.py":  # after a stage too
+        assert run_entry(script, "ppo", "--help", cwd=tmp_path).stdout == out
+
+
+def test_every_config_class_documents_every_field():
+    """What --help draws on, for every dataclass of every entry point's config."""
+    classes = {cls for cfg in (Config(), RLHFConfig()) for _, cls, _ in all_fields(cfg)}
+    assert len(classes) >= 15
+    for cls in classes:
+        assert all(doc.strip() for doc in field_docs(cls).values()), cls
+
+
+# --- user errors: one line; --debug: the traceback -----------------------------------------
+
+def one_line_error(result, *expected: str) -> str:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    for text in expected:
+        assert text in lines[0], (text, lines[0])
+    return lines[0]
+
+
+@pytest.mark.parametrize("script,args,key", [
+    ("train.py", ["--optim.learning_rate", "1e-3"], "optim.learning_rate"),
+    ("finetune.py", ["--finetune.lora.rank", "4"], "finetune.lora.rank"),
+    ("rlhf.py", ["ppo", "--ppo.epochz", "2"], "ppo.epochz"),
+], ids=["train", "finetune", "rlhf"])
+def test_a_bad_key_is_one_line_and_debug_shows_the_traceback(script, args, key, tmp_path):
+    one_line_error(run_entry(script, *args, cwd=tmp_path), f"{script}: config error: unknown config key {key!r}")
+    for result in (run_entry(script, *args, "--debug", cwd=tmp_path),
+                   run_entry(script, *args, cwd=tmp_path, ZEROPP_DEBUG="1")):
+        assert result.returncode != 0
+        assert "Traceback (most recent call last)" in result.stderr and key in result.stderr
+
+
+def test_run_errors_are_one_line_naming_file_key_and_value(hf_dirs, synthetic, tmp_path):
+    """Data, LoRA target, model type and checkpoint errors raised inside the run: one line, exit 1."""
+    one_line_error(run_entry("train.py", "--data.path", str(tmp_path / "absent.txt"), cwd=tmp_path),
+                   "train.py: error: data.path", "absent.txt", "no such file")
+    base = ft_args(hf_dirs["llama"], synthetic, tmp_path / "out")
+    one_line_error(run_entry("finetune.py", *base, "--finetune.lora.r", "4", "--finetune.lora.targets", "q_proj,qkv",
+                             cwd=tmp_path), "finetune.py: error: finetune.lora:", "['qkv'] match no nn.Linear")
+    bert = tmp_path / "bert"
+    shutil.copytree(hf_dirs["llama"], bert)
+    (bert / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 640}))
+    one_line_error(run_entry("finetune.py", *ft_args(bert, synthetic, tmp_path / "out"), cwd=tmp_path),
+                   "finetune.hf_checkpoint", "config.json: model_type='bert' is not supported")
+    one_line_error(run_entry("finetune.py", *base, "--resume", str(tmp_path / "nowhere"), cwd=tmp_path),
+                   "resume:", "nowhere is not a checkpoint directory")
+    result = run_entry("finetune.py", *base, "--resume", str(tmp_path / "nowhere"), "--debug", cwd=tmp_path)
+    assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+def test_rlhf_run_errors_are_one_line(tmp_path):
+    one_line_error(run_entry("rlhf.py", "rl", cwd=tmp_path), "unknown stage 'rl'")
+    one_line_error(run_entry("rlhf.py", "dpo", "--data.preferences", str(tmp_path / "pairs.jsonl"),
+                             "--models.sft", str(tmp_path / "no_sft"), cwd=tmp_path),
+                   "models.sft", "no_sft: no Hugging Face model there")
+
+
+# --- finetune.lora.init_from --------------------------------------------------------------
+
+def test_lora_init_from_continues_a_peft_adapter(hf_dirs, synthetic, tmp_path):
+    """A LoRA run's adapters, saved as a PEFT adapter, start a new fine-tune: its adapters equal the
+    saved ones and its loss on the validation batches equals the first run's final one; the
+    checkpoints do not record init_from; an adapter that is not the configured LoRA is refused,
+    naming the file, key, value and what was expected."""
+    from export.peft import export_peft_adapter
+
+    hf_dir = hf_dirs["llama"]
+    first = train(ft_config(*ft_args(hf_dir, synthetic, tmp_path / "a", *LORA, "--train.steps", "4",
+                                     "--train.export_hf", "false")))
+    adapter = export_peft_adapter(first.checkpoint, tmp_path / "adapter")
+    saved = load_file(first.checkpoint / "model.safetensors")
+
+    args = ft_args(hf_dir, synthetic, tmp_path / "b", *LORA, "--finetune.lora.init_from", str(adapter),
+                   "--train.steps", "1", "--train.export_hf", "false")
+    trainer = Trainer(ft_config(*args))
+    try:
+        loaded = {name: p.detach() for name, p in trainer.runtime.module.named_parameters() if ".lora_" in name}
+        assert len(loaded) == 2 * 2 * len(LORA_TARGETS)
+        for name, tensor in loaded.items():
+            assert torch.equal(tensor, saved[name]), name
+        assert trainer.evaluate() == pytest.approx(first.val_loss, rel=0, abs=1e-6)
+        second = trainer.run()
+    finally:
+        trainer.close()
+    assert second.losses[1] < first.losses[1]  # it starts where the first run ended, not from B = 0
+    state = json.loads((second.checkpoint / "state.json").read_text())
+    assert set(state["lora"]) == {"r", "alpha", "dropout", "targets"}
+    # Resuming that run without init_from is the same LoRA.
+    resumed = ft_config(*ft_args(hf_dir, synthetic, tmp_path / "b", *LORA, "--train.steps", "2",
+                                 "--train.export_hf", "false", "--resume", "latest"))
+    assert train(resumed).losses.keys() == {2}
+
+    with pytest.raises(ConfigError, match=r"finetune.lora.init_from .*adapter.*r=4, lora_alpha=8.0.*r=8.*"
+                                          r"finetune.lora.r / alpha"):
+        Trainer(ft_config(*ft_args(hf_dir, synthetic, tmp_path / "c", *LORA, "--finetune.lora.r", "8",
+                                   "--finetune.lora.init_from", str(adapter))))
+    with pytest.raises(ConfigError, match=r"finetune.lora.init_from .*adapts .*up_proj.*set finetune.lora.targets"):
+        Trainer(ft_config(*ft_args(hf_dir, synthetic, tmp_path / "c", *LORA, "--finetune.lora.targets",
+                                   "q_proj,k_proj,v_proj,o_proj", "--finetune.lora.init_from", str(adapter))))
+    with pytest.raises(ConfigError, match=r"finetune.lora.init_from .*absent.*adapter_config.json not found"):
+        Trainer(ft_config(*ft_args(hf_dir, synthetic, tmp_path / "c", *LORA,
+                                   "--finetune.lora.init_from", str(tmp_path / "absent"))))
+    with pytest.raises(ConfigError, match="finetune.lora.init_from applies to LoRA, but finetune.lora.r is 0"):
+        Trainer(ft_config(*ft_args(hf_dir, synthetic, tmp_path / "c", "--finetune.lora.init_from", str(adapter))))
+
+
+# --- the cross-node report ------------------------------------------------------------------
+
+def test_cross_node_report_on_one_node_says_so_instead_of_a_table_of_zeros():
+    zero3 = {"forward gather": 0, "backward gather": 0, "gradient reduce": 0}
+    step = {"forward gather": {"cross_node_sent": 0, "sent": 4096}}
+    line = cross_node_report(step, zero3, "ZeRO-3 + qwZ int8")
+    assert line == "cross-node bytes (ZeRO-3 + qwZ int8): single node: no cross-node traffic"
+    table = cross_node_report({"forward gather": {"cross_node_sent": 2**20}}, {**zero3, "forward gather": 2**21}, "x")
+    assert "nan" not in table.split("\n", 1)[1].split("forward gather")[1].split("\n")[0]
+    assert "0.50" in table and "total" in table
