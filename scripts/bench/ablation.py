@@ -3,10 +3,12 @@
     python scripts/bench/ablation.py                      # 2 rates x 2 tokens-per-rank x 5 configurations
     python scripts/bench/ablation.py --quick              # ZeRO-3 and ZeRO++ at 100mbit, 4 x 128 tokens
     python scripts/bench/ablation.py --rates 100mbit --micro-batches 4 --configs zero3 zeropp --steps 6
+    python scripts/bench/ablation.py --quick --precision fp32 --shape issue   # fp32 compute, issue 17's model
 
 ZeRO-3, + qwZ (int8 weights), + hpZ (secondary partition = one node), + qgZ (int4 gradients, 2 hops)
 and full ZeRO++ train the reference GPT-2 with `train.py` on 2 emulated nodes x 2 ranks, at each link
-rate and micro-batch size (scripts/bench/runner.py: what a run measures, how).
+rate and micro-batch size (scripts/bench/runner.py: what a run measures, how), every run computing in
+`--precision` (bf16 autocast with fp32 master weights by default, passed as --train.precision).
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ def add_args(p) -> None:
     p.add_argument("--micro-batches", type=int, nargs="+", default=Quick([4, 8], [4]),
                    help=f"micro-batch sizes x {SEQ} tokens per rank (default %(default)s)")
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=Quick(list(CONFIGS), ["zero3", "zeropp"]))
+    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
+                   help="compute dtype of every run: --train.precision (bf16 = autocast, fp32 master weights; "
+                        "default %(default)s)")
+    p.add_argument("--shape", choices=list(runner.SHAPES), default="suite",
+                   help="the model: suite (10.56M, 12 layers, d_model 256) or issue (issue 17's 10.29M: 4 layers, "
+                        "d_model 384, vocabulary 8192); default %(default)s")
     p.add_argument("--steps", type=int, default=Quick(5, 4), help="steps per run (default %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="steps not timed")
     p.add_argument("--timeout", type=float, default=900)
@@ -41,13 +49,15 @@ def add_args(p) -> None:
 
 def run(args, progress=print) -> dict:
     plan = options(args)
-    result = {"plan": plan, "model": runner.model_summary(), "nodes": runner.NODES,
+    result = {"plan": plan, "model": runner.model_summary(shape=plan["shape"]), "nodes": runner.NODES,
               "ranks_per_node": runner.RANKS_PER_NODE, "rows": []}
     why = runner.cluster_unavailable()
     if why:
         result["skipped"] = f"emulated cluster unavailable: {why}"
         return result
-    jobs = [Job(key, CONFIGS[key][0], runner.zero_args(**CONFIGS[key][1]), mb, rate)
+    compute, how = plan["precision"], "autocast" if plan["precision"] == "bf16" else None
+    jobs = [Job(key, CONFIGS[key][0], runner.zero_args(**CONFIGS[key][1]) + runner.precision_args(compute), mb, rate,
+                shape=plan["shape"], compute=compute, compute_how=how)
             for rate in plan["rates"] for mb in plan["micro_batches"] for key in plan["configs"]]
     result["rows"] = runner.run_jobs("ablation", jobs, plan["steps"], plan["warmup"], plan["timeout"], progress)
     base = {(r["setting"], r["micro_batch"]): r for r in result["rows"] if r["key"] == "zero3" and r["ok"]}
@@ -60,13 +70,19 @@ def run(args, progress=print) -> dict:
     return result
 
 
-COLUMNS = [("label", "configuration", "{}"), ("setting", "link", "{}"), ("tokens_per_rank", "tokens/rank", "{}"),
+COLUMNS = [("label", "configuration", "{}"), ("compute", "compute", "{}"), ("setting", "link", "{}"),
+           ("tokens_per_rank", "tokens/rank", "{}"),
            ("step_ms", "step ms", "{:.0f}"), ("tokens_per_s", "tokens/s", "{:.0f}"),
            ("tflops_per_rank", "TFLOP/s per rank", "{:.4f}"), ("speedup_vs_zero3", "speedup vs ZeRO-3", "{:.2f}x"),
            ("ledger_cross_mb_rank", "ledger cross-node MB/rank/step", "{:.2f}"),
            ("phys_tx_mb_node", "physical MB/node/step (tx)", "{:.2f}"),
            ("phys_ratio_vs_zero3", "physical / ZeRO-3", "{:.3f}"),
            ("wire_ms", "wire time ms", "{:.0f}"), ("link_busy_pct", "link busy %", "{:.0f}")]
+
+
+def _compute(plan: dict) -> str:
+    return {"bf16": "bf16 (autocast, fp32 master weights)", "fp32": "fp32"}.get(plan.get("precision"), "the machine's "
+                                                                                "default precision (not recorded)")
 
 
 def plots(result: dict, out_dir: Path) -> list[Path]:
@@ -90,7 +106,9 @@ def markdown(result: dict) -> str:
     lines = [f"`train.py` on {result['nodes']} emulated nodes x {result['ranks_per_node']} ranks (network namespaces, "
              f"tbf-shaped links), model {m['preset']} with {m['n_layer']} layers: **{m['params'] / 1e6:.2f}M "
              f"parameters** (d_model {m['d_model']}, vocabulary {m['vocab_size']}, {m['seq_len']} tokens per "
-             f"sample), default corpus, AdamW. {plan['steps']} steps per run, the first {plan['warmup']} not timed. "
+             f"sample), default corpus, AdamW, every run computing in {_compute(plan)} "
+             f"(`--train.precision {plan.get('precision', '?')}`). {plan['steps']} steps per run, the first "
+             f"{plan['warmup']} not timed, step time = their median. "
              "TFLOP/s are model FLOPs: 6·N per token (N without the position table, tied head counted) plus "
              "12·n_layer·d_model·seq for attention. Physical bytes: what each node's link sent per step "
              "(veth counters at step boundaries, frame bytes); wire time = the busier direction's bytes at the "
@@ -114,7 +132,7 @@ def markdown(result: dict) -> str:
         lines += [text + ".", ""]
     kinds = sorted({k for r in rows for k in r.get("timing_kinds", [])})
     if kinds:
-        cols = COLUMNS[:4] + [("wire_ms", "wire time ms", "{:.0f}")] + [(f"{k} ms", f"{k} ms", "{:.0f}") for k in kinds]
+        cols = COLUMNS[:5] + [("wire_ms", "wire time ms", "{:.0f}")] + [(f"{k} ms", f"{k} ms", "{:.0f}") for k in kinds]
         lines += ["Where the time goes, per step on rank 0 (the runtime's timings as train.py logs them, mean over "
                   "the timed steps): time the training thread waited for gathers and for reductions, and spent "
                   "encoding (quantizing, once per step) and decoding weights; the rest is compute and everything "

@@ -1,8 +1,10 @@
 """Our ZeRO-3 / ZeRO++ against DDP, PyTorch FSDP2 and DeepSpeed ZeRO-3 on the same emulated cluster.
 
-    python scripts/bench/peers.py                 # 100mbit (2 nodes x 2) and unshaped loopback
-    python scripts/bench/peers.py --quick         # 100mbit only: ZeRO++, DDP, FSDP2, DeepSpeed (fp32)
+    python scripts/bench/peers.py                 # 100mbit (2 nodes x 2) and unshaped loopback, issue 17's model
+    python scripts/bench/peers.py --plan targets  # only the rows of issue 17's T1-T4 and T6 (suite.py's summary)
+    python scripts/bench/peers.py --quick         # bf16 compute: ZeRO++, ZeRO-3, DDP, FSDP2, DeepSpeed; ZeRO++ unshaped
     python scripts/bench/peers.py --runtimes zero3-fp32 deepspeed-fp32 --settings loopback
+    python scripts/bench/peers.py --shape suite   # the ablation's 10.56M model instead
 
 Every runtime trains the same model, data, AdamW, schedule and clipping through the same training
 loop (trainer.loop.Trainer): ours and DDP as `train.py`, FSDP2 and DeepSpeed as this script's
@@ -31,26 +33,62 @@ from zeropp.runtime import Runtime, Timings
 TITLE = "## 2. Peers: DDP, PyTorch FSDP2, DeepSpeed ZeRO-3"
 _HPZ = {"zero_hpz_partition_size": RANKS_PER_NODE}
 _REGATHER = {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0}
-RUNTIMES = {  # key -> (label, family, train.py arguments | the peer runtime's options)
-    "zeropp": ("ZeRO++ (ours: qwZ int8, hpZ, qgZ int4)", "ours", runner.zero_args(**CONFIGS["zeropp"][1])),
-    "zero3-bf16": ("ZeRO-3 (ours, bf16 wire, fp32 compute)", "ours", runner.zero_args(stage=3)),
-    "zero3-fp32": ("ZeRO-3 (ours, fp32 wire)", "ours", runner.zero_args(stage=3, communication_data_type="fp32")),
-    "ddp": ("DDP (train.py stage 0, fp32 all-reduce)", "ddp", runner.zero_args(stage=0)),
-    "fsdp2-fp32": ("FSDP2 fully_shard (fp32)", "fsdp2", {}),
-    "fsdp2-bf16": ("FSDP2 fully_shard (bf16 gather + reduce, bf16 compute)", "fsdp2", {"dtype": "bf16"}),
-    "deepspeed-fp32": ("DeepSpeed ZeRO-3 (fp32)", "deepspeed", {}),
-    "deepspeed-bf16": ("DeepSpeed ZeRO-3 (bf16, bf16 compute)", "deepspeed", {"dtype": "bf16"}),
+_ZPP, _FLAT = CONFIGS["zeropp"][1], {"node_aware_collectives": False}
+AUTOCAST = "autocast, fp32 master weights"
+
+
+def _ours(compute: str, **zero) -> list[str]:
+    """train.py arguments: these zero_optimization keys, computing in `compute` (--train.precision)."""
+    return runner.zero_args(**zero) + runner.precision_args(compute)
+
+
+# key -> (label, family, train.py arguments | the peer runtime's options, compute dtype, how it computes in it).
+# Every train.py row passes --train.precision; the peer workers pass fp32 (no autocast from the Trainer): their
+# bf16 rows compute in bf16 through their own mixed precision (bf16 weights), as they are normally used.
+RUNTIMES = {
+    "zeropp": ("ZeRO++ (ours: qwZ int8, hpZ, qgZ int4)", "ours", _ours("bf16", **_ZPP), "bf16", AUTOCAST),
+    "zeropp-c32": ("ZeRO++ (ours: qwZ int8, hpZ, qgZ int4), fp32 compute", "ours", _ours("fp32", **_ZPP), "fp32",
+                   None),
+    "zeropp-flat": ("ZeRO++ (ours), node-aware collectives off", "ours", _ours("bf16", **_ZPP, **_FLAT), "bf16",
+                    AUTOCAST),
+    "zero3-bf16": ("ZeRO-3 (ours, bf16 wire)", "ours", _ours("bf16", stage=3), "bf16", AUTOCAST),
+    "zero3-bf16-c32": ("ZeRO-3 (ours, bf16 wire), fp32 compute", "ours", _ours("fp32", stage=3), "fp32", None),
+    "zero3-flat": ("ZeRO-3 (ours, bf16 wire), node-aware collectives off", "ours", _ours("bf16", stage=3, **_FLAT),
+                   "bf16", AUTOCAST),
+    "zero3-fp32": ("ZeRO-3 (ours, fp32 wire)", "ours", _ours("fp32", stage=3, communication_data_type="fp32"), "fp32",
+                   None),
+    "ddp": ("DDP (train.py stage 0, fp32 all-reduce)", "ddp", _ours("fp32", stage=0), "fp32", None),
+    "ddp-bf16": ("DDP (train.py stage 0, fp32 all-reduce), bf16 autocast", "ddp", _ours("bf16", stage=0), "bf16",
+                 AUTOCAST),
+    "fsdp2-fp32": ("FSDP2 fully_shard (fp32)", "fsdp2", {}, "fp32", None),
+    "fsdp2-bf16": ("FSDP2 fully_shard (bf16 gather + reduce)", "fsdp2", {"dtype": "bf16"}, "bf16",
+                   "MixedPrecisionPolicy: bf16 weights"),
+    "deepspeed-fp32": ("DeepSpeed ZeRO-3 (fp32)", "deepspeed", {}, "fp32", None),
+    "deepspeed-bf16": ("DeepSpeed ZeRO-3 (bf16)", "deepspeed", {"dtype": "bf16"}, "bf16",
+                       "DeepSpeed bf16: bf16 weights, fp32 master"),
     "deepspeed-regather-fp32": ("DeepSpeed ZeRO-3 (fp32, re-gather for backward)", "deepspeed",
-                                {"zero": _REGATHER}),
+                                {"zero": _REGATHER}, "fp32", None),
     "deepspeed-hpz-regather-fp32": ("DeepSpeed ZeRO-3 + hpZ (fp32, re-gather for backward)", "deepspeed",
-                                    {"zero": {**_HPZ, **_REGATHER}}),
+                                    {"zero": {**_HPZ, **_REGATHER}}, "fp32", None),
     "deepspeed-zeropp": ("DeepSpeed ZeRO++ (qwZ + qgZ + hpZ)", "deepspeed",
-                         {"zero": {**_HPZ, "zero_quantized_weights": True, "zero_quantized_gradients": True}}),
+                         {"zero": {**_HPZ, "zero_quantized_weights": True, "zero_quantized_gradients": True}}, "fp32",
+                         None),
 }
-FULL = {"100mbit": ["zeropp", "zero3-bf16", "zero3-fp32", "ddp", "fsdp2-fp32", "fsdp2-bf16", "deepspeed-fp32",
-                    "deepspeed-bf16", "deepspeed-hpz-regather-fp32"],
-        "loopback": ["zeropp", "zero3-bf16", "zero3-fp32", "deepspeed-fp32", "deepspeed-bf16", "deepspeed-zeropp"]}
-QUICK = {"100mbit": ["zeropp", "ddp", "fsdp2-fp32", "deepspeed-fp32"]}
+# The plans: setting -> runtimes ("100mbit" stands for the slow link, --rate). "targets" is exactly the rows of
+# issue 17's T1-T4 and T6 (suite.py's summary) plus the fp32-compute pairs and the node-aware-off pair.
+PLANS = {
+    "full": {"100mbit": ["zeropp", "zero3-bf16", "ddp-bf16", "fsdp2-bf16", "deepspeed-bf16",
+                         "zeropp-c32", "zero3-bf16-c32", "zero3-fp32", "ddp", "fsdp2-fp32", "deepspeed-fp32",
+                         "deepspeed-hpz-regather-fp32", "zero3-flat", "zeropp-flat"],
+             "loopback": ["zeropp", "zero3-bf16", "deepspeed-bf16", "zero3-fp32", "deepspeed-fp32",
+                          "deepspeed-zeropp"]},
+    "targets": {"100mbit": ["zeropp", "zero3-bf16", "ddp-bf16", "fsdp2-bf16", "deepspeed-bf16", "zeropp-c32",
+                            "zero3-bf16-c32", "ddp", "zero3-flat", "zeropp-flat"],
+                "loopback": ["zeropp", "zero3-bf16", "deepspeed-bf16"]},
+    "quick": {"100mbit": ["zeropp", "zero3-bf16", "ddp-bf16", "fsdp2-bf16", "deepspeed-bf16"],
+              "loopback": ["zeropp"]},
+}
+FULL, QUICK = PLANS["full"], PLANS["quick"]
 
 
 # ---------------------------------------------------------------- the peer runtimes
@@ -193,7 +231,7 @@ def worker(argv: list[str]) -> int:
     from trainer.loop import Trainer
 
     key, cfg = argv[0], parse_args(argv[1:])
-    _, family, peer_options = RUNTIMES[key]
+    _, family, peer_options, _, _ = RUNTIMES[key]
     peer = {"fsdp2": FSDP2, "deepspeed": DeepSpeed}[family]
     trainer = Trainer(cfg, build_runtime=lambda model, zero_cfg, device, tp: peer(model, cfg, **peer_options))
     try:
@@ -212,36 +250,53 @@ def deepspeed_installed() -> bool:
 
 def add_args(p) -> None:
     p.add_argument("--rate", default="100mbit", help="the slow link (default 100mbit)")
-    p.add_argument("--settings", nargs="+", choices=["slow", "loopback"], default=Quick(["slow", "loopback"], ["slow"]),
+    p.add_argument("--plan", choices=list(PLANS), default=Quick("full", "quick"),
+                   help="which runtimes run in each setting (default %(default)s; targets: the rows of issue "
+                        "17's T1-T4 and T6 only)")
+    p.add_argument("--settings", nargs="+", choices=["slow", "loopback"], default=["slow", "loopback"],
                    help="slow: the emulated cluster at --rate; loopback: 4 local ranks, unshaped (default %(default)s)")
-    p.add_argument("--runtimes", nargs="+", choices=list(RUNTIMES))
+    p.add_argument("--runtimes", nargs="+", choices=list(RUNTIMES),
+                   help="run these in every setting instead of the plan's")
+    p.add_argument("--shape", choices=list(runner.SHAPES), default=Quick("issue", "suite"),
+                   help="the model: issue (issue 17's reference: 4 layers, d_model 384, d_ff 1536, vocabulary 8192) "
+                        "or suite (the ablation's 10.56M: under --quick the suite reuses the ablation's ZeRO-3 and "
+                        "ZeRO++ runs); default %(default)s")
     p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=Quick(5, 2), help="steps per run (default %(default)s)")
-    p.add_argument("--warmup", type=int, default=Quick(2, 1), help="steps not timed (default %(default)s)")
+    p.add_argument("--steps", type=int, default=Quick(8, 4), help="steps per run (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=2, help="steps not timed (default %(default)s)")
     p.add_argument("--timeout", type=float, default=900)
 
 
 def resolve(args) -> dict:
     """The plan: the runtimes to run in each setting (a link rate, or loopback)."""
-    table, settings = QUICK if args.quick else FULL, {}
+    table, settings = PLANS[args.plan], {}
     for s in args.settings:  # slow: the cluster at --rate, whose runtimes the tables list under 100mbit
-        settings[args.rate if s == "slow" else s] = args.runtimes or table.get("100mbit" if s == "slow" else s, [])
+        keys = args.runtimes or table.get("100mbit" if s == "slow" else s, [])
+        if keys:
+            settings[args.rate if s == "slow" else s] = keys
     return {**options(args), "settings": settings}
 
 
+# an ablation row's (configuration, compute dtype) -> the peers runtime of the very same job
+_FROM_ABLATION = {("zeropp", "bf16"): "zeropp", ("zero3", "bf16"): "zero3-bf16", ("zeropp", "fp32"): "zeropp-c32",
+                  ("zero3", "fp32"): "zero3-bf16-c32"}
+
+
 def _reusable(reuse: dict | None, key: str, setting: str, plan: dict) -> dict | None:
-    """A row of the ablation run in the same suite with the very same job (our ZeRO-3 bf16 / ZeRO++),
-    timed the same way (steps, warm-up)."""
-    ab_key = {"zeropp": "zeropp", "zero3-bf16": "zero3"}.get(key)
-    return next((r for r in (reuse or {}).get("rows", []) if ab_key and r["ok"] and r["key"] == ab_key
+    """A row of the ablation run in the same suite with the very same job (our ZeRO-3 bf16 wire / ZeRO++, the
+    same model and compute dtype), timed the same way (steps, warm-up)."""
+    return next((r for r in (reuse or {}).get("rows", []) if r["ok"]
+                 and _FROM_ABLATION.get((r["key"], r.get("compute"))) == key
+                 and r.get("shape", "suite") == plan.get("shape", "issue")
                  and (r["setting"], r["micro_batch"], r["steps"], r["warmup"])
                  == (setting, plan["micro_batch"], plan["steps"], plan["warmup"])), None)
 
 
 def run(args, progress=print) -> dict:
     plan = resolve(args)
-    result = {"plan": plan, "model": runner.model_summary(), "nodes": runner.NODES,
-              "ranks_per_node": RANKS_PER_NODE, "rows": [], "notes": []}
+    result = {"plan": plan, "model": runner.model_summary(shape=plan["shape"]), "nodes": runner.NODES,
+              "ranks_per_node": RANKS_PER_NODE, "rows": [], "notes": [],
+              "common_args": runner.common_command(plan["micro_batch"], plan["steps"], plan["shape"])}
     if not deepspeed_installed():
         result["notes"].append("DeepSpeed: not installed (pip install -r requirements-bench.txt)")
     why, rows, jobs = runner.cluster_unavailable(), [], []
@@ -250,50 +305,65 @@ def run(args, progress=print) -> dict:
             result["notes"].append(f"{setting}: skipped, emulated cluster unavailable: {why}")
             continue
         for key in keys:
-            label, family, runtime_args = RUNTIMES[key]
-            row = {"key": key, "label": label, "family": family, "setting": setting, "micro_batch": plan["micro_batch"]}
+            label, family, runtime_args, compute, how = RUNTIMES[key]
+            row = {"key": key, "label": label, "family": family, "setting": setting, "micro_batch": plan["micro_batch"],
+                   "compute": compute, "compute_how": how, "shape": plan["shape"]}
             prior = _reusable(getattr(args, "reuse", None), key, setting, plan)
             if prior:
                 row = {**prior, **row, "reused_from": "ablation"}
             elif family == "deepspeed" and not deepspeed_installed():
                 row.update(ok=False, error="not installed (pip install -r requirements-bench.txt)")
             elif family in ("ours", "ddp"):  # measured below, as train.py
-                jobs.append(Job(key, label, runtime_args, plan["micro_batch"], setting))
-            else:  # measured below, through this script's --worker
-                jobs.append(Job(key, label, [], plan["micro_batch"], setting, script=[__file__, "--worker", key]))
+                jobs.append(Job(key, label, runtime_args, plan["micro_batch"], setting, shape=plan["shape"],
+                                compute=compute, compute_how=how))
+            else:  # measured below, through this script's --worker (no autocast from the Trainer: see RUNTIMES)
+                jobs.append(Job(key, label, runner.precision_args("fp32"), plan["micro_batch"], setting,
+                                script=[__file__, "--worker", key], shape=plan["shape"], compute=compute,
+                                compute_how=how))
             rows.append(row)
             if "ok" in row:
                 progress(f"  peers: {label} @ {setting}: " + ("from the ablation run" if prior else row["error"]))
     measured = iter(runner.run_jobs("peers", jobs, plan["steps"], plan["warmup"], plan["timeout"], progress))
     result["rows"] = [row if "ok" in row else {**next(measured), **row} for row in rows]
+    bf16_bytes = result["model"]["params"] * 2 / 1e6  # the model in bf16, MB
     for setting in plan["settings"]:
         same = {r["key"]: r for r in result["rows"] if r["setting"] == setting and r["ok"]}
         for r in same.values():
-            if "zeropp" in same:
-                r["zeropp_speedup"] = same["zeropp"]["tokens_per_s"] / r["tokens_per_s"]
-        for dtype in ("fp32", "bf16"):
+            zpp = same.get("zeropp" if r["compute"] == "bf16" else "zeropp-c32")
+            if zpp:  # like for like: against ZeRO++ computing in the same dtype
+                r["zeropp_speedup"] = r["step_ms"] / zpp["step_ms"]
+            if r.get("phys_tx_mb_node"):
+                r["phys_per_model_bf16"] = r["phys_tx_mb_node"] / bf16_bytes
+        for dtype in ("fp32", "bf16"):  # the same wire AND compute dtype
             ours, ds = same.get(f"zero3-{dtype}"), same.get(f"deepspeed-{dtype}")
             if ours and ds:
-                ours["vs_deepspeed_same_dtype"] = ours["tokens_per_s"] / ds["tokens_per_s"]
+                ours["vs_deepspeed_same_dtype"] = ds["step_ms"] / ours["step_ms"]
     return result
 
 
-COLUMNS = [("label", "runtime", "{}"), ("setting", "link", "{}"), ("step_ms", "step ms", "{:.0f}"),
-           ("tokens_per_s", "tokens/s", "{:.0f}"), ("tflops_per_rank", "TFLOP/s per rank", "{:.4f}"),
-           ("zeropp_speedup", "ZeRO++ speedup over it", "{:.2f}x"),
-           ("vs_deepspeed_same_dtype", "ours / DeepSpeed, same wire dtype", "{:.2f}x"),
-           ("phys_tx_mb_node", "physical MB/node/step (tx)", "{:.2f}"), ("wire_ms", "wire time ms", "{:.0f}"),
+def _compute_cell(r: dict) -> str:
+    return f"{r['compute']} ({r['compute_how']})" if r.get("compute_how") else (r.get("compute") or "–")
+
+
+COLUMNS = [("label", "runtime", "{}"), ("compute_cell", "compute", "{}"), ("setting", "link", "{}"),
+           ("step_ms", "step ms", "{:.0f}"), ("tokens_per_s", "tokens/s", "{:.0f}"),
+           ("tflops_per_rank", "TFLOP/s per rank", "{:.4f}"),
+           ("zeropp_speedup", "its step / ZeRO++'s (same compute dtype)", "{:.2f}x"),
+           ("vs_deepspeed_same_dtype", "DeepSpeed's step / ours, same wire + compute dtype", "{:.2f}x"),
+           ("phys_tx_mb_node", "physical MB/node/step (tx)", "{:.2f}"),
+           ("phys_per_model_bf16", "physical / model bf16 bytes", "{:.3f}"), ("wire_ms", "wire time ms", "{:.0f}"),
            ("final_loss", "loss at last step", "{:.4f}")]
 
 
 def plots(result: dict, out_dir: Path) -> list[Path]:
     rows = [r for r in result["rows"] if r["ok"]]
     settings = [s for s in result["plan"]["settings"] if any(r["setting"] == s for r in rows)]
-    labels = list(dict.fromkeys(r["label"] for r in rows))
+    labels = list(dict.fromkeys(f"{r['label']} [{r.get('compute') or '?'}]" for r in rows))
     fig, ax = report.pyplot().subplots(figsize=(9, 0.5 * len(labels) + 1.5))
     report.bars(ax, labels, {("unshaped loopback" if s == "loopback" else f"{s} links, 2 nodes x 2 ranks"):
-                             [next((r["tokens_per_s"] for r in rows if (r["label"], r["setting"]) == (label, s)),
-                                   None) for label in labels] for s in settings}, horizontal=True)
+                             [next((r["tokens_per_s"] for r in rows if (f"{r['label']} [{r.get('compute') or '?'}]",
+                                                                        r["setting"]) == (label, s)), None)
+                              for label in labels] for s in settings}, horizontal=True)
     ax.set_xlabel("tokens/s (4 ranks)")
     ax.set_title(f"{result['model']['params'] / 1e6:.1f}M-parameter GPT-2, the same training loop")
     return [report.save(fig, out_dir, "peers_throughput")]
@@ -301,28 +371,54 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
 
 def markdown(result: dict) -> str:
     m, plan = result["model"], result["plan"]
-    rows = [dict(r, label=r["label"] + (" (ablation)" if r.get("reused_from") else "")) for r in result["rows"]]
-    return "\n".join([
-        f"Same model ({m['params'] / 1e6:.2f}M-parameter GPT-2), data, AdamW and {plan['micro_batch']}x{SEQ} tokens "
-        f"per rank on {result['nodes']} nodes x {result['ranks_per_node']} ranks; {plan['steps']} steps per run, the "
-        f"first {plan['warmup']} not timed. Every runtime trains through the same training loop "
+    rows = [dict(r, label=r["label"] + (" (ablation)" if r.get("reused_from") else ""), compute_cell=_compute_cell(r))
+            for r in result["rows"]]
+    shape = (f"issue 17's reference shape, GPT-2 of {m['n_layer']} layers, d_model {m['d_model']}, d_ff "
+             f"{m.get('d_ff', 4 * m['d_model'])}, vocabulary {m['vocab_size']}: {m['params'] / 1e6:.2f}M parameters"
+             if plan.get("shape") == "issue" else f"{m['params'] / 1e6:.2f}M-parameter GPT-2")
+    stat = "median" if plan.get("shape") else "mean"  # results from before the median (no shape in the plan)
+    lines = [
+        f"Same model ({shape}), data, AdamW and {plan['micro_batch']}x{SEQ} tokens per rank on {result['nodes']} "
+        f"nodes x {result['ranks_per_node']} ranks; {plan['steps']} steps per run, the first {plan['warmup']} not "
+        f"timed, step time = the {stat} of the others. Every runtime trains through the same training loop "
         "(`trainer.loop.Trainer`): ours and DDP as `train.py`, FSDP2 and DeepSpeed as runtimes that "
         "`scripts/bench/peers.py` hands it (our model wrapped with `fully_shard` / `deepspeed.initialize`); their "
-        "loss at the last step equals train.py's, i.e. they train the same thing. FSDP2 and DeepSpeed gather in "
-        "the dtype they compute in, so their bf16 rows also compute in bf16 (slow on CPU); the fair same-wire-dtype "
-        "comparison is fp32 vs fp32. Rows marked (ablation) are the ablation's runs of the same job in this suite "
-        "run.", "",
-        "Bytes: at the same wire dtype our ZeRO-3 (forward gather, backward gather, ring reduce-scatter) and "
-        "DeepSpeed ZeRO-3 with its defaults (see below) move about the same bytes; FSDP2 moves more on gloo because "
-        "gloo's reduce-scatter costs about an all-reduce (see [zero3.md](zero3.md); our runtime uses a send/recv "
-        "ring instead); DDP all-reduces fp32 gradients once (1.5x the model's fp32 bytes per node through gloo's "
-        "ring). DeepSpeed with its defaults (stage3_max_live_parameters = stage3_max_reuse_distance = 1e9) keeps a "
-        "model this small gathered from the forward to the backward, so it gathers once per step where ZeRO-3 "
-        "proper gathers twice, but its gradient reduce on gloo costs about an all-reduce. hpZ only acts on a "
-        "backward re-gather, so the hpZ row sets both limits to 0 (re-gather, as ZeRO-3 proper). DeepSpeed's "
-        "ZeRO++ quantization (zero_quantized_weights / zero_quantized_gradients) needs its CUDA quantizer kernels "
-        "and fails on CPU (the row shows its error).", "",
-        *report.md_table(rows, COLUMNS)])
+        "loss at the last step equals train.py's, i.e. they train the same thing. Rows marked (ablation) are the "
+        "ablation's runs of the same job in this suite run.", "",
+        "Compute dtype (the \"compute\" column): every train.py row passes `--train.precision` (bf16 = autocast "
+        "with fp32 master weights, optimizer states and gradient accumulation; fp32 = none), so no label depends "
+        "on the machine's `auto`. FSDP2 and DeepSpeed run without the Trainer's autocast (`--train.precision "
+        "fp32`) and compute in the dtype they gather in: their bf16 rows hold bf16 weights (FSDP2's "
+        "MixedPrecisionPolicy, DeepSpeed's bf16 mode with fp32 master weights). Like-for-like pairs: ZeRO++'s "
+        "speedup column divides by ZeRO++ of the same compute dtype; \"DeepSpeed's step / ours\" pairs our ZeRO-3 "
+        "and DeepSpeed ZeRO-3 of the same wire and compute dtype (bf16/bf16, fp32/fp32). Node-aware collectives "
+        "off (`--zero_optimization.node_aware_collectives false`): yesterday's flat gloo ring collectives, for "
+        "the before/after of [performance.md](performance.md).", "",
+        "Bytes: at the same wire dtype our ZeRO-3 (forward gather, backward gather, reduce-scatter) and "
+        "DeepSpeed ZeRO-3 with its defaults (see below) move about the same logical bytes, but our node-aware "
+        "collectives send each shard across the node boundary once per remote node where gloo's ring crosses "
+        "it with 3 of 4 shards on 2 x 2; FSDP2 moves more on gloo because gloo's reduce-scatter costs about an "
+        "all-reduce (see [zero3.md](zero3.md)); DDP all-reduces fp32 gradients once (1.5x the model's fp32 bytes "
+        "per node through gloo's ring). DeepSpeed with its defaults (stage3_max_live_parameters = "
+        "stage3_max_reuse_distance = 1e9) keeps a model this small gathered from the forward to the backward, so "
+        "it gathers once per step where ZeRO-3 proper gathers twice, but its gradient reduce on gloo costs about "
+        "an all-reduce. hpZ only acts on a backward re-gather, so the hpZ row sets both limits to 0 (re-gather, as "
+        "ZeRO-3 proper). DeepSpeed's ZeRO++ quantization (zero_quantized_weights / zero_quantized_gradients) "
+        "needs its CUDA quantizer kernels and fails on CPU (the row shows its error).", "",
+        *report.md_table(rows, COLUMNS)]
+    if result.get("common_args"):
+        lines += ["", "Every row runs `torchrun` on each node with `python SCRIPT " + "<common> <its arguments>`, "
+                  f"common = `{result['common_args']}` (train.py: `--train.out_dir` added; loopback: "
+                  "`--zero_optimization.ranks_per_node 2` added). Each row's script and arguments:", "",
+                  "| runtime | compute | script | its arguments |", "| --- | --- | --- | --- |"]
+        seen = set()
+        for r in result["rows"]:
+            if r["key"] in seen or not r.get("script"):
+                continue
+            seen.add(r["key"])
+            lines.append(f"| {r['label']} | {r.get('compute') or '–'} | `{r['script']}` | "
+                         f"`{' '.join(r.get('args') or []) or '–'}` |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -151,9 +151,9 @@ def copy_images(pngs: list[Path]) -> dict[str, str]:
     return {p.stem: f"benchmarks/{p.name}" for p in pngs}
 
 
-def stamp(info: dict, command: str) -> str:
-    """When, where and how a docs section alone was made."""
-    return f"_{datetime.date.today().isoformat()}, {machine_line(info)}. Command: `{command}`._"
+def stamp(info: dict, command: str, date: str | None = None) -> str:
+    """When (default today), where and how a docs section alone was made."""
+    return f"_{date or datetime.date.today().isoformat()}, {machine_line(info)}. Command: `{command}`._"
 
 
 def update_docs_section(docs: Path, name: str, body: str, heading: str | None = None) -> None:

@@ -7,6 +7,16 @@ FSDP2 or DeepSpeed underneath), given the same config arguments. Its step time i
 cluster a sampler reads each node's veth counters at those step boundaries, so the physical bytes
 per step exclude start-up, the final evaluation and the checkpoint.
 
+A job's step time is the MEDIAN of the steps after the warm-up (issue 17's protocol: 8 steps, the
+median of steps 3-8); the mean is kept as step_ms_mean. Every job passes `--train.precision`
+explicitly (`precision_args`), so what a row computes in never depends on the machine (`auto` is
+bf16 autocast on a CPU with native bf16, fp32 elsewhere); the Trainer's "compute:" log line is kept
+in the row as `compute_logged`.
+
+Models (SHAPES): "suite", the suite's 10.56M reference (gpt2-small-cpu, 12 layers, d_model 256,
+vocabulary 4096), and "issue", issue 17's reference shape (GPT-2 of 4 layers, d_model 384, d_ff
+1536, vocabulary 8192: 10.29M parameters).
+
 Model FLOPs (models.config.flops_per_token, as the Trainer logs them): 6·N per token for the weight
 matmuls (N without the position table; the tied LM head counts) plus 12·n_layer·d_model·seq for the
 attention scores and values, no discount for causal masking.
@@ -33,6 +43,12 @@ ROOT = Path(__file__).resolve().parents[2]
 # The issue's reference model: gpt2-small-cpu (d_model 256, 8 heads, d_ff 1024) with 12 layers and the
 # default corpus' 4096-token vocabulary: 10.56M parameters (10.53M without the position table).
 MODEL_ARGS = ["--model.preset", "gpt2-small-cpu", "--model.n_layer", "12", "--model.max_seq_len", "128"]
+SHAPES = {  # name -> the model (and vocabulary) arguments of a comparison's jobs
+    "suite": MODEL_ARGS,
+    # issue 17's reference shape: GPT-2 of 4 layers, d_model 384, d_ff 1536, vocabulary 8192 (10.29M parameters)
+    "issue": ["--model.preset", "gpt2-small-cpu", "--model.n_layer", "4", "--model.d_model", "384",
+              "--model.d_ff", "1536", "--model.max_seq_len", "128", "--data.vocab_size", "8192"],
+}
 SEQ = 128
 NODES, RANKS_PER_NODE = 2, 2
 STEP_KEY = "elapsed time per iteration (ms)"
@@ -42,11 +58,16 @@ TIMED = ["--train.log_interval", "1", "--train.eval_interval", str(10**6), "--tr
          "--train.checkpoint_interval", "0", "--train.progress_bar", "false", "--train.tensorboard", "false"]
 
 
-def train_args(micro_batch: int, steps: int) -> list[str]:
-    """The config arguments every runtime of a comparison gets."""
-    return ["--config", str(ROOT / "configs" / "quickstart.yaml"), *MODEL_ARGS, "--data.seq_len", str(SEQ),
+def train_args(micro_batch: int, steps: int, shape: str = "suite") -> list[str]:
+    """The config arguments every runtime of a comparison gets (the model: SHAPES[shape])."""
+    return ["--config", str(ROOT / "configs" / "quickstart.yaml"), *SHAPES[shape], "--data.seq_len", str(SEQ),
             "--data.cache_dir", str(ROOT / "cache"), "--train.micro_batch_size", str(micro_batch),
             "--train.steps", str(steps), *TIMED]
+
+
+def precision_args(compute: str) -> list[str]:
+    """train.py arguments of a compute dtype: "bf16" (autocast, fp32 master weights) or "fp32"."""
+    return ["--train.precision", compute]
 
 
 def zero_args(**keys) -> list[str]:
@@ -55,20 +76,22 @@ def zero_args(**keys) -> list[str]:
             for a in (f"--zero_optimization.{k}", str(v).lower() if isinstance(v, bool) else str(v))]
 
 
-def model_summary(config_args: list[str] | None = None) -> dict:
-    """Size and FLOPs per token of the model a job with these arguments builds (vocabulary from the config)."""
+def model_summary(config_args: list[str] | None = None, shape: str = "suite") -> dict:
+    """Size and FLOPs per token of the model a job with these arguments (default: SHAPES[shape]'s) builds
+    (vocabulary from the config)."""
     from trainer.config import parse_args
     from trainer.loop import build_model_config
 
-    cfg = parse_args(config_args or train_args(1, 1))
-    return model_facts(build_model_config(cfg, cfg.data.vocab_size), cfg.model.preset, cfg.data.seq_len)
+    cfg = parse_args(config_args or train_args(1, 1, shape))
+    facts = model_facts(build_model_config(cfg, cfg.data.vocab_size), cfg.model.preset, cfg.data.seq_len)
+    return {**facts, "shape": None if config_args else shape}
 
 
 def model_facts(mc, preset: str, seq_len: int) -> dict:
     """What the docs say of a model (a models.config.ModelConfig)."""
     from models.config import flops_per_token, num_params
 
-    return {"preset": preset, "n_layer": mc.n_layer, "d_model": mc.d_model, "n_head": mc.n_head,
+    return {"preset": preset, "n_layer": mc.n_layer, "d_model": mc.d_model, "d_ff": mc.d_ff, "n_head": mc.n_head,
             "vocab_size": mc.vocab_size, "seq_len": seq_len, "params": num_params(mc),
             "params_non_embedding": num_params(mc, include_embeddings=False),
             "flops_per_token": flops_per_token(mc, seq_len)}
@@ -178,13 +201,17 @@ def read_metrics(out_dir: Path) -> list[dict]:
 @dataclass
 class Job:
     """One training run: `script` (train.py, or the peers' worker) with its runtime's arguments, at a
-    micro-batch size, on the emulated cluster at link rate `setting` (or on "loopback")."""
+    micro-batch size, on the emulated cluster at link rate `setting` (or on "loopback"), training the
+    model SHAPES[shape]; `compute` = what its matmuls run in ("bf16" or "fp32"), `compute_how` how."""
     key: str
     label: str
     args: list[str]
     micro_batch: int
     setting: str
     script: list[str] = field(default_factory=lambda: [str(ROOT / "train.py")])
+    shape: str = "suite"
+    compute: str | None = None
+    compute_how: str | None = None
 
 
 def run_jobs(name: str, jobs: list[Job], steps: int, warmup: int, timeout: float, progress=print) -> list[dict]:
@@ -196,8 +223,9 @@ def run_jobs(name: str, jobs: list[Job], steps: int, warmup: int, timeout: float
                 for job in group:
                     t0 = time.monotonic()
                     rows.append(run_job(job, steps, warmup, Path(tmp), cluster, timeout))
-                    progress(f"  {name} [{len(rows)}/{len(jobs)}] {job.label} @ {setting}, {job.micro_batch}x{SEQ} "
-                             f"tokens/rank: {describe_row(rows[-1])} ({time.monotonic() - t0:.0f} s)")
+                    progress(f"  {name} [{len(rows)}/{len(jobs)}] {job.label} [{job.compute or '?'} compute] @ "
+                             f"{setting}, {job.micro_batch}x{SEQ} tokens/rank: {describe_row(rows[-1])} "
+                             f"({time.monotonic() - t0:.0f} s, load {os.getloadavg()[0]:.1f})")
     return rows
 
 
@@ -205,19 +233,23 @@ def run_job(job: Job, steps: int, warmup: int, work: Path, cluster=None, timeout
     """Run `job` for `steps` steps (on `cluster`, or 4 loopback ranks as 2 nodes x 2) and measure it."""
     micro_batch, world = job.micro_batch, NODES * RANKS_PER_NODE
     out_dir = work / f"{job.key}-mb{micro_batch}-{time.time_ns() % 10**10}"
-    cmd = [sys.executable, *job.script, *train_args(micro_batch, steps), "--train.out_dir", str(out_dir), *job.args]
+    cmd = [sys.executable, *job.script, *train_args(micro_batch, steps, job.shape), "--train.out_dir", str(out_dir),
+           *job.args]
     if cluster is None:  # 4 loopback ranks laid out as 2 nodes x 2
         cmd += zero_args(ranks_per_node=RANKS_PER_NODE)
     row = {"key": job.key, "label": job.label, "setting": job.setting, "micro_batch": micro_batch,
-           "tokens_per_rank": micro_batch * SEQ, "steps": steps, "warmup": warmup,
+           "tokens_per_rank": micro_batch * SEQ, "steps": steps, "warmup": warmup, "shape": job.shape,
+           "compute": job.compute, "compute_how": job.compute_how, "args": [str(a) for a in job.args],
+           "script": shown_script(job.script), "load_start": round(os.getloadavg()[0], 2),
            **measured_launch(cmd, out_dir / "metrics.jsonl", cluster, steps, warmup, timeout)}
     shutil.rmtree(out_dir, ignore_errors=True)
     if not row["ok"]:
         return row
     metrics = row.pop("metrics")
     timed, last = metrics[warmup:] or metrics, metrics[-1]
-    step_s = statistics.mean(m[STEP_KEY] for m in timed) / 1e3
-    row.update(step_ms=step_s * 1e3, step_ms_all=[m[STEP_KEY] for m in metrics],
+    step_s = statistics.median(m[STEP_KEY] for m in timed) / 1e3
+    row.update(step_ms=step_s * 1e3, step_ms_mean=statistics.mean(m[STEP_KEY] for m in timed),
+               step_ms_all=[m[STEP_KEY] for m in metrics],
                tokens_per_s=micro_batch * SEQ * world / step_s,
                # every step does the same FLOPs: the last logged step's rate at the mean step time
                tflops_per_rank=last["TFLOP/s per rank"] * last[STEP_KEY] / 1e3 / step_s,
@@ -253,7 +285,9 @@ def measured_launch(cmd: list, metrics: Path, cluster, steps: int, warmup: int, 
         if sampler:
             sampler.stop()
     runtime = re.search(r"runtime: (.*)", output)  # the Trainer's description of what it ran
-    out = {"wall_s": time.monotonic() - start, "runtime": runtime.group(1).strip() if runtime else None}
+    compute = re.search(r"compute: (.*)", output)  # and of what it computed in (trainer/precision.py)
+    out = {"wall_s": time.monotonic() - start, "runtime": runtime.group(1).strip() if runtime else None,
+           "compute_logged": compute.group(1).strip() if compute else None}
     logged = [m for m in read_metrics(metrics.parent) if STEP_KEY in m]
     if rc != 0 or len(logged) < steps:
         return {**out, "ok": False, "error": error_tail(output) if rc else f"{len(logged)} of {steps} steps logged"}
@@ -263,6 +297,17 @@ def measured_launch(cmd: list, metrics: Path, cluster, steps: int, warmup: int, 
         out.update(phys_tx_mb_node=statistics.mean(tx) / 1e6, phys_rx_mb_node=statistics.mean(rx) / 1e6,
                    wire_ms=max(tx + rx) * 8 / cluster.rate_bits * 1e3)
     return {**out, "ok": True, "metrics": logged}
+
+
+def shown_script(script: list) -> str:
+    """A job's script as the docs show it: relative to the checkout."""
+    return " ".join(str(Path(a).relative_to(ROOT)) if Path(str(a)).is_absolute() and str(a).startswith(str(ROOT))
+                    else str(a) for a in script)
+
+
+def common_command(micro_batch: int, steps: int, shape: str) -> str:
+    """The arguments every job of a comparison gets, relative to the checkout, as the docs show them."""
+    return " ".join(str(a).replace(str(ROOT) + "/", "") for a in train_args(micro_batch, steps, shape))
 
 
 def describe_row(row: dict) -> str:

@@ -1,9 +1,11 @@
 """The benchmark suite that reproduces the ZeRO++ paper's tables on one machine, and the one CLI of
 every benchmark.
 
-    python scripts/bench/suite.py --quick                  # reduced set, < 5 minutes on 2 cores
-    python scripts/bench/suite.py                          # everything, < 30 minutes on 2 cores
-    python scripts/bench/suite.py --out runs/bench/full --only ablation peers   # refreshes those sections only
+    python scripts/bench/suite.py --quick                  # reduced set: 12 minutes at load 15, fewer when quiet
+    python scripts/bench/suite.py                          # everything, ~45 minutes on 2 quiet cores (estimate)
+    python scripts/bench/suite.py --targets --out runs/bench/t17    # only issue 17's T1-T6 rows, 17 min at load 15
+    python scripts/bench/suite.py --out runs/bench/full --only ablation peers   # refreshes those sections and
+                                                                  # the summary (the other results in DIR kept)
     python scripts/bench/suite.py --quick --no-docs        # leave docs/benchmarks.md alone
     python scripts/bench/suite.py --render runs/bench/full/suite.json           # docs again, nothing run
     python scripts/bench/NAME.py [--quick] [--out DIR] [--update-docs] [its options; --help]   # one benchmark
@@ -19,6 +21,13 @@ rank). Results go to `<out>/<name>.json` and `.csv`, plots to
 `<out>/plots/`, the suite's to `<out>/suite.json` and, unless `--no-docs`, docs/benchmarks.md (plots
 copied to docs/benchmarks/). The cluster parts need root and iproute2; without them they say so and
 the rest still runs.
+
+The summary (printed, in suite.json as "targets" and "summary", and the docs' first section) is issue
+17's T1-T6 (`targets()`: each ratio, the rows it divides with their compute dtype, the issue's "before",
+the goal, met or missed), then the earlier targets (`summary()`). T1-T4 and T6 come from peers (issue
+17's model; `peers.py --plan targets` runs just those rows), T5 from kernel_bandwidth's 16M-element,
+1-thread rows. A run with --only keeps the other benchmarks' results found in --out (its suite.json,
+else their <name>.json), so the summary covers them; the date and load of each are shown.
 """
 
 from __future__ import annotations
@@ -90,8 +99,10 @@ def parser(name: str) -> argparse.ArgumentParser:
 
 def execute(name: str, args, out: Path, progress=print, **extra) -> tuple[dict, list[Path]]:
     """Run one benchmark; write its results and plots (a missing matplotlib is noted, not fatal)."""
-    start = time.monotonic()
+    start, load = time.monotonic(), round(os.getloadavg()[0], 2)
     result = {"benchmark": name, **extra, **module(name).run(args, progress=progress)}
+    result.update(date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), load_average_start=load,
+                  load_average_end=round(os.getloadavg()[0], 2))
     result["seconds"] = time.monotonic() - start
     if result.get("skipped"):
         progress(f"  {name}: skipped ({result['skipped']})")
@@ -152,8 +163,151 @@ def _find(rows, **match) -> dict:
     return next((r for r in rows if r.get("ok") and all(r.get(k) == v for k, v in match.items())), {})
 
 
+ISSUE = "issue 17"
+TARGET_ARGS = {"kernel_bandwidth": ["--sizes", str(16 << 20), "--threads", "1"], "peers": ["--plan", "targets"]}
+
+
+def t_commands() -> list[tuple[str, str]]:
+    """The commands of the T table's measurements: (command, what it gives)."""
+    kernels = " ".join(TARGET_ARGS["kernel_bandwidth"] + _cpu_clock("kernel_bandwidth"))
+    return [("python scripts/bench/peers.py --plan targets", "T1-T4, T6: the rows above, issue 17's model, 8 steps"),
+            (f"python scripts/bench/kernel_bandwidth.py {kernels}", "T5"),
+            ("python scripts/bench/suite.py --targets --out DIR", "both, and this table (other results in DIR kept)")]
+
+
+def _cpu_clock(name: str) -> list[str]:
+    """kernel_bandwidth's 1-thread CPU-time clock where it has one (steadier than wall time on a busy machine)."""
+    has = name == "kernel_bandwidth" and any("--clock" in a.option_strings for a in parser(name)._actions)
+    return ["--clock", "cpu"] if has else []
+
+
+def _row_text(r: dict, value: str = "step") -> str:
+    what = (f"{r['phys_tx_mb_node']:.2f} MB/node/step" if value == "bytes" and r.get("phys_tx_mb_node") is not None
+            else f"{r['step_ms']:.0f} ms")
+    return f"{r['label']} [{r.get('compute') or '?'} compute] @ {r['setting']}: {what}"
+
+
+def _kernel_ratio(results: dict, op: str, bits: int = 8) -> tuple[float | None, str]:
+    """Throughput of `op` / copy_ bandwidth at 1 thread (16M elements, else the largest size measured):
+    copy_'s time / op's time, from kernel_bandwidth's rows."""
+    rows = [r for r in results.get("kernel_bandwidth", {}).get("rows", []) if r.get("ok", True)
+            and r.get("threads") == 1 and r.get("version", "current") == "current"]
+    sizes = sorted({r["numel"] for r in rows if r["op"] == op and r.get("bits") == bits})
+    if not sizes:
+        return None, f"kernel_bandwidth: int{bits} {op}, 1 thread: not measured"
+    numel = 16 << 20 if 16 << 20 in sizes else sizes[-1]
+    r = next(r for r in rows if r["op"] == op and r.get("bits") == bits and r["numel"] == numel)
+    copy = next((c for c in rows if c["op"] == "copy_" and c["numel"] == numel), None)
+    ratio = copy["seconds"] / r["seconds"] if copy and copy.get("seconds") and r.get("seconds") else 1 / r["vs_copy"]
+    size = f"{numel >> 20}M" if numel % (1 << 20) == 0 else str(numel)
+    clock = results["kernel_bandwidth"].get("clock")
+    text = (f"kernel_bandwidth: int{bits} {op} {r['seconds'] * 1e3:.2f} ms, copy_ {copy['seconds'] * 1e3:.2f} ms"
+            if copy else f"kernel_bandwidth: int{bits} {op}, x copy {r['vs_copy']:.2f}")
+    return ratio, (f"{text} ({size} elements, 1 thread" + (f", {clock} clock" if clock else "")
+                   + ("" if numel == 16 << 20 else "; not the 16M of the target") + ")")
+
+
+def targets(results: dict) -> list[dict]:
+    """Issue 17's T1-T6, each from the rows it divides (None when one is missing). T1-T4 and T6 come from peers
+    (issue 17's model, ZeRO++ and its peers side by side in one run), T5 from kernel_bandwidth; the extra
+    lines without a goal show the node-aware collectives off (the before of T4 / T6), fp32 compute, and the
+    ablation's 10.56M model."""
+    out = []
+    peers = results.get("peers", {})
+    prow, slow = [r for r in peers.get("rows", []) if r.get("ok")], peers.get("plan", {}).get("rate", "100mbit")
+    bf16_mb = (peers.get("model") or {}).get("params", 0) * 2 / 1e6
+
+    def row(key, setting=slow, rows=prow):
+        return next((r for r in rows if r["key"] == key and r["setting"] == setting), None)
+
+    def add(tid, what, goal, test, inputs, compute, before=None, step="step"):
+        """inputs: (row or None, what the row is, for "not measured")."""
+        value = None if any(r is None for r, _ in inputs) else compute(*(r for r, _ in inputs))
+        out.append({"id": tid, "what": what, "goal": goal, "before": before, "value": value,
+                    "met": None if value is None or test is None else bool(test(value)),
+                    "from": "; ".join(_row_text(r, step) if r else f"{name}: not measured" for r, name in inputs)})
+
+    def steps(a, b):
+        return a["step_ms"] / b["step_ms"]
+
+    zpp, zpp_loop = row("zeropp"), row("zeropp", "loopback")
+    add("T1", f"ZeRO++ step at {slow} / the same job unshaped (bf16 compute)", "<= 1.3", lambda v: v <= 1.3,
+        [(zpp, f"ZeRO++ [bf16] @ {slow}"), (zpp_loop, "ZeRO++ [bf16] @ loopback")], steps, before=2.29)
+    for dtype, zkey, keys, before in (("bf16", "zeropp", ("ddp-bf16", "fsdp2-bf16", "deepspeed-bf16"), 3.03),
+                                      ("fp32", "zeropp-c32", ("ddp", "fsdp2-fp32", "deepspeed-fp32"), None)):
+        measured = [r for r in (row(k) for k in keys) if r]
+        fastest = min(measured, key=lambda r: r["step_ms"], default=None)
+        missing = [RUNTIMES_SHORT.get(k, k) for k in keys if not row(k)]
+        note = f" (not measured: {', '.join(missing)})" if missing and measured else ""
+        add("T2" if dtype == "bf16" else "T2 (fp32)", f"fastest of DDP, FSDP2, DeepSpeed ZeRO-3 / ZeRO++, step at "
+            f"{slow}, {dtype} compute{note}", ">= 4", lambda v: v >= 4,
+            [(fastest, f"DDP, FSDP2, DeepSpeed [{dtype}] @ {slow}"), (row(zkey), f"ZeRO++ [{dtype}] @ {slow}")], steps,
+            before=before)
+        if missing and measured:  # the fastest of some of them: shown, no verdict
+            out[-1]["met"] = None
+    for setting, before in ((slow, 1.13), ("loopback", 1.14)):
+        where = "unshaped" if setting == "loopback" else setting
+        add("T3", f"DeepSpeed ZeRO-3 / our ZeRO-3, step, bf16 wire + bf16 compute, {where}", ">= 1.25",
+            lambda v: v >= 1.25, [(row("deepspeed-bf16", setting), f"DeepSpeed ZeRO-3 [bf16] @ {setting}"),
+                                  (row("zero3-bf16", setting), f"our ZeRO-3 [bf16] @ {setting}")], steps, before=before)
+    for setting in (slow, "loopback"):
+        if row("deepspeed-fp32", setting) and row("zero3-fp32", setting):
+            where = "unshaped" if setting == "loopback" else setting
+            add("T3 (fp32)", f"DeepSpeed ZeRO-3 / our ZeRO-3, step, fp32 wire + fp32 compute, {where}", ">= 1.25",
+                lambda v: v >= 1.25, [(row("deepspeed-fp32", setting), ""), (row("zero3-fp32", setting), "")], steps)
+    phys = lambda r: r["phys_tx_mb_node"] / bf16_mb if r.get("phys_tx_mb_node") and bf16_mb else None  # noqa: E731
+    for key, tid, goal, before in (("zeropp", "T4", "<= 0.40", 0.53), ("zeropp-flat", "T4 before", "–", None)):
+        r = row(key)
+        add(tid, "ZeRO++ physical cross-node bytes per node per step / model size in bf16"
+            + (f" ({bf16_mb:.2f} MB)" if bf16_mb else "")
+            + (", node-aware collectives off" if key == "zeropp-flat" else ""), goal,
+            (lambda v: v <= 0.40) if tid == "T4" else None, [(r, f"{key} @ {slow}")], phys, before=before,
+            step="bytes")
+    for op, goal, before in (("quantize", 0.6, 0.41), ("dequantize", 0.85, 0.65)):
+        ratio, text = _kernel_ratio(results, op)
+        out.append({"id": "T5", "what": f"int8 {op} throughput / copy bandwidth, 1 thread, 16M elements",
+                    "goal": f">= {goal}", "before": before, "value": ratio, "from": text,
+                    "met": None if ratio is None else ratio >= goal})
+    add("T6", f"our ZeRO-3 / ZeRO++, step at {slow} (bf16 compute; paper 2.16x)", "report", None,
+        [(row("zero3-bf16"), f"our ZeRO-3 [bf16] @ {slow}"), (zpp, f"ZeRO++ [bf16] @ {slow}")], steps, before=2.69)
+    if row("zero3-flat") or row("zeropp-flat"):
+        add("T6 before", "the same, node-aware collectives off", "–", None,
+            [(row("zero3-flat"), "zero3-flat"), (row("zeropp-flat"), "zeropp-flat")], steps)
+    if row("zero3-bf16-c32") or row("zeropp-c32"):
+        add("T6 (fp32)", "the same, fp32 compute", "–", None,
+            [(row("zero3-bf16-c32"), "zero3-bf16-c32"), (row("zeropp-c32"), "zeropp-c32")], steps)
+    ablation = results.get("ablation", {})
+    arow = [dict(r, key={"zero3": "zero3-bf16"}.get(r["key"], r["key"])) for r in ablation.get("rows", [])
+            if r.get("ok") and r.get("micro_batch") == 4]
+    ab_mb = (ablation.get("model") or {}).get("params", 0) * 2 / 1e6
+    if arow:
+        size = f"{(ablation.get('model') or {}).get('params', 0) / 1e6:.2f}M"
+        a_zpp, a_z3 = row("zeropp", slow, arow), row("zero3-bf16", slow, arow)
+        add("T4 (ablation)", f"T4 on the ablation's {size} model ({ab_mb:.2f} MB in bf16)", "<= 0.40",
+            lambda v: v <= 0.40, [(a_zpp, "ablation ZeRO++")],
+            lambda r: r["phys_tx_mb_node"] / ab_mb if r.get("phys_tx_mb_node") and ab_mb else None, step="bytes")
+        add("T6 (ablation)", f"T6 on the ablation's {size} model", "report", None,
+            [(a_z3, "ablation ZeRO-3"), (a_zpp, "ablation ZeRO++")], steps)
+    return out
+
+
+RUNTIMES_SHORT = {"ddp-bf16": "DDP", "fsdp2-bf16": "FSDP2", "deepspeed-bf16": "DeepSpeed", "ddp": "DDP",
+                  "fsdp2-fp32": "FSDP2", "deepspeed-fp32": "DeepSpeed"}
+
+
+def targets_markdown(items: list[dict]) -> list[str]:
+    lines = ["| id | ratio | from (rows, compute dtype) | before | goal | measured | met |",
+             "| --- | --- | --- | ---: | ---: | ---: | :---: |"]
+    for it in items:
+        v = it["value"]
+        met = "–" if it["met"] is None else ("yes" if it["met"] else "**no**")
+        lines.append(f"| {it['id']} | {it['what']} | {it['from']} | {report.fmt(it.get('before'), '{:.2f}')} | "
+                     f"{it['goal']} | {'not measured' if v is None else f'{v:.3f}'} | {met} |")
+    return lines
+
+
 def summary(results: dict) -> list[dict]:
-    """The issue's target ratios, as the sections below compute them (None when not measured)."""
+    """The earlier issue's target ratios, as the sections below compute them (None when not measured)."""
     out = []
 
     def target(what, target, value, ok, percent=False):
@@ -208,8 +362,88 @@ def summary_markdown(items: list[dict]) -> list[str]:
 # ---------------------------------------------------------------- the suite
 
 
+T_KEYS = ["zeropp", "zero3-bf16", "ddp-bf16", "fsdp2-bf16", "deepspeed-bf16", "zeropp-c32", "zero3-bf16-c32", "ddp",
+          "fsdp2-fp32", "deepspeed-fp32", "zero3-fp32", "zeropp-flat", "zero3-flat"]  # peers rows of the T table
+
+
+def _model_words(result: dict) -> str:
+    m, shape = result.get("model") or {}, (result.get("plan") or {}).get("shape")
+    if not m:
+        return "not run"
+    what = "issue 17's model" if shape == "issue" else ("the ablation's model, not issue 17's" if shape == "suite"
+                                                         else "the model")
+    return (f"{what}: GPT-2 of {m.get('n_layer')} layers, d_model {m.get('d_model')}, vocabulary "
+            f"{m.get('vocab_size')}, {m.get('params', 0) / 1e6:.2f}M parameters")
+
+
+def summary_section(results: dict, items: list[dict], t_items: list[dict]) -> str:
+    """The docs' summary: issue 17's T1-T6 (with the rows, their compute dtype and commands), then the earlier
+    targets; the date and load of each benchmark it draws on."""
+    when = []
+    for name, res in results.items():
+        if res.get("date"):
+            loads = [r["load_start"] for r in res.get("rows", []) if r.get("load_start") is not None]
+            when.append(f"{name} {res['date']} (load average {res.get('load_average_start', '?')} at its start"
+                        + (f", {min(loads):.1f}-{max(loads):.1f} at its runs' starts" if loads else "") + ")")
+    peers = results.get("peers", {})
+    rows = sorted((r for r in peers.get("rows", []) if r.get("key") in T_KEYS),
+                  key=lambda r: (r["setting"] == "loopback", T_KEYS.index(r["key"])))
+    lines = [f"## Summary: {ISSUE}'s targets (T1-T6)", ""]
+    if when:
+        lines += ["Measured: " + "; ".join(when) + ".", ""]
+    lines += [
+        *targets_markdown(t_items), "",
+        f"Ratios are of step times measured side by side in one run (peers, section 2: {_model_words(peers)}, "
+        f"{peers.get('plan', {}).get('micro_batch', 4)}x128 tokens per rank, step time = median of the steps after "
+        "the warm-up); \"before\" = the issue's figures (yesterday's runtime: flat gloo collectives; the "
+        "bf16 figures with bf16 autocast). T4 divides the bytes each node's link sent per step (veth counters) by "
+        "the model's parameters x 2 bytes. T5 is copy_'s time / the kernel's at 1 thread (section 5; the issue's "
+        "before was taken on the wall clock, [performance.md](performance.md) has a before/after pair on one "
+        "clock). Lines "
+        "without a goal are the comparisons behind the targets: node-aware collectives off (`--zero_optimization."
+        "node_aware_collectives false`, the before of T4 and T6), fp32 compute, and the ablation's model. On a "
+        "busy machine the step times are noisy (compare the load column) and the ratios that divide a wire-bound "
+        "step by a compute-bound one (T1, T2, T6) are pulled towards 1: the compute grows with the load, the "
+        "wire time does not. What "
+        "each optimisation bought and what limits the rest: [performance.md](performance.md). Targets are "
+        "measured, not tuned for: a **no** is the honest result on this machine.", ""]
+    if rows:
+        lines += [f"The rows (each node runs `torchrun ... SCRIPT <common> <its arguments>`, common = "
+                  f"`{peers.get('common_args', '?')}`):", "",
+                  "| runtime | compute | link | step ms | physical MB/node/step | load at its start | script | "
+                  "its arguments |", "| --- | --- | --- | ---: | ---: | ---: | --- | --- |"]
+        for r in rows:
+            ok = r.get("ok")
+            lines.append(f"| {r['label']} | {r.get('compute') or '–'} | {r['setting']} | "
+                         f"{report.fmt(r.get('step_ms'), '{:.0f}') if ok else 'failed'} | "
+                         f"{report.fmt(r.get('phys_tx_mb_node'), '{:.2f}')} | "
+                         f"{report.fmt(r.get('load_start'), '{:.1f}')}"
+                         f" | `{r.get('script', '?')}` | "
+                         f"`{' '.join(r.get('args') or []) or '–'}` |")
+        lines.append("")
+    width = max(len(c) for c, _ in t_commands()) + 2
+    lines += ["Commands:", "", "```bash", *[f"{c:<{width}}# {why}" for c, why in t_commands()], "```", "",
+              "### Earlier targets", "",
+              "From the same results (\"not measured\": that benchmark's result is not in this run's directory; a "
+              "section below may hold an older run's figure).", "", *summary_markdown(items), ""]
+    return "\n".join(lines)
+
+
+def update_summary(docs: Path, body: str) -> None:
+    """Replace the summary section of the docs page (also the unmarked one of older pages: from its heading to
+    the first benchmark section)."""
+    text = docs.read_text() if docs.is_file() else f"{report.TITLE}\n\n"
+    if "<!-- section:summary -->" not in text and "## Summary" in text:
+        start = text.index("## Summary")
+        end = text.find("<!-- section:", start)
+        text = text[:start] + report.section("summary", body) + "\n" + (text[end:] if end != -1 else "")
+        docs.write_text(text)
+    else:
+        report.update_docs_section(docs, "summary", body)
+
+
 def write_docs(results: dict, images: dict[str, dict], info: dict, command: str, quick: bool, seconds: float,
-               items: list[dict]) -> None:
+               items: list[dict], t_items: list[dict] | None = None) -> None:
     mode = ("`--quick`: a reduced set (fewer configurations, rates and steps) to check that everything "
             "works; run the suite without `--quick` for the full tables") if quick else "full"
     text = "\n".join([
@@ -220,23 +454,23 @@ def write_docs(results: dict, images: dict[str, dict], info: dict, command: str,
         "Every figure comes from one machine: the 'nodes' are network namespaces whose links are shaped with "
         "tbf ([cluster.md](cluster.md)), and all ranks of all nodes share its CPU cores, so compute does not "
         "scale with nodes and a busy machine slows every run. Compare configurations measured in the same "
-        "suite run; absolute numbers are not a GPU cluster's.", "",
+        "suite run; absolute numbers are not a GPU cluster's. Every training row says what it computes in "
+        "(its `--train.precision`, never the machine's `auto`).", "",
         "Commands (every benchmark also runs alone, with the same options; `--update-docs` refreshes only its "
-        "section):", "",
+        "section; `suite.py --only NAME --out DIR` keeps the other results in DIR and refreshes the summary):", "",
         "```bash",
         "pip install -r requirements-bench.txt               # DeepSpeed (CPU build) and matplotlib",
         "python scripts/bench/suite.py [--quick] [--out DIR] [--only NAME ...] [--no-docs] [--render SUITE_JSON]",
+        "python scripts/bench/suite.py --targets --out DIR   # only what issue 17's T1-T6 need, + the summary",
         "python scripts/bench/comm_volume.py [--physical]    # Table 4, one step, 4 local ranks as 2x2",
         "python scripts/bench/kernel_bandwidth.py [--quick]",
-        "python scripts/bench/ablation.py [--quick]          # needs root + iproute2",
-        "python scripts/bench/peers.py [--quick]             # needs root + iproute2",
+        "python scripts/bench/ablation.py [--quick] [--precision bf16|fp32]   # needs root + iproute2",
+        "python scripts/bench/peers.py [--quick] [--plan full|targets|quick]  # needs root + iproute2",
         "python scripts/bench/rlhf.py [--quick]              # PPO, ZeRO++ vs ZeRO-3; needs root + iproute2",
         "python scripts/bench/convergence.py [--quick]       # needs ../shared/data/tinyshakespeare.txt",
         "```", "",
-        "## Summary: the issue's targets", "",
-        *summary_markdown(items), "",
-        "Targets are measured, not tuned for: a **no** is the honest result on this machine. "
-        "Each ratio's inputs are in the sections below.", ""]) + "\n"
+        report.section("summary", summary_section(results, items, t_items if t_items is not None
+                                                  else targets(results)))])
     for name in DOC_ORDER:
         if name in results:
             text += "\n" + report.section(name, markdown(name, results[name], images.get(name, {})))
@@ -248,20 +482,42 @@ def render(path: Path) -> int:
     saved = json.loads(path.read_text())
     results, out = saved["results"], path.parent
     images = {name: report.copy_images(plots(name, result, out)) for name, result in results.items()}
-    items = summary(results)
-    write_docs(results, images, saved["machine"], saved["command"], saved["quick"], saved["seconds"], items)
-    report.write_json(path, {**saved, "summary": items})
-    print("\n".join(summary_markdown(items)))
+    items, t_items = summary(results), targets(results)
+    if set(SUITE) <= set(results):
+        write_docs(results, images, saved["machine"], saved["command"], saved["quick"], saved["seconds"], items,
+                   t_items)
+    else:  # a partial run's results: its sections and the summary, the rest of the page left be
+        for name, result in results.items():
+            stamp = report.stamp(saved["machine"], result.get("command", saved["command"]),
+                                 result["date"]) if result.get("date") else None
+            report.update_docs_section(report.DOCS, name, markdown(name, result, images[name], stamp))
+        update_summary(report.DOCS, summary_section(results, items, t_items))
+    report.write_json(path, {**saved, "summary": items, "targets": t_items})
+    print("\n".join(targets_markdown(t_items) + [""] + summary_markdown(items)))
     print(f"wrote {report.DOCS} and {report.DOCS_IMAGES}/ from {path}")
     return 0
 
 
+def earlier_results(out: Path, skip: list[str]) -> dict:
+    """What an earlier run left in `out` (its suite.json, else the benchmarks' own <name>.json), except `skip`."""
+    saved = out / "suite.json"
+    results = json.loads(saved.read_text()).get("results", {}) if saved.is_file() else {}
+    for name in SUITE:
+        if name not in results and (out / f"{name}.json").is_file():
+            results[name] = json.loads((out / f"{name}.json").read_text())
+    return {k: v for k, v in results.items() if k not in skip}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="reduced set, under 5 minutes on 2 cores")
+    p.add_argument("--quick", action="store_true", help="reduced set, minutes on 2 cores")
     p.add_argument("--out", type=Path, help="results directory (default runs/bench/suite-<time>)")
-    p.add_argument("--only", nargs="+", choices=SUITE, help="run only these benchmarks")
+    p.add_argument("--only", nargs="+", choices=SUITE,
+                   help="run only these benchmarks (the others' results in --out are kept for the summary)")
     p.add_argument("--skip", nargs="+", choices=SUITE, default=[], help="leave these out")
+    p.add_argument("--targets", action="store_true",
+                   help=f"run only what {ISSUE}'s T1-T6 need (" + "; ".join(
+                       f"{n} {' '.join(a)}" for n, a in TARGET_ARGS.items()) + "), keeping the other results in --out")
     p.add_argument("--no-docs", action="store_true", help="do not write docs/benchmarks.md")
     p.add_argument("--render", type=Path, metavar="SUITE_JSON",
                    help="run nothing: redraw the plots and rewrite docs/benchmarks.md from a saved suite.json")
@@ -269,7 +525,8 @@ def main(argv=None) -> int:
     if args.render:
         return render(args.render)
     out = args.out or ROOT / "runs" / "bench" / f"suite-{'quick-' * args.quick}{time.strftime('%Y%m%d-%H%M%S')}"
-    names = [n for n in (args.only or SUITE) if n not in args.skip]
+    names = [n for n in (list(TARGET_ARGS) if args.targets else args.only or SUITE) if n not in args.skip]
+    extra = TARGET_ARGS if args.targets else {}
     info = report.machine_info()
     command = shlex.join(["python", "scripts/bench/suite.py", *(sys.argv[1:] if argv is None else argv)])
     print(f"suite ({'quick' if args.quick else 'full'}): {', '.join(names)} -> {out}")
@@ -278,30 +535,38 @@ def main(argv=None) -> int:
     results, images = {}, {}
     for i, name in enumerate(names, 1):
         print(f"[{i}/{len(names)}] {name} ... (elapsed {time.monotonic() - start:.0f} s)", flush=True)
-        bargs = parser(name).parse_args((["--quick"] if args.quick else []) + ["--out", str(out)])
+        bargs = parser(name).parse_args((["--quick"] if args.quick else []) + ["--out", str(out)] + extra.get(name, [])
+                                        + (_cpu_clock(name) if args.targets else []))
         bargs.reuse = results.get("ablation")  # peers: our ZeRO-3 / ZeRO++ runs of the same job, not run twice
         try:
-            results[name], pngs = execute(name, bargs, out, progress=lambda s: print(s, flush=True))
+            results[name], pngs = execute(name, bargs, out, progress=lambda s: print(s, flush=True), command=command)
         except Exception as e:  # one broken benchmark must not lose the others' results
             traceback.print_exc()
             results[name], pngs = {"benchmark": name, "skipped": f"crashed: {type(e).__name__}: {e}", "rows": []}, []
         images[name] = {p.stem: str(p) for p in pngs} if args.no_docs else report.copy_images(pngs)
         print(f"[{i}/{len(names)}] {name} done in {results[name].get('seconds', 0):.0f} s", flush=True)
     seconds = time.monotonic() - start
-    items = summary(results)
+    kept = earlier_results(out, names) if names != SUITE else {}  # a partial run keeps the others' results
+    merged = {**kept, **results}
+    items, t_items = summary(merged), targets(merged)
     info["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     report.write_json(out / "suite.json", {
         "machine": info, "command": command, "quick": args.quick, "seconds": seconds, "summary": items,
-        "timings": {n: r.get("seconds") for n, r in results.items()}, "results": results})
-    print("\nsummary:\n" + "\n".join(summary_markdown(items)))
+        "targets": t_items, "timings": {n: r.get("seconds") for n, r in results.items()}, "results": merged,
+        **({"kept_from_earlier_runs": sorted(kept)} if kept else {})})
+    if kept:
+        print(f"\nkept from earlier runs in {out}: {', '.join(sorted(kept))}")
+    print(f"\n{ISSUE}'s targets:\n" + "\n".join(targets_markdown(t_items)))
+    print("\nearlier targets:\n" + "\n".join(summary_markdown(items)))
     if not args.no_docs and names == SUITE:
-        write_docs(results, images, info, command, args.quick, seconds, items)
+        write_docs(results, images, info, command, args.quick, seconds, items, t_items)
         print(f"wrote {report.DOCS} and {report.DOCS_IMAGES}/")
-    elif not args.no_docs:  # a partial run refreshes its own sections and leaves the rest (and the summary) be
+    elif not args.no_docs:  # a partial run refreshes its own sections and the summary (from the merged results)
         for name in names:
             report.update_docs_section(report.DOCS, name, markdown(name, results[name], images[name],
                                                                    report.stamp(info, command)))
-        print(f"updated the {', '.join(names)} section(s) of {report.DOCS}")
+        update_summary(report.DOCS, summary_section(merged, items, t_items))
+        print(f"updated the {', '.join(names)} section(s) and the summary of {report.DOCS}")
     print(f"suite done in {seconds:.0f} s ({seconds / 60:.1f} min); results in {out}")
     return 0
 

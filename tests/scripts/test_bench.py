@@ -37,8 +37,19 @@ def test_quick_plans_are_reduced_and_full_plans_cover_the_issue():
     assert full.rates == ["100mbit", "1gbit"] and len(full.micro_batches) == 2 and (quick.steps, full.steps) == (4, 5)
     assert full.configs == ["zero3", "qwz", "hpz", "qgz", "zeropp"]
     p_quick, p_full = peers.resolve(_args("peers", "--quick")), peers.resolve(_args("peers"))
-    assert list(p_quick["settings"]) == ["100mbit"] and "loopback" in p_full["settings"]
-    assert {"ddp", "fsdp2-fp32", "deepspeed-fp32", "zeropp"} <= set(p_quick["settings"]["100mbit"])
+    assert p_quick["settings"]["loopback"] == ["zeropp"] and "loopback" in p_full["settings"]
+    assert {"ddp-bf16", "fsdp2-bf16", "deepspeed-bf16", "zeropp", "zero3-bf16"} <= set(p_quick["settings"]["100mbit"])
+    assert (p_full["steps"], p_full["warmup"], p_full["shape"]) == (8, 2, "issue")  # issue 17: median of steps 3-8
+    # quick: the ablation's model, steps and warm-up, so the suite reuses its ZeRO-3 and ZeRO++ runs
+    a_quick = _args("ablation", "--quick")
+    assert (p_quick["shape"], p_quick["steps"], p_quick["warmup"]) == (a_quick.shape, a_quick.steps, a_quick.warmup)
+    # like-for-like compute pairs, and the node-aware-off pair only in the full run
+    full_slow = set(p_full["settings"]["100mbit"])
+    assert {"zeropp-c32", "zero3-bf16-c32", "ddp", "ddp-bf16", "zero3-flat", "zeropp-flat"} <= full_slow
+    assert not {"zero3-flat", "zeropp-flat"} & set(p_quick["settings"]["100mbit"])
+    targets = peers.resolve(_args("peers", "--plan", "targets"))["settings"]
+    assert set(targets["loopback"]) == {"zeropp", "zero3-bf16", "deepspeed-bf16"}
+    assert set(targets["100mbit"]) < full_slow
     assert convergence.resolve(_args("convergence"))["bits"] == [8, 6, 4]
     assert convergence.resolve(_args("convergence", "--quick"))["bits"] == [8]
     explicit = _args("ablation", "--quick", "--rates", "1gbit", "--configs", "qwz", "--steps", "7")
@@ -54,23 +65,125 @@ def test_suite_cli_help_and_choices(capsys):
         suite.main(["--only", "nonsense"])
 
 
-def test_summary_ratios_and_missing_values(monkeypatch):
-    """The ratios come from the benchmarks' own rows, here as ablation and peers compute them from (fake) runs."""
-    tokens_per_s = {"zero3": 100.0, "zeropp": 350.0, "ddp": 70.0, "fsdp2-fp32": 50.0, "zero3-fp32": 120.0,
-                    "deepspeed-fp32": 100.0}
-    mb = {"zero3": 40.0, "zeropp": 10.0}
+def _fake_runs(monkeypatch, step_ms: dict, mb: dict):
+    """runner.run_jobs measuring nothing: each job's step time and link bytes from these tables (by key and
+    setting, else by key); the jobs it was given are kept in `launched`."""
+    launched = []
 
-    def run_jobs(name, jobs, *args, **kwargs):
-        return [dict(key=j.key, label=j.label, setting=j.setting, micro_batch=j.micro_batch, ok=True,
-                     tokens_per_s=tokens_per_s[j.key], step_ms=1e5 / tokens_per_s[j.key],
-                     phys_tx_mb_node=mb.get(j.key, 1.0)) for j in jobs]
+    def run_jobs(name, jobs, steps, warmup, *args, **kwargs):
+        launched.extend(jobs)
+        out = []
+        for j in jobs:
+            ms = step_ms.get((j.key, j.setting), step_ms.get(j.key, 1000.0))
+            out.append(dict(key=j.key, label=j.label, setting=j.setting, micro_batch=j.micro_batch, ok=True,
+                            steps=steps, warmup=warmup, shape=j.shape,
+                            compute=j.compute, args=j.args, script="train.py", step_ms=ms, tokens_per_s=1e5 / ms,
+                            **({"phys_tx_mb_node": mb[j.key]} if j.setting != "loopback" and j.key in mb else {})))
+        return out
 
     monkeypatch.setattr(runner, "cluster_unavailable", lambda: None)
     monkeypatch.setattr(runner, "run_jobs", run_jobs)
+    return launched
+
+
+def test_every_row_passes_its_compute_dtype(monkeypatch):
+    """Every train.py job passes --train.precision (bf16 or fp32, never the machine's auto), the peers' workers
+    pass fp32 (their own bf16 weights do the bf16), and every row states its compute dtype."""
+    launched = _fake_runs(monkeypatch, {}, {})
+    monkeypatch.setattr(peers, "deepspeed_installed", lambda: True)
+    result = peers.run(_args("peers"), progress=lambda s: None)
+    ablation.run(_args("ablation"), progress=lambda s: None)
+    ablation.run(_args("ablation", "--quick", "--precision", "fp32"), progress=lambda s: None)
+    for job in launched:
+        precision = job.args[job.args.index("--train.precision") + 1]
+        assert precision in ("bf16", "fp32") and job.compute in ("bf16", "fp32"), job
+        if job.script[0].endswith("train.py"):
+            assert precision == job.compute, job
+        else:
+            assert precision == "fp32" and job.compute == peers.RUNTIMES[job.key][3], job
+    assert {j.compute for j in launched if j.key == "zeropp"} == {"bf16", "fp32"}  # ablation --precision fp32 too
+    assert all(r["compute"] in ("bf16", "fp32") for r in result["rows"])
+    flat = next(j for j in launched if j.key == "zeropp-flat")
+    assert flat.args[flat.args.index("--zero_optimization.node_aware_collectives") + 1] == "false"
+    text = peers.markdown(result)
+    assert "| compute |" in text and "bf16 (autocast, fp32 master weights)" in text
+    assert "--train.precision bf16`" in text
+    assert "| compute |" in suite.markdown("ablation", ablation.run(_args("ablation", "--quick"),
+                                                                     progress=lambda s: None), {})
+
+
+def test_quick_peers_reuse_the_ablation_runs_of_the_same_job(monkeypatch):
+    """Under --quick the suite's peers run the ablation's model with its steps, so our ZeRO-3 and ZeRO++ rows at
+    100mbit (bf16 compute) are the ablation's, not run twice; other models or compute dtypes are not reused."""
+    launched = _fake_runs(monkeypatch, {}, {})
+    monkeypatch.setattr(peers, "deepspeed_installed", lambda: True)
+    ablation_result = ablation.run(_args("ablation", "--quick"), progress=lambda s: None)
+    args = _args("peers", "--quick")
+    args.reuse = ablation_result
+    launched.clear()
+    result = peers.run(args, progress=lambda s: None)
+    reused = {(r["key"], r["setting"]) for r in result["rows"] if r.get("reused_from") == "ablation"}
+    assert reused == {("zeropp", "100mbit"), ("zero3-bf16", "100mbit")}
+    assert {(j.key, j.setting) for j in launched}.isdisjoint(reused) and launched
+    assert all(r["compute"] == "bf16" for r in result["rows"])
+    args = _args("peers", "--quick", "--shape", "issue")
+    args.reuse = ablation_result
+    assert not any(r.get("reused_from") for r in peers.run(args, progress=lambda s: None)["rows"])
+
+
+def test_targets_t1_to_t6_from_the_rows(monkeypatch):
+    """Issue 17's T1-T6 from (fake) peers rows and kernel rows: each ratio, its inputs and verdict."""
+    step = {"zeropp": 1000.0, ("zeropp", "loopback"): 800.0, "zero3-bf16": 3000.0, ("zero3-bf16", "loopback"): 600.0,
+            "ddp-bf16": 5000.0, "fsdp2-bf16": 6000.0, "deepspeed-bf16": 4500.0, ("deepspeed-bf16", "loopback"): 780.0,
+            "zeropp-c32": 1500.0, "zero3-bf16-c32": 3500.0, "ddp": 6500.0, "zero3-flat": 4000.0, "zeropp-flat": 1400.0}
+    _fake_runs(monkeypatch, step, {"zeropp": 6.0, "zeropp-flat": 11.0})
+    monkeypatch.setattr(peers, "deepspeed_installed", lambda: True)
+    result = peers.run(_args("peers", "--plan", "targets"), progress=lambda s: None)
+    bf16_mb = result["model"]["params"] * 2 / 1e6
+    kernels = {"rows": [dict(op="copy_", numel=16 << 20, bits=None, threads=1, seconds=0.006, vs_copy=1.0),
+                        dict(op="quantize", numel=16 << 20, bits=8, threads=1, seconds=0.010, vs_copy=10 / 6),
+                        dict(op="dequantize", numel=16 << 20, bits=8, threads=1, seconds=0.007, vs_copy=7 / 6),
+                        dict(op="quantize", numel=16 << 20, bits=8, threads=2, seconds=0.001, vs_copy=0.5)]}
+    items = suite.targets({"peers": result, "kernel_bandwidth": kernels})
+    by = {}
+    for it in items:
+        by.setdefault(it["id"], []).append(it)
+    assert by["T1"][0]["value"] == pytest.approx(1000 / 800) and by["T1"][0]["met"] is True
+    t2 = by["T2"][0]
+    assert t2["value"] == pytest.approx(4.5) and t2["met"] is True
+    assert "DeepSpeed ZeRO-3 (bf16) [bf16 compute]" in t2["from"]
+    t2_fp32 = by["T2 (fp32)"][0]  # only DDP of the three measured in fp32: its ratio, no verdict
+    assert t2_fp32["value"] == pytest.approx(6500 / 1500) and t2_fp32["met"] is None
+    assert "not measured: FSDP2, DeepSpeed" in t2_fp32["what"]
+    assert [it["value"] for it in by["T3"]] == [pytest.approx(1.5), pytest.approx(1.3)]
+    assert all(it["met"] for it in by["T3"]) and "bf16 compute" in by["T3"][0]["from"]
+    assert by["T4"][0]["value"] == pytest.approx(6.0 / bf16_mb) and by["T4"][0]["met"] is True
+    assert by["T4 before"][0]["value"] == pytest.approx(11.0 / bf16_mb) and by["T4 before"][0]["met"] is None
+    assert [it["value"] for it in by["T5"]] == [pytest.approx(0.6), pytest.approx(6 / 7)]
+    assert [it["met"] for it in by["T5"]] == [True, True]
+    assert by["T6"][0]["value"] == pytest.approx(3.0) and by["T6"][0]["met"] is None
+    assert by["T6 before"][0]["value"] == pytest.approx(4000 / 1400)
+    assert by["T6 (fp32)"][0]["value"] == pytest.approx(3500 / 1500)
+    text = "\n".join(suite.targets_markdown(items))
+    assert "| T1 |" in text and "| T6 |" in text and "[fp32 compute]" in text and "2.29" in text
+    nothing = suite.targets({})  # nothing measured: every line says so, no verdicts
+    assert all(it["value"] is None and it["met"] is None for it in nothing)
+    assert "not measured" in "\n".join(suite.targets_markdown(nothing))
+    section = suite.summary_section({"peers": result}, suite.summary({"peers": result}), items)
+    assert "## Summary: issue 17's targets" in section and "--train.precision bf16" in section
+    assert "suite.py --targets" in section and "### Earlier targets" in section
+
+
+def test_summary_ratios_and_missing_values(monkeypatch):
+    """The earlier targets come from the benchmarks' own rows, here as ablation and peers compute them from (fake)
+    runs."""
+    _fake_runs(monkeypatch, {"zero3": 1000.0, "zeropp": 1e5 / 350, "ddp": 1e5 / 70, "fsdp2-fp32": 2000.0,
+                             "zero3-fp32": 1e5 / 120, "deepspeed-fp32": 1000.0, "zeropp-c32": 1e5 / 350},
+               {"zero3": 40.0, "zeropp": 10.0})
     monkeypatch.setattr(peers, "deepspeed_installed", lambda: False)
     ablation_result = ablation.run(_args("ablation", "--quick"), progress=lambda s: None)
-    peers_result = peers.run(_args("peers", "--quick", "--runtimes", "zeropp", "ddp", "fsdp2-fp32", "deepspeed-fp32"),
-                             progress=lambda s: None)
+    peers_result = peers.run(_args("peers", "--quick", "--settings", "slow", "--runtimes", "zeropp-c32", "ddp",
+                                   "fsdp2-fp32", "deepspeed-fp32"), progress=lambda s: None)
     monkeypatch.setattr(peers, "deepspeed_installed", lambda: True)
     loopback = peers.run(_args("peers", "--settings", "loopback", "--runtimes", "zero3-fp32", "deepspeed-fp32"),
                          progress=lambda s: None)
@@ -89,6 +202,38 @@ def test_summary_ratios_and_missing_values(monkeypatch):
     assert next(it for it in items if it["what"].startswith("convergence"))["met"] is True
     text = "\n".join(suite.summary_markdown(items))
     assert "not measured" in text and "+0.40%" in text
+
+
+def test_a_partial_suite_run_keeps_the_other_results_and_refreshes_the_summary(tmp_path, monkeypatch):
+    """--only / --targets: the results already in --out are kept (suite.json), the summary is refreshed in
+    place (also the unmarked summary of an older page) and the other sections are left alone."""
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text(f"{report.TITLE}\n\nintro\n\n## Summary: the issue's targets\n\n| old |\n\n"
+                    + report.section("ablation", "## 1. Ablation\n\nold ablation")
+                    + report.section("kernel_bandwidth", "## 5. Kernels\n\nold kernels"))
+    monkeypatch.setattr(report, "DOCS", docs)
+    monkeypatch.setattr(report, "DOCS_IMAGES", tmp_path / "img")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "suite.json").write_text(json.dumps({"results": {"comm_volume": {"total_ratio": 0.2, "rows": []}}}))
+    monkeypatch.setattr(suite, "execute", lambda name, args, out, progress=print, **kw: (
+        {"benchmark": name, "rows": [dict(op="copy_", numel=16 << 20, bits=None, threads=1, seconds=1.0, ms=1e3,
+                                          input_gbps=1.0, vs_copy=1.0, ok=True),
+                                     dict(op="quantize", numel=16 << 20, bits=8, threads=1, seconds=2.0, ms=2e3,
+                                          input_gbps=0.5, vs_copy=2.0, ok=True)],
+         "date": "2026-11-25 10:00", "load_average_start": 3.0, "sizes": [16 << 20], "threads": [1], "impl": "torch",
+         "dtype": "fp32", "block_size": 256, "repeats": 1, "seconds": 1.0, "args": vars(args)}, []))
+    assert suite.main(["--only", "kernel_bandwidth", "--out", str(out)]) == 0
+    saved = json.loads((out / "suite.json").read_text())
+    assert set(saved["results"]) == {"comm_volume", "kernel_bandwidth"} and saved["kept_from_earlier_runs"]
+    t5 = [it for it in saved["targets"] if it["id"] == "T5"]
+    assert t5[0]["value"] == pytest.approx(0.5) and t5[0]["met"] is False and t5[1]["value"] is None
+    text = docs.read_text()
+    assert "| old |" not in text and text.count("<!-- section:summary -->") == 1 and "old ablation" in text
+    assert "old kernels" not in text and "kernel_bandwidth 2026-11-25 10:00 (load average 3.0" in text
+    assert text.index("section:summary") < text.index("section:ablation")
+    assert suite.main(["--targets", "--skip", "peers", "--out", str(out), "--no-docs"]) == 0  # peers skipped here
+    assert json.loads((out / "suite.json").read_text())["results"]["kernel_bandwidth"]["args"]["sizes"] == [16 << 20]
 
 
 def test_report_tables_results_plots_and_docs_sections(tmp_path):
@@ -138,7 +283,7 @@ def test_benchmarks_say_why_they_skip(monkeypatch, tmp_path):
     result = ablation.run(_args("ablation", "--quick"), progress=lambda s: None)
     assert "root" in result["skipped"] and not result["rows"]
     assert "Skipped: emulated" in suite.markdown("ablation", result, {})
-    result = peers.run(_args("peers", "--quick"), progress=lambda s: None)
+    result = peers.run(_args("peers", "--quick", "--settings", "slow"), progress=lambda s: None)
     notes = " ".join(result["notes"])
     assert "not installed (pip install -r requirements-bench.txt)" in notes and "unavailable" in notes
     assert not result["rows"]
@@ -155,7 +300,8 @@ def test_deepspeed_config_and_reference_model():
     from trainer.config import parse_args
 
     cfg = parse_args(runner.train_args(4, 5))
-    label, family, options = peers.RUNTIMES["deepspeed-hpz-regather-fp32"]
+    label, family, options, compute, _ = peers.RUNTIMES["deepspeed-hpz-regather-fp32"]
+    assert compute == "fp32"
     ds = peers.deepspeed_config(cfg, **options)
     assert family == "deepspeed" and ds["zero_optimization"]["stage"] == 3
     assert ds["zero_optimization"]["zero_hpz_partition_size"] == 2 and ds["zero_optimization"][
@@ -164,6 +310,9 @@ def test_deepspeed_config_and_reference_model():
     assert "bf16" not in ds and peers.deepspeed_config(cfg, dtype="bf16")["bf16"] == {"enabled": True}
     m = runner.model_summary()
     assert 10.0e6 < m["params"] < 11.0e6 and m["n_layer"] == 12 and m["vocab_size"] == 4096
+    issue = runner.model_summary(shape="issue")  # issue 17's: 4 layers, d_model 384, d_ff 1536, vocabulary 8192
+    assert (issue["n_layer"], issue["d_model"], issue["d_ff"], issue["vocab_size"]) == (4, 384, 1536, 8192)
+    assert issue["params"] == 10_293_504
 
 
 def test_link_sampler_window_is_taken_at_step_boundaries():
@@ -195,10 +344,18 @@ def test_comm_volume_tiny_model_matches_the_ledger_bounds():
     """One real step on 4 spawned ranks (2 nodes x 2) of a tiny GPT, ZeRO-3 vs ZeRO++ (block 64)."""
     result = comm_volume.run(_args("comm_volume", "--tiny", "--block-size", "64"), progress=lambda s: None)
     rows = {r["collective"]: r for r in result["rows"]}
-    assert rows["backward gather"]["zeropp_cross_mb"] == 0 and rows["backward gather"]["zero3_cross_mb"] > 0
+    if "backward gather" in rows:  # none where every block's buffer still holds it when the backward starts
+        assert rows["backward gather"]["zeropp_cross_mb"] == 0
     assert 0.48 < rows["forward gather"]["ratio"] < 0.55  # int8 + fp16 scales over bf16
-    assert rows["gradient reduce"]["ratio"] < 0.15  # int4, 2 hops: 1/L of it crosses
-    assert result["total_ratio"] == rows["total"]["ratio"] <= 0.28
+    if result["node_aware_collectives"]:  # ZeRO-3 sends (N-1)/W of the model across; int4, 2 hops: 1/L of it crosses
+        assert 0.24 < rows["gradient reduce"]["ratio"] < 0.30  # 1/4, + fp32 scales per 64-element block
+    else:  # ZeRO-3's flat ring: a shard to every rank of the other node
+        assert rows["gradient reduce"]["ratio"] < 0.15
+    # the total: the parts' ratios weighted by ZeRO-3's bytes (how many blocks the backward re-gathers is the
+    # engine's business: none of this 2-block model's with a prefetch depth of 1)
+    parts = [r for t, r in rows.items() if t != "total" and r.get("ratio") is not None]
+    assert result["total_ratio"] == rows["total"]["ratio"]
+    assert rows["total"]["ratio"] <= max(r["ratio"] for r in parts if r["zero3_cross_mb"] > 1e-3)
     assert rows["total"]["zero3_cross_mb"] == pytest.approx(sum(
         rows[t]["zero3_cross_mb"] for t in rows if t != "total"))
     assert "physical_rate" not in result and result["model"]["params"] < 1e6
@@ -234,7 +391,8 @@ def tiny_run(tmp_path_factory):
     argv = ["--model.preset", "gpt2-tiny", "--data.path", str(corpus), "--data.vocab_size", "512",
             "--data.seq_len", "32", "--data.workers", "1", "--data.cache_dir", str(tmp / "cache"),
             "--train.steps", "3", "--train.eval_interval", "100", "--train.eval_batches", "1",
-            "--train.tensorboard", "false", "--train.progress_bar", "false"]
+            "--train.tensorboard", "false", "--train.progress_bar", "false",
+            "--train.precision", "fp32"]  # exactness, not the machine's auto (bf16 autocast rounds per layout)
     one = _peer_losses(0, 1, None, argv + ["--train.micro_batch_size", "4", "--train.out_dir", str(tmp / "one")])
     return argv + ["--train.micro_batch_size", "2"], one, tmp
 
