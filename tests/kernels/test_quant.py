@@ -215,6 +215,128 @@ def test_torch_path_in_pieces_equals_one_piece(monkeypatch, chunk):
         assert torch.equal(a, b)
 
 
+# ---------------------------------------------------------------- chunked torch path vs a plain full-size reference
+
+
+def plain_quantize(x, bits, block_size, scale_dtype):
+    """(unpacked codes [blocks, block_size], scales): the spec in whole-tensor torch ops, with none of
+    the torch path's tricks (pieces, magic-number rounding, clamp only where needed, xor unpacking)."""
+    qmax = 2 ** (bits - 1) - 1
+    flat = x.reshape(-1)
+    rows = torch.cat([flat, flat.new_zeros(-flat.numel() % block_size)]).view(-1, block_size)
+    scale = torch.maximum(rows.amax(-1).float(), -rows.amin(-1).float()) / qmax
+    if scale_dtype == torch.float16:
+        scale = scale.clamp(max=FP16_MAX)
+    scales = scale.to(scale_dtype)
+    s = scales.float().unsqueeze(-1)
+    q = torch.where(s == 0, 0.0, rows.float() / s).clamp(-qmax, qmax).round()
+    return (q + qmax + 1).to(torch.uint8), scales
+
+
+def plain_pack(codes, bits):
+    """Each group of 8 codes as one 64-bit integer, cut into `bits` little-endian bytes."""
+    word = (codes.reshape(-1, 8).long() << (torch.arange(8) * bits)).sum(-1, keepdim=True)
+    return ((word >> (torch.arange(bits) * 8)) & 0xFF).to(torch.uint8).view(-1)
+
+
+def plain_dequantize(codes, scales, numel, bits):
+    return ((codes.float() - 2 ** (bits - 1)) * scales.float().unsqueeze(-1)).view(-1)[:numel]
+
+
+def awkward(numel, dtype, seed=0):
+    """Gaussian values with, where they fit, blocks (of 64) that take every branch of the torch path:
+    all zero, tiny (fp16 scale 0 or subnormal, so the clamp is needed), huge (fp16 scale clamped),
+    exact .5 ties at 8 bits, and -0.0."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * 3
+    for start, fill in [(64, lambda b: b.zero_()), (192, lambda b: b.mul_(1e-30)), (320, lambda b: b.mul_(1e-6)),
+                        (448, lambda b: b.mul_(1e7)), (576, lambda b: b.zero_().neg_())]:
+        if start + 64 <= numel:
+            fill(x[start:start + 64])
+    if numel >= 264:
+        x[256:264] = torch.tensor([0.125, 0.375, 0.625, 0.875, -0.375, -0.625, 31.75, -31.75])
+    return x.to(dtype)
+
+
+def assert_bits_equal(got, want):
+    """Equal bit patterns, except that 0.0 and -0.0 count as one: the sign of a zero scale follows
+    torch.maximum(+0, -0), which differs between its vectorised body and its scalar tail."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[got.element_size()]
+    if got.is_floating_point():
+        got, want = got + 0.0, want + 0.0  # -0.0 + 0.0 = 0.0, anything else unchanged
+    assert torch.equal(got.view(as_int), want.view(as_int))
+
+
+SMALL_CHUNK = 512  # 8 blocks of 64: sizes around a few pieces stay small
+AWKWARD_SIZES = sorted({1, 63, 64, 65, 511, 512, 513, 1023, 1025, 3 * 512 + 1, 5 * 512 - 1, 8 * 512 + 65})
+
+
+@pytest.mark.parametrize("bits", [8, 4, 3, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_chunked_path_equals_plain_reference(monkeypatch, bits, dtype):
+    """Bit for bit, at sizes around the block and the piece size, for both scale dtypes."""
+    monkeypatch.setattr(K.quant, "CHUNK", SMALL_CHUNK)
+    bs = 64
+    for numel in AWKWARD_SIZES:
+        x = awkward(numel, dtype, seed=numel)
+        if dtype == torch.float16:
+            x = x.clamp(-60000, 60000)
+        for scale_dtype in (torch.float32, torch.float16):
+            codes, scales = plain_quantize(x, bits, bs, scale_dtype)
+            q = K.quantize(x, bits, bs, scale_dtype=scale_dtype, impl="torch")
+            assert_bits_equal(q.scales, scales)
+            assert torch.equal(q.codes, plain_pack(codes, bits)), (numel, scale_dtype)
+            want = plain_dequantize(codes, scales, numel, bits)
+            assert_bits_equal(q.dequantize(impl="torch"), want)
+            assert_bits_equal(q.dequantize(dtype=torch.bfloat16, impl="torch"), want.bfloat16())
+            acc = torch.linspace(-1, 1, numel)
+            assert_bits_equal(q.dequantize(out=acc.clone(), accumulate=True, impl="torch"), acc + want)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_default_chunk_equals_plain_reference(bits, dtype):
+    """Sizes around the real CHUNK (1M elements): one piece, one piece and one element, two pieces."""
+    bs = 256
+    for numel in (K.quant.CHUNK - 1, K.quant.CHUNK + 1, 2 * K.quant.CHUNK + 3 * bs):
+        x = awkward(numel, dtype, seed=bits)
+        codes, scales = plain_quantize(x, bits, bs, torch.float16)
+        q = K.quantize(x, bits, bs, scale_dtype=torch.float16, impl="torch")
+        assert_bits_equal(q.scales, scales)
+        assert torch.equal(q.codes, plain_pack(codes, bits))
+        assert_bits_equal(q.dequantize(impl="torch"), plain_dequantize(codes, scales, numel, bits))
+
+
+@pytest.mark.parametrize("bits,out_bits", [(8, 8), (4, 4), (8, 4), (4, 8)])
+def test_fused_paths_equal_plain_reference(monkeypatch, bits, out_bits):
+    """quantize_transposed, dequant_reduce and dequant_reduce_quant across piece boundaries."""
+    monkeypatch.setattr(K.quant, "CHUNK", SMALL_CHUNK)
+    bs = 64
+    x3d = stage_view(3, 5, 2, 3 * bs, torch.bfloat16)  # pieces of 2 of the 5 [3, 3 * 64] slabs
+    x3d[1, 2, :bs] = 0
+    want_codes, want_scales = plain_quantize(x3d.transpose(0, 1).contiguous(), bits, bs, torch.float16)
+    t = K.quantize_transposed(x3d, bits, bs, scale_dtype=torch.float16, impl="torch")
+    assert_bits_equal(t.scales, want_scales)
+    assert torch.equal(t.codes, plain_pack(want_codes, bits))
+    for numel in (1, 65, SMALL_CHUNK - 1, 3 * SMALL_CHUNK + 7):
+        k, parts = 3, [awkward(numel, torch.float32, seed=numel + i) * (i + 1) for i in range(3)]
+        plain = [plain_quantize(p, bits, bs, torch.float32) for p in parts]
+        codes = torch.cat([plain_pack(c, bits) for c, _ in plain])
+        scales = torch.cat([s for _, s in plain])
+        total = plain_dequantize(*plain[0], numel, bits)
+        for c, s in plain[1:]:
+            total = total + plain_dequantize(c, s, numel, bits)
+        assert_bits_equal(K.dequant_reduce(codes, scales, k, numel, bits, bs, impl="torch"), total)
+        acc = torch.linspace(-1, 1, numel)
+        K.dequant_reduce(codes, scales, k, numel, bits, bs, out=acc, accumulate=True, impl="torch")
+        assert_bits_equal(acc, torch.linspace(-1, 1, numel) + total)
+        r = K.dequant_reduce_quant(codes, scales, k, numel, bits, bs, out_bits=out_bits, scale_dtype=torch.float16,
+                                   impl="torch")
+        want_codes, want_scales = plain_quantize(total, out_bits, bs, torch.float16)
+        assert_bits_equal(r.scales, want_scales)
+        assert torch.equal(r.codes, plain_pack(want_codes, out_bits))
+
+
 # ---------------------------------------------------------------- errors
 
 
