@@ -26,7 +26,8 @@ the next forward re-encodes what changed.
 Rollouts (`inference_weights`): every unit is gathered once (from the primary shards, the
 wire as the training forward sends it; ledger tag "rollout gather") and decoded into buffers
 of its own, so the no-grad forwards of generation run without any collective; blocks that do
-not fit `max_bytes` are gathered per forward as in training instead. On exit the copies go.
+not fit `max_bytes` go through the rotating training buffers as in training instead (gathered
+where a buffer no longer holds them). On exit the copies go.
 """
 
 from __future__ import annotations
@@ -495,8 +496,8 @@ class Zero3Engine(Runtime):
         the training forward uses (qwZ codes + scales with qwZ), ledger tag "rollout gather":
         the embeddings and norms into their own buffers (skipped when they already hold the
         current weights), each block into a new buffer of the compute dtype. Blocks that do not
-        fit `max_bytes` (in model order) are instead gathered per forward into the two training
-        buffers, as in training (same tag). Inside, forwards must run under no_grad. On exit the
+        fit `max_bytes` (in model order) instead go through the rotating training buffers, as in
+        training (same tag): gathered where a buffer no longer holds them. Inside, forwards must run under no_grad. On exit the
         blocks' copies are freed; the next training forward and backward run as if there had
         been no rollout (only the embeddings' and norms' gather may already be done).
         """

@@ -56,6 +56,7 @@ def test_preset_paths_resolve_relative_to_the_config_file(tmp_path, monkeypatch)
     shared = (Path(__file__).resolve().parents[2] / ".." / "shared" / "data").resolve()
     for name in ("rlhf_sft_hh", "rlhf_reward_hh", "rlhf_dpo_hh"):
         cfg = parse_args(["--config", str(next(p for p in CONFIGS if p.stem == name))], RLHFConfig())
-        assert cfg.data.preferences == str(shared / "hh-rlhf-harmless-base-test.jsonl.gz")
+        # compared resolved: ../shared may be a symbolic link
+        assert Path(cfg.data.preferences).resolve() == shared / "hh-rlhf-harmless-base-test.jsonl.gz"
         if shared.is_dir():
             assert os.path.isfile(cfg.data.preferences)
