@@ -280,9 +280,24 @@ class TensorParallelConfig:
     # program from the measured link (alpha, beta) and the profiled compute of each partition.
     partitions: int = 1
     # AccTFM token-level top-k: the fraction of each sequence's tokens whose sublayer outputs are
-    # all-reduced, picked by the attention they receive; the others skip the sublayer's update
-    # (their partial sums are dropped on every rank alike). 1.0: every token (off).
+    # all-reduced in full (at quantize_bits), picked by the attention they receive; the others
+    # are "pruned" and get what topk_pruned says. 1.0: every token (off).
     topk_keep_ratio: float = 1.0
+    # What the pruned tokens receive from the sublayer (the paper does not say; docs/tensor_parallel.md):
+    #   reduce  their rows are all-reduced too, in the same message, at topk_pruned_bits a value:
+    #           every rank gets the same, coarser, sum;
+    #   drop    nothing: their partial sums are dropped on every rank alike (the token skips the
+    #           sublayer's update, keeps its residual stream and the sublayer's bias);
+    #   local   each rank's own partial sum times the group size, with no traffic: the ranks'
+    #           activations then differ and their replicated weights drift apart (measured, not advised).
+    topk_pruned: Literal["reduce", "drop", "local"] = "reduce"
+    # Bits a value of the pruned rows under topk_pruned reduce: 2..8 piecewise quantization as
+    # quantize_bits, one scale per row; 1 is the sign with one scale per row (the row's mean |x|).
+    # 3 by default: measured, 1 and 2 bits cost more validation loss than dropping the rows.
+    topk_pruned_bits: int = 3
+    # Which all-reduces top-k sparsifies: both (the paper: the backward's input-gradient all-reduce
+    # reuses the forward's mask), forward (the backward sends every row at quantize_bits), backward.
+    topk_passes: Literal["both", "forward", "backward"] = "both"
     # AccTFM piecewise quantization of what is all-reduced: bits per value (sign + N bits in N
     # clusters of doubling width; 4 is the paper's default). 0: off (the compute dtype travels).
     quantize_bits: int = 0
@@ -298,7 +313,10 @@ class TensorParallelConfig:
         if self.partitions != 1:
             parts.append("pipelined " + ("(planned per sublayer)" if self.partitions == 0 else f"x{self.partitions}"))
         if self.topk_keep_ratio < 1.0:
-            parts.append(f"top-k tokens {self.topk_keep_ratio:g}")
+            pruned = {"reduce": f"pruned rows {self.topk_pruned_bits}-bit", "drop": "pruned rows dropped",
+                      "local": "pruned rows local x size"}[self.topk_pruned]
+            passes = "" if self.topk_passes == "both" else f", {self.topk_passes} only"
+            parts.append(f"top-k tokens {self.topk_keep_ratio:g} ({pruned}{passes})")
         if self.quantize_bits:
             parts.append(f"piecewise int{self.quantize_bits}")
         return " + ".join(parts)
@@ -313,3 +331,10 @@ class TensorParallelConfig:
         if self.quantize_bits not in (0, 2, 3, 4, 5, 6, 7, 8):
             raise ZeroConfigError(f"tensor_parallel.quantize_bits={self.quantize_bits!r}: use 0 (off) or 2..8 "
                                   f"(sign + 1..7 bits)")
+        if self.topk_pruned not in ("reduce", "drop", "local"):
+            raise ZeroConfigError(f"tensor_parallel.topk_pruned={self.topk_pruned!r}: use reduce, drop or local")
+        if self.topk_pruned_bits not in range(1, 9):
+            raise ZeroConfigError(f"tensor_parallel.topk_pruned_bits={self.topk_pruned_bits!r}: use 1 (sign and a "
+                                  f"mean magnitude per row) or 2..8 (piecewise)")
+        if self.topk_passes not in ("both", "forward", "backward"):
+            raise ZeroConfigError(f"tensor_parallel.topk_passes={self.topk_passes!r}: use both, forward or backward")

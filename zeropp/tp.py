@@ -22,9 +22,11 @@ its output. AccTFM changes how those all-reduces run:
                backward of the partitions still to go (autograd runs the later-created nodes
                first; the waits are created before every partition's compute);
   top-k        only the tokens receiving the most attention (scores summed over the group)
-               have their sublayer outputs all-reduced; the others skip the sublayer's update,
-               identically on every rank, and their input gradients drop the sublayer's part;
-  quantization the rows that travel are piecewise-quantized (zeropp.acctfm).
+               have their sublayer outputs all-reduced in full; the other ("pruned") rows
+               travel in the same message at 3 bits a value (tensor_parallel.topk_pruned_bits),
+               so every rank still gets the same, coarser, sum (topk_pruned: or they are
+               dropped, or get each rank's local partial sum); the backward reuses the mask;
+  quantization the kept rows travel piecewise-quantized (zeropp.acctfm).
 """
 
 from __future__ import annotations
@@ -55,20 +57,13 @@ PLAN_FILE = "tensor_parallel.json"  # in a checkpoint: the group size and each s
 # ---------------------------------------------------------------------------- the group's all-reduces
 
 class _Reduced:
-    """An all-reduce in flight; wait() gives the full [..., d] result (pruned rows zero)."""
+    """An all-reduce in flight; wait() gives the full [..., d] result."""
 
-    def __init__(self, work, rows: torch.Tensor, like: torch.Tensor, mask: torch.Tensor | None, finish=None):
-        self.work, self.rows, self.like, self.mask, self.finish = work, rows, like, mask, finish
+    def __init__(self, finish):
+        self._finish = finish
 
     def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            self.work.wait()
-        rows = self.finish() if self.finish is not None else self.rows
-        if self.mask is None:
-            return rows.view(self.like.shape)
-        out = torch.zeros_like(self.like)
-        out[self.mask] = rows.to(out.dtype)
-        return out
+        return self._finish()
 
 
 class TPComm:
@@ -92,25 +87,47 @@ class TPComm:
 
     def all_reduce(self, x: torch.Tensor, tag: str, mask: torch.Tensor | None = None,
                    compress: bool = False) -> _Reduced:
-        """Sum `x` [..., d] over the group; with `mask` [...] only the selected rows travel (the
-        others come back zero); with `compress` they travel piecewise-quantized (zeropp.acctfm,
-        one scale per row). Issued asynchronously: `wait()` gives the result, bit-identical on
-        every rank."""
+        """Sum `x` [..., d] over the group. With `mask` [...] (token top-k) the selected rows are
+        the kept ones, and the others ("pruned") get what config.topk_pruned says: "reduce" sums
+        them too, at topk_pruned_bits a value (1: the sign and one mean |x| per row), in the same
+        message as the kept rows; "drop" returns them zero; "local" returns this rank's own rows
+        times the group size (nothing travels). With `compress` the kept rows travel
+        piecewise-quantized at quantize_bits (zeropp.acctfm, one scale per row). Issued
+        asynchronously: `wait()` gives the result, bit-identical on every rank (but "local"'s
+        pruned rows)."""
+        cfg = self.config
         flat = x.detach()
-        rows = flat[mask] if mask is not None else flat.reshape(-1, flat.shape[-1])
-        if compress and self.config.quantize_bits:
-            method = "gather" if self.size <= 4 else "two_step"
-            bits = self.config.quantize_bits
-            self._record(tag, torch.uint8, acctfm.wire_bytes(tuple(rows.shape), self.size, bits, method=method))
-            work = acctfm.all_reduce_compressed(rows, self.group, bits, method=method, async_op=True)
-            reduced = _Reduced(None, rows, flat, mask, finish=work.wait)
-        else:
-            rows = rows.contiguous().clone() if mask is None else rows.contiguous()
+        kept = flat[mask] if mask is not None else flat.reshape(-1, flat.shape[-1])
+        pruned_mode = cfg.topk_pruned if mask is not None else None
+        quantize = compress and cfg.quantize_bits > 0
+        method = "gather" if self.size <= 4 else "two_step"
+        blocks = [(kept, cfg.quantize_bits)] if quantize else []
+        if pruned_mode == "reduce":
+            blocks.append((flat[~mask], cfg.topk_pruned_bits))
+        compressed = work = None
+        if blocks:
+            self._record(tag, torch.uint8, sum(acctfm.wire_bytes(tuple(b.shape), self.size, bits, method=method)
+                                               for b, bits in blocks))
+            compressed = acctfm.all_reduce_compressed_blocks(blocks, self.group, method=method, async_op=True)
+        if not quantize:
+            kept = kept.contiguous().clone() if mask is None else kept.contiguous()
             # A ring all-reduce sends 2 (p - 1) / p of the tensor.
-            self._record(tag, rows.dtype, 2 * (self.size - 1) * rows.numel() * rows.element_size() // self.size)
-            work = dist.all_reduce(rows, group=self.group, async_op=True)
-            reduced = _Reduced(work, rows, flat, mask)
-        return reduced
+            self._record(tag, kept.dtype, 2 * (self.size - 1) * kept.numel() * kept.element_size() // self.size)
+            work = dist.all_reduce(kept, group=self.group, async_op=True)
+
+        def finish() -> torch.Tensor:
+            sums = compressed.wait() if compressed is not None else []
+            if work is not None:
+                work.wait()
+            kept_sum = sums[0] if quantize else kept
+            if mask is None:
+                return kept_sum.view(flat.shape)
+            out = flat * self.size if pruned_mode == "local" else torch.zeros_like(flat)
+            out[mask] = kept_sum.to(out.dtype)
+            if pruned_mode == "reduce":
+                out[~mask] = sums[-1].to(out.dtype)
+            return out
+        return _Reduced(finish)
 
     def wait(self, reduced: _Reduced) -> torch.Tensor:
         """The all-reduce's result, the time spent waiting for it counted."""
@@ -161,8 +178,9 @@ class _IssueInputGrad(torch.autograd.Function):
 
 
 class _ForwardReduced(torch.autograd.Function):
-    """g: the partial sums' all-reduce (already issued) in forward; identity backward (zero for
-    the rows that did not travel: their output did not depend on this rank's partial sum)."""
+    """g: the partial sums' all-reduce (already issued) in forward; identity backward (`mask`:
+    zero for the rows top-k dropped, whose output did not depend on this rank's partial sum;
+    quantized rows pass the gradient straight through)."""
 
     @staticmethod
     def forward(ctx, partial, tp, pending, mask):
@@ -293,14 +311,15 @@ class TensorParallelSublayer:
         xs = x.tensor_split(k) if k > 1 else (x,)
         split_args = [_split_arg(a, k, batch) for a in args]
         topk = cfg.topk_keep_ratio < 1.0 and not caching
+        forward_topk, backward_topk = topk and cfg.topk_passes != "backward", topk and cfg.topk_passes != "forward"
         compress = cfg.quantize_bits > 0
         grad = torch.is_grad_enabled() and x.requires_grad
         own_mask = self.mask_source is self
         masks = None if not topk or own_mask else self.mask_source.token_mask.tensor_split(k)
-        boxes = [_Box(None if masks is None else masks[i]) for i in range(k)]
+        boxes = [_Box(None if masks is None or not backward_topk else masks[i]) for i in range(k)]
         if grad:  # the waits first: autograd runs them after every partition's backward
             xs = [_AwaitInputGrad.apply(c, tp, b) for c, b in zip(xs, boxes)]
-        partials, pending, chunk_masks = [], [], []
+        partials, pending, chunk_masks, own_masks = [], [], [], []
         for i, c in enumerate(xs):
             if grad:
                 c = _IssueInputGrad.apply(c, tp, boxes[i], compress)
@@ -308,15 +327,19 @@ class TensorParallelSublayer:
             y = super().forward(c, *(a[i] for a in split_args))
             if self.profile is not None:  # the planner's measurement: one partition's compute and rows
                 self.profile.append((time.perf_counter() - start, y[..., 0].numel(), y.shape[-1] * y.element_size()))
-            mask = boxes[i].mask
+            mask = None if masks is None else masks[i]
             if topk and own_mask:
-                mask = boxes[i].mask = self._token_mask(split_args, i)
+                mask = self._token_mask(split_args, i)
+                own_masks.append(mask)
+                if backward_topk:
+                    boxes[i].mask = mask
+            mask = mask if forward_topk else None
             partials.append(y)
-            chunk_masks.append(mask)
+            chunk_masks.append(mask if cfg.topk_pruned == "drop" else None)  # dropped rows get no gradient
             pending.append(tp.all_reduce(y, "tp forward all-reduce", mask, compress))
         outs = [_ForwardReduced.apply(y, tp, p, m) for y, p, m in zip(partials, pending, chunk_masks)]
         if topk and own_mask:
-            self.token_mask = torch.cat(chunk_masks)
+            self.token_mask = torch.cat(own_masks)
         out = outs[0] if k == 1 else torch.cat(outs)
         bias = self.row_parallel.bias
         return out if bias is None else out + bias
@@ -513,21 +536,26 @@ class TensorParallelRuntime(Runtime):
                     rows[j] = sum(r for _, r, _ in sub.profile)
                     row_bytes[j] = sub.profile[0][2]
         dist.all_reduce(compute, op=dist.ReduceOp.MAX, group=self.tp.group)
-        keep = cfg.topk_keep_ratio
+        sparse = {"forward": cfg.topk_passes != "backward", "backward": cfg.topk_passes != "forward"}
 
-        def comm(j, k):  # one partition's all-reduce, predicted from the measured link
+        def comm(j, k, direction):  # one partition's all-reduce, predicted from the measured link
+            keep = cfg.topk_keep_ratio if sparse[direction] else 1.0
             n = max(1, round(rows[j] * keep / k))
-            nbytes = acctfm.wire_bytes((n, row_bytes[j] // 4), self.tp.size, cfg.quantize_bits) if cfg.quantize_bits \
+            cols = row_bytes[j] // 4
+            nbytes = acctfm.wire_bytes((n, cols), self.tp.size, cfg.quantize_bits) if cfg.quantize_bits \
                 else n * row_bytes[j]
+            if keep < 1.0 and cfg.topk_pruned == "reduce":  # the pruned rows, in the same message
+                nbytes += acctfm.wire_bytes((max(0, round(rows[j] / k) - n), cols), self.tp.size, cfg.topk_pruned_bits)
             return acctfm.comm_time(nbytes, alpha, beta)
-        t_cm = [[comm(j, k) for k in sizes] for j in range(len(subs))]
+        t_cm = [[comm(j, k, "forward") for k in sizes] for j in range(len(subs))]
+        t_cm_bw = [[comm(j, k, "backward") for k in sizes] for j in reversed(range(len(subs)))]
         t_fw = compute.tolist()
         t_bw = [[2 * t for t in row] for row in reversed(t_fw)]
         forward = acctfm.plan_partitions(t_fw, t_cm)
-        backward = acctfm.plan_partitions(t_bw, t_cm[::-1])
+        backward = acctfm.plan_partitions(t_bw, t_cm_bw)
 
         def total(plan):
-            return acctfm.simulate(plan, t_fw, t_cm) + acctfm.simulate(plan[::-1], t_bw, t_cm[::-1])
+            return acctfm.simulate(plan, t_fw, t_cm) + acctfm.simulate(plan[::-1], t_bw, t_cm_bw)
         chosen = min((forward.partitions, backward.partitions[::-1]), key=total)
         for sub, k in zip(subs, chosen):
             sub.partitions, sub.profile = k, None

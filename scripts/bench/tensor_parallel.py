@@ -20,10 +20,14 @@ Every run computes in fp32 (train.precision fp32), so what plain TP all-reduces 
 
 Run keys: `plain` (partitions 1, no compression: Megatron's synchronous all-reduce), or parts joined by
 "-": `kN` (AccTFM pipelining, N = 1, 2, 4 partitions per sublayer, 0 = planned per sublayer by the
-runtime's dynamic program), `topk` (token top-k at --keep-ratio), `qB` (piecewise quantization to B bits);
-`full` = the fastest pipelining run measured at that rate (`--full-partitions` to fix it) + topk + q<--bits>;
-`k0-topk-q4` is full AccTFM with the runtime's planner choosing K per sublayer for the compressed all-reduces.
-In the convergence part `single` is one process without tensor parallelism.
+runtime's dynamic program), `topk` (token top-k at --keep-ratio; `topkNN`: keep NN/100), what the pruned
+rows get (default: TensorParallelConfig's, all-reduced at topk_pruned_bits; `drop`: nothing; `local`: each
+rank's own partial sum x 2; `pN`: all-reduced at N bits, 1 = sign + mean magnitude), `fwd` / `bwd` (top-k
+in that pass only), `qB` (piecewise quantization of the kept rows to B bits); `full` = the fastest pipelining
+run measured at that rate (`--full-partitions` to fix it) + topk + q<--bits>; `k0-topk-q4` is full AccTFM
+with the runtime's planner choosing K per sublayer for the compressed all-reduces. In the convergence part
+`single` is one process without tensor parallelism. Where a key ran in both parts, the report joins them
+in one table (final validation loss and step time at the slowest rate).
 """
 
 from __future__ import annotations
@@ -45,9 +49,14 @@ TITLE = "## Measured"
 DOCS = ROOT / "docs" / "tensor_parallel.md"
 STEP = runner.STEP_KEY
 TP_WAIT = "waiting for tp all-reduces"
-RUNS = ["plain", "k2", "k4", "k0", "topk", "q4", "topk-q4", "full", "k0-topk-q4"]
+# topk-q4 and full use the default handling of pruned rows (TensorParallelConfig.topk_pruned*); the
+# -drop, -local and -pN runs are the alternatives it was chosen from (docs/tensor_parallel.md).
+RUNS = ["plain", "k2", "k4", "k0", "topk", "q4", "topk-drop-q4", "topk-p1-q4", "topk-local-q4", "topk-q4", "full",
+        "k0-topk-q4"]
 QUICK_RUNS = ["plain", "k2", "q4", "full"]
-CONV_RUNS, QUICK_CONV_RUNS = ["single", "plain", "topk", "q4", "full"], ["single", "plain", "full"]
+CONV_RUNS = ["single", "plain", "topk", "q4", "q3", "topk-drop-q4", "topk-p1-q4", "topk-p2-q4", "topk-local-q4",
+             "topk25-q4", "topk-q4", "full"]
+QUICK_CONV_RUNS = ["single", "plain", "full"]
 
 
 # ---------------------------------------------------------------- the runs
@@ -69,6 +78,15 @@ def planner_landed() -> str | None:
     return None
 
 
+def default_pruned() -> str:
+    """What TensorParallelConfig's defaults give the pruned rows, in words."""
+    from zeropp.config import TensorParallelConfig
+
+    cfg = TensorParallelConfig()
+    return {"reduce": f"pruned rows {cfg.topk_pruned_bits}-bit", "drop": "pruned rows dropped",
+            "local": "pruned rows: local partial sum x 2 (ranks differ)"}[cfg.topk_pruned]
+
+
 def parse_key(key: str, plan: dict, best_k: int | None = None) -> tuple[str, dict]:
     """(label, tensor_parallel keys) of a run key; `full` needs best_k (or plan's full_partitions)."""
     if key == "single":
@@ -79,21 +97,35 @@ def parse_key(key: str, plan: dict, best_k: int | None = None) -> tuple[str, dic
             raise ValueError("run 'full' needs a measured pipelining run before it, or --full-partitions")
         label, keys = parse_key("-".join([f"k{k}", "topk", f"q{plan['bits']}"]), plan)
         what = "K planned per sublayer" if k == 0 else f"K={k}"
-        return (f"full AccTFM: {what} + top-k tokens {plan['keep_ratio']:g} + piecewise int{plan['bits']}"), keys
-    keys, words = {"size": 2}, []
+        return (f"full AccTFM: {what} + top-k tokens {plan['keep_ratio']:g} ({default_pruned()}) + piecewise "
+                f"int{plan['bits']}"), keys
+    keys, words, topk_at = {"size": 2}, [], None
     for part in ([] if key == "plain" else key.split("-")):
         if m := re.fullmatch(r"k([0124])", part):
             keys["partitions"] = int(m.group(1))
             words.append({"0": "pipelined, planned per sublayer", "1": "K=1 (not pipelined)"}.get(
                 m.group(1), f"pipelined K={m.group(1)}"))
-        elif part == "topk":
-            keys["topk_keep_ratio"] = plan["keep_ratio"]
-            words.append(f"top-k tokens {plan['keep_ratio']:g}")
+        elif m := re.fullmatch(r"topk(\d\d)?", part):
+            keys["topk_keep_ratio"] = int(m.group(1)) / 100 if m.group(1) else plan["keep_ratio"]
+            words.append(f"top-k tokens {keys['topk_keep_ratio']:g}")
+            topk_at = len(words)
+        elif m := re.fullmatch(r"p([1-8])|drop|local", part):
+            keys["topk_pruned"] = "reduce" if m.group(1) else part
+            if m.group(1):
+                keys["topk_pruned_bits"] = int(m.group(1))
+            words.append({"drop": "pruned rows dropped", "local": "pruned rows: local partial sum x 2 (ranks differ)"}
+                         .get(part, f"pruned rows {part[1:]}-bit"))
+        elif part in ("fwd", "bwd"):
+            keys["topk_passes"] = {"fwd": "forward", "bwd": "backward"}[part]
+            words.append(f"top-k in the {keys['topk_passes']} only")
         elif m := re.fullmatch(r"q(\d)", part):
             keys["quantize_bits"] = int(m.group(1))
             words.append(f"piecewise int{m.group(1)}")
         else:
-            raise ValueError(f"unknown run {key!r}: plain, full, single, or kN / topk / qB joined by '-'")
+            raise ValueError(f"unknown run {key!r}: plain, full, single, or kN / topk[NN] / drop / local / pN / fwd / "
+                             f"bwd / qB joined by '-'")
+    if topk_at is not None and "topk_pruned" not in keys:
+        words.insert(topk_at, default_pruned())
     return ("plain TP (Megatron: synchronous fp32 all-reduce)" if not words else "TP 2 + " + " + ".join(words)), keys
 
 
@@ -177,8 +209,12 @@ class OneRankPerNode:
 def plan_lines(text: str) -> list[str]:
     """What a planned (k0) run logged of its partition plan (predicted vs measured included)."""
     keep = [re.sub(r"^\[rank\d+\]:\s*", "", ln.strip()) for ln in text.splitlines()]
-    return [ln for ln in dict.fromkeys(keep) if re.search(r"partition plan|predicted", ln, re.I)
-            and not ln.startswith("runtime:") and "Warning" not in ln][:40]
+    return [ln for ln in dict.fromkeys(keep) if is_plan_line(ln)][:40]
+
+
+def is_plan_line(line: str) -> bool:
+    """The runtime's AccTFM partition plan line (it carries the predicted times too)."""
+    return "partition plan" in line.lower() and not line.startswith("runtime:") and "Warning" not in line
 
 
 def summarize(row: dict, metrics: list[dict], warmup: int) -> dict:
@@ -394,7 +430,7 @@ def markdown(result: dict) -> str:
         if planned:
             lines += ["", "The partition plans the planned runs logged (K per sublayer, as the runtime prints them):", "", "```"]
             for r in planned:
-                lines += [f"# {r['key']} @ {r['setting']}", *r["plan_log"]]
+                lines += [f"# {r['key']} @ {r['setting']}", *filter(is_plan_line, r["plan_log"])]
             lines += ["```"]
         lines.append("")
     if result.get("convergence_skipped"):
@@ -415,14 +451,47 @@ def markdown(result: dict) -> str:
             d = by["plain"]["abs_vs_single"]
             lines.append(f"- Plain TP vs one process, final validation loss: {d:+.2e} (expected ~1e-4 or less: "
                          f"{'met' if abs(d) <= 1e-4 else '**not met**'}).")
-        for key in ("topk", "q4", "topk-q4", "full"):
-            if key in by and "vs_plain" in by[key]:
-                v = by[key]["vs_plain"]
-                lines.append(f"- {by[key]['label']}: {v:+.2%} from plain TP" + (
+        for key, r in by.items():
+            if key not in ("plain", "single") and "vs_plain" in r:
+                v = r["vs_plain"]
+                lines.append(f"- {r['label']}: {v:+.2%} from plain TP" + (
                     f" (target: within 1%: {'met' if abs(v) <= 0.01 else '**not met**'})." if key == "full" else "."))
         if plan["conv_steps"] < 200:
             lines.append(f"- Only {plan['conv_steps']} steps (`--quick`): judge the 1% target on the full run.")
+        lines.append("")
+    lines += joined(result)
     return "\n".join(lines).rstrip()
+
+
+def joined(result: dict) -> list[str]:
+    """One table of the runs measured in both parts: final validation loss and step time at the slowest rate."""
+    rows = [r for r in result["rows"] if r["ok"]]
+    timing = [r for r in rows if r["part"] == "timing"]
+    conv = {r["key"]: r for r in rows if r["part"] == "convergence"}
+    if not timing or not conv:
+        return []
+    from scripts.bench.cluster import parse_rate
+
+    slow = min(result["plan"]["rates"], key=parse_rate)
+    at = {r["key"]: r for r in timing if r["setting"] == slow}
+    keys = [k for k in at if k in conv]
+    if len(keys) < 2:
+        return []
+    out = [f"### Both parts: validation loss and step time at {slow}", "",
+           f"The runs measured in both parts (same keys; \"full\" is K = {result['plan']['conv_partitions']} in the "
+           f"convergence part and K = {at['full']['partitions'] if 'full' in at else '?'} in the timing part; "
+           "pipelining only reorders work).", "",
+           f"| run | final validation loss | vs plain TP | step ms at {slow} | speedup vs plain TP | 1% and 1.8x |",
+           "| --- | ---: | ---: | ---: | ---: | --- |"]
+    for k in keys:
+        c, t = conv[k], at[k]
+        vs = c.get("vs_plain")
+        both = "–" if k == "plain" or vs is None or "speedup" not in t else \
+            ("both" if abs(vs) <= 0.01 and t["speedup"] >= 1.8 else "no")
+        speedup = f"{t['speedup']:.2f}" if "speedup" in t else "–"
+        out.append(f"| {t['label']} | {c['final_val_loss']:.4f} | " + ("–" if vs is None else f"{vs:+.2%}")
+                   + f" | {t['step_ms']:.0f} | {speedup} | {both} |")
+    return out + [""]
 
 
 def plots(result: dict, out_dir: Path) -> list[Path]:

@@ -7,7 +7,9 @@ import torch
 
 from trainer.spawn import run_ranks
 from zeropp.acctfm import (
+    METHODS,
     all_reduce_compressed,
+    all_reduce_compressed_blocks,
     comm_time,
     decode,
     encode,
@@ -126,6 +128,36 @@ def test_bad_arguments_name_the_value():
         all_reduce_compressed(torch.ones(2), method="ring")
 
 
+def reference_sign(x: torch.Tensor, group_rows=1) -> torch.Tensor:
+    """The 1-bit code by its definition, in float64: sign(x) (+ for 0) times the group's mean |x|."""
+    x = x.double().reshape(-1, x.shape[-1])
+    g = group_rows or x.shape[0]
+    out = torch.empty_like(x)
+    for start in range(0, x.shape[0], g):
+        part = x[start:start + g]
+        out[start:start + g] = torch.where(part < 0, -1.0, 1.0) * part.abs().mean()
+    return out
+
+
+@pytest.mark.parametrize("group_rows", [1, 3, None])
+def test_one_bit_is_the_sign_times_the_mean_magnitude(group_rows):
+    x = heavy_tailed((10, 37), seed=7)
+    x[2, :5] = 0.0  # zeros decode to +s
+    x[4] = 0.0  # an all-zero row (group_rows 1): scale 0, decodes to zeros
+    codes, scales = encode(x, 1, group_rows)
+    assert codes.numel() == math.ceil(x.numel() / 8) and codes.numel() + 4 * scales.numel() == \
+        payload_bytes(10, 37, 1, group_rows)  # one bit a value, an fp32 scale per group
+    y = decode(codes, scales, x.shape, 1, group_rows)
+    torch.testing.assert_close(y.double(), reference_sign(x, group_rows), rtol=1e-6, atol=0)
+    assert torch.allclose(error_bound(x, 1, group_rows).double(), (y.double() - x.double()).abs(), rtol=1e-5, atol=1e-7)
+    if group_rows == 1:
+        assert not y[4].any()
+    assert levels(1).tolist() == [1.0]
+    g = torch.randn(512, 256, generator=torch.Generator().manual_seed(0))  # Gaussian rows: 1 - 2/pi
+    rel = ((decode(*encode(g, 1), g.shape, 1) - g) ** 2).sum() / (g**2).sum()
+    assert abs(rel - (1 - 2 / math.pi)) < 0.01
+
+
 def linear_round_trip(x, bits):
     """Paper eq. 4-5: one step max|R| / (2^(bits-1) - 1) for the whole tensor."""
     step = x.abs().max() / (2 ** (bits - 1) - 1)
@@ -201,6 +233,10 @@ def _distributed(rank, world, cases, shape):
         sync = all_reduce_compressed(x, bits=4, group_rows=group_rows, method=method)
         work = all_reduce_compressed(x, bits=4, group_rows=group_rows, method=method, async_op=True)
         results[(method, group_rows, dtype)] = (sync, work.wait())
+    for method in METHODS:  # kept rows at 4 bits and pruned rows at 1 bit, in one message
+        kept, pruned = _rank_input(rank, shape), _rank_input(rank + 10, (4, shape[1]))
+        results[("blocks", method)] = all_reduce_compressed_blocks([(kept, 4), (pruned, 1), (kept[:0], 4)],
+                                                                   method=method)
     local = torch.randint(0, 3, (2, 9), generator=torch.Generator().manual_seed(rank)).float()  # differs per rank
     masks = [topk_token_mask(local, ratio) for ratio in (0.4, 1.0)]
     alpha_beta = measure_alpha_beta(sizes=(1 << 10, 1 << 14), repeats=2, op="all_gather")
@@ -228,6 +264,25 @@ def test_distributed_compressed_all_reduce_and_topk():
             bound = bound + torch.cat([error_bound(c, 4, group_rows) for c in padded.split(2)])[:5].double()
         rounding = 0 if dtype == torch.float32 else first.double().abs() * 2**-8  # the bf16 result
         assert ((first.double() - exact).abs() <= bound * (1 + 1e-5) + rounding + 1e-5).all()
+    # Blocks in one message: the 4-bit block is what all_reduce_compressed gives alone; the 1-bit
+    # block (gather) is the sum over ranks, in rank order, of each rank's sign(x) * mean |x| per row.
+    for method in METHODS:
+        first = outs[0][0][("blocks", method)]
+        for results, *_ in outs:
+            assert all(torch.equal(a, b) for a, b in zip(results[("blocks", method)], first))
+        assert first[2].shape == (0, shape[1])
+        alone = outs[0][0][(method, 1, torch.float32)][0]
+        assert torch.equal(first[0], alone)
+        signs = [reference_sign(_rank_input(r + 10, (4, shape[1]))) for r in range(world)]
+        if method == "gather":
+            torch.testing.assert_close(first[1].double(), sum(signs), rtol=1e-6, atol=1e-6)
+            in_order = torch.zeros(4, shape[1])
+            for r in range(world):
+                in_order += decode(*encode(_rank_input(r + 10, (4, shape[1])), 1), (4, shape[1]), 1)
+            assert torch.equal(first[1], in_order)  # the decoded 1-bit payloads, added in rank order
+        else:  # each rank's 2-row chunk of the sum is re-encoded at 1 bit
+            want = torch.cat([reference_sign(c) for c in sum(signs).split(2)])
+            torch.testing.assert_close(first[1].double(), want, rtol=1e-5, atol=1e-5)
     # top-k: one mask everywhere, the top tokens of the summed scores (small integers: sums exact)
     total = sum(local for _, local, _, _ in outs)
     for _, _, masks, _ in outs:
@@ -242,6 +297,7 @@ def test_wire_bytes_by_hand():
     assert wire_bytes((5, 7), 3, 4, 1, "two_step") == 2 * 2 * 16
     assert wire_bytes((5, 7), 1) == 0
     assert wire_bytes((4096, 1024), 2, 4, None) == 4096 * 1024 // 2 + 4  # 8x less than fp32
+    assert wire_bytes((5, 7), 2, 1) == 5 + 5 * 4  # 1 bit: 35 codes -> 40 -> 5 bytes, + 5 scales
 
 
 # ---------------------------------------------------------------- partition planner

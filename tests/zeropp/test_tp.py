@@ -153,14 +153,72 @@ def test_planned_partitions_stay_exact():
     assert "partition plan" in notes[0]
 
 
-def test_compressed_all_reduces_keep_the_ranks_identical():
+@pytest.mark.parametrize("pruned,ratio", [("reduce", 7.5), ("drop", 12)])
+def test_compressed_all_reduces_keep_the_ranks_identical(pruned, ratio):
     """Top-k rows and piecewise int4: every rank of the group sees the same reduced activations and
     gradients, so the replicated weights (norms, positions) stay bit-identical; fewer bytes travel."""
     exact = run_ranks(_accftm_run, 2, args=(TensorParallelConfig(size=2), 4))
     full = run_ranks(_accftm_run, 2, args=(TensorParallelConfig(size=2, partitions=2, topk_keep_ratio=0.5,
-                                                                 quantize_bits=4), 4))
+                                                                 quantize_bits=4, topk_pruned=pruned), 4))
     (losses, sent, rep0, _, _), (_, _, rep1, _, _) = full
     for name in rep0:
         assert torch.equal(rep0[name], rep1[name]), name
-    assert sent[-1] < exact[0][1][-1] / 12  # half the rows, 4 bits + a scale per row instead of 32 bits
+    # Half the rows at 4 bits + a scale per row instead of 32 bits (drop: 12.8x fewer bytes); reduce
+    # adds the other half at 3 bits + a scale (d = 64: 4 bits a value on average, 8x fewer).
+    assert sent[-1] < exact[0][1][-1] / ratio
     assert all(abs(a - b) < 0.1 for a, b in zip(losses, exact[0][0])), (losses, exact[0][0])
+
+
+def _pruned_rows(rank, world, x, mask, pruned, bits, pruned_bits):
+    from zeropp.tp import TPComm
+    from zeropp.topology import build_mesh
+    cfg = TensorParallelConfig(size=world, topk_keep_ratio=0.5, quantize_bits=bits, topk_pruned=pruned,
+                               topk_pruned_bits=pruned_bits)
+    tp = TPComm(build_mesh(tp=world, thread_groups=False), cfg)
+    out = tp.wait(tp.all_reduce(x[rank], "test", mask, compress=bits > 0))
+    return out, tp.ledger.totals()["test"]["sent"]
+
+
+@pytest.mark.parametrize("pruned,bits,pruned_bits", [("reduce", 4, 1), ("reduce", 0, 1), ("reduce", 4, 3),
+                                                     ("drop", 4, 3), ("local", 4, 3)])
+def test_pruned_rows_against_a_reference(pruned, bits, pruned_bits):
+    """TPComm.all_reduce with a top-k mask over 3 ranks: kept rows are the (int4 or exact) sum;
+    pruned rows, under reduce, the sum over ranks of their dequantized low-bit codes (1 bit: sign(x)
+    * mean |x| of the row, built here from its definition; 3 bits: piecewise), identical on every
+    rank, in the same message; under drop zero; under local this rank's own row times 3."""
+    from zeropp.acctfm import decode, encode, wire_bytes
+    world = 3
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(world, 2, 5, 16, generator=g) * torch.rand(world, 2, 5, 1, generator=g) * 4
+    mask = torch.rand(2, 5, generator=g) < 0.5
+    mask[0, 0], mask[0, 1] = True, False
+    outs = run_ranks(_pruned_rows, world, args=(x, mask, pruned, bits, pruned_bits))
+    for out, _ in outs[1:]:
+        if pruned != "local":
+            assert torch.equal(out, outs[0][0])
+    if bits:  # the kept rows: what the compressed all-reduce gives for them alone
+        kept = run_ranks(_kept_alone, world, args=(x[:, mask],))[0]
+    else:
+        kept = x[:, mask].sum(0)
+    rows = x[:, ~mask]
+    if pruned_bits == 1:
+        codes = torch.where(rows < 0, -1.0, 1.0).double() * rows.double().abs().mean(-1, keepdim=True)
+    else:
+        codes = torch.stack([decode(*encode(r, pruned_bits), r.shape, pruned_bits) for r in rows]).double()
+    for rank, (out, sent) in enumerate(outs):
+        torch.testing.assert_close(out[mask], kept, rtol=1e-6, atol=1e-6)
+        if pruned == "reduce":
+            torch.testing.assert_close(out[~mask].double(), codes.sum(0), rtol=1e-6, atol=1e-6)
+        elif pruned == "drop":
+            assert not out[~mask].any()
+        else:
+            assert torch.equal(out[~mask], 3 * x[rank][~mask])
+        kept_bytes = wire_bytes((int(mask.sum()), 16), world, bits) if bits else \
+            2 * (world - 1) * int(mask.sum()) * 16 * 4 // world
+        pruned_bytes = wire_bytes((int((~mask).sum()), 16), world, pruned_bits) if pruned == "reduce" else 0
+        assert sent == kept_bytes + pruned_bytes
+
+
+def _kept_alone(rank, world, kept):
+    from zeropp.acctfm import all_reduce_compressed
+    return all_reduce_compressed(kept[rank], bits=4)
