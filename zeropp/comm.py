@@ -132,6 +132,10 @@ class Comm:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeropp-comm") \
             if self.backend == "gloo" else None
         self.node_aware = node_aware and uses_node_aware(mesh, self.backend)
+        # The DP rank whose shard sits at each position of a `dp` all-gather's output with
+        # `node_aware=True`: local-rank-major when the gather is node-aware; None: rank order.
+        self.gather_order = [n * mesh.ranks_per_node + local for local in range(mesh.ranks_per_node)
+                             for n in range(mesh.num_nodes)] if self.node_aware else None
 
     def volume(self, chunk_bytes: int, group: str = "dp", node_aware: bool = False) -> tuple[int, int]:
         """(bytes sent, of which cross-node) by this rank in a collective over `group` that moves one
@@ -146,15 +150,6 @@ class Comm:
     def _record(self, tag: str, dtype: torch.dtype, chunk_bytes: int, group: str, node_aware: bool = False) -> None:
         sent, cross = self.volume(chunk_bytes, group, node_aware)
         self.ledger.record(tag, dtype, sent, sent, cross, cross)
-
-    @property
-    def gather_order(self) -> list[int]:
-        """The DP rank whose shard sits at each position of a `dp` all-gather's output with
-        `node_aware=True`: local-rank-major when the gather is node-aware, else rank order."""
-        m = self.mesh
-        if not self.node_aware:
-            return list(range(m.world_size))
-        return [n * m.ranks_per_node + local for local in range(m.ranks_per_node) for n in range(m.num_nodes)]
 
     # ------------------------------------------------------------------ collectives
 

@@ -296,9 +296,8 @@ class Zero3Engine(Runtime):
             unit.refresh()
 
     def _issue_gather(self, unit: Unit, async_op: bool | None = None) -> None:
-        """Re-encode the unit's wire if its master changed (just before its gather, so the
-        encoding of later blocks overlaps the earlier gathers), then gather it."""
-        self._refresh(unit)
+        """Gather the unit (its wire was re-encoded by `_holds_current` just before, so the
+        encoding of later blocks overlaps the earlier gathers)."""
         unit.gather(self.comm, self._phase, async_op=self.config.overlap_comm if async_op is None else async_op)
 
     def _holds_current(self, unit: Unit) -> bool:

@@ -59,7 +59,7 @@ COLLECTIVES = textwrap.dedent("""
     gathered = torch.empty(numel * mesh.world_size)
     for _ in range(iters):
         comm.all_gather(gathered, shard, node_aware=True)
-    ok = all(gathered[p * numel] == r for p, r in enumerate(comm.gather_order))
+    ok = all(gathered[p * numel] == r for p, r in enumerate(comm.gather_order or range(mesh.world_size)))
     full, mine = torch.ones(numel * mesh.world_size), torch.zeros(numel)
     for _ in range(iters):
         comm.reduce_scatter(mine, full, accumulate=True)

@@ -75,7 +75,7 @@ def _node_aware_vs_flat(rank, world, ranks_per_node):
     got = torch.empty_like(expect)
     aware.all_gather(got, shard, tag="gather", async_op=True, node_aware=True).wait()
     in_place = torch.empty_like(got)
-    for p, r in enumerate(aware.gather_order):  # what the decode does
+    for p, r in enumerate(aware.gather_order or range(world)):  # what the decode does
         in_place[r * n:(r + 1) * n] = got[p * n:(p + 1) * n]
     gathers_equal = torch.equal(in_place, expect)
 
