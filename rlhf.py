@@ -87,7 +87,7 @@ def main(argv: list[str]) -> None:
 
 
 def run(stage: str, cfg: RLHFConfig) -> dict:
-    env, own_group = setup_distributed()
+    env, own_group = setup_distributed(cfg.train.dist_timeout)
     try:
         return run_stage(stage, cfg, env)
     finally:

@@ -31,10 +31,11 @@ from trainer.optim import build_optimizer, lr_at
 from zeropp import build_runtime
 
 
-def setup_distributed() -> tuple[DistEnv, bool]:
-    """Join the launcher's process group; one process gets a group of its own, so that every
-    model's runtime shares it (the second return value: we made it, we destroy it)."""
-    env = init_distributed()
+def setup_distributed(timeout: float) -> tuple[DistEnv, bool]:
+    """Join the launcher's process group (collectives wait at most `timeout` seconds, the config's
+    train.dist_timeout); one process gets a group of its own, so that every model's runtime
+    shares it (the second return value: we made it, we destroy it)."""
+    env = init_distributed(timeout)
     if dist.is_initialized():
         return env, False
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -9,6 +9,7 @@ Stages hand their results to the next as Hugging Face directories under `train.o
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -65,6 +66,9 @@ class TrainSection:
     # and exit cleanly. "" disables.
     preempt_signal: str = "SIGUSR1"
     peak_tflops: float = 1.0  # peak of the hardware in TFLOP/s per rank, for MFU
+    # Seconds a collective may wait for the other ranks before this rank fails and names what it
+    # waited in (a dead or frozen rank ends the job in minutes, not gloo's default 30).
+    dist_timeout: float = 600.0
 
 
 @dataclass
@@ -185,6 +189,8 @@ def check(cfg: RLHFConfig, stage: str) -> None:
                        ("train.eval_interval", cfg.train.eval_interval)):
         if value < 1:
             raise ConfigError(f"{key} must be at least 1, got {value}")
+    if not (math.isfinite(cfg.train.dist_timeout) and cfg.train.dist_timeout > 0):
+        raise ConfigError(f"train.dist_timeout must be a finite number of seconds > 0, got {cfg.train.dist_timeout}")
     if cfg.data.max_prompt_len >= cfg.data.max_len:
         raise ConfigError(f"data.max_prompt_len {cfg.data.max_prompt_len} must be below data.max_len "
                           f"{cfg.data.max_len} (room for the response)")

@@ -27,7 +27,7 @@ from zeropp.checkpoint import (FULL, CheckpointError, load_full, load_full_tenso
 from zeropp.comm import Comm, CommLedger
 from zeropp.config import ZeroConfig
 from zeropp.engine import partition_units, unit_numels, zero3_cross_node_bytes
-from zeropp.runtime import Runtime, Timings
+from zeropp.runtime import Runtime, Timings, clip_by_norm_, squared_norm
 from zeropp.separate import Separate
 from zeropp.topology import Mesh, build_mesh, new_group
 
@@ -117,7 +117,8 @@ class DDPRuntime(Runtime):
         self.gradient_divide_factor = float(factor)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]  # already the mean
+        return clip_by_norm_(grads, squared_norm(grads, next(self.module.parameters()).device), max_norm)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}

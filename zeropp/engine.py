@@ -45,7 +45,7 @@ from zeropp.comm import Comm
 from zeropp.config import DTYPES, ZeroConfig, ZeroConfigError
 from zeropp.quantized import PlainCodec, QuantizedCodec
 from zeropp.reducers import TAG as REDUCE_TAG, ExactReduceScatter, ProjectedReduce, QuantizedReduce
-from zeropp.runtime import InferenceWeights, Runtime, Timings
+from zeropp.runtime import InferenceWeights, Runtime, Timings, clip_by_norm_, squared_norm
 from zeropp.separate import Separate
 from zeropp.topology import Mesh, build_mesh
 from zeropp.unit import Phase, Unit
@@ -550,16 +550,9 @@ class Zero3Engine(Runtime):
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         grads = [p.grad for u in self.units.values() for _, p, _ in u.params if p.grad is not None]
-        local = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g in grads:
-            local += g.double().pow(2).sum()
-        self.comm.all_reduce(local, tag="grad norm")
-        norm = local.sqrt().float()
-        if math.isfinite(max_norm):
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for g in grads:
-                g.mul_(coef)
-        return norm
+        squared = squared_norm(grads, self.device)
+        self.comm.all_reduce(squared, tag="grad norm")
+        return clip_by_norm_(grads, squared, max_norm)
 
     def unshard(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full tensors from per-parameter local pieces shaped like the registered parameters (the

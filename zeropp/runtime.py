@@ -24,6 +24,7 @@ gradients are the mean over ranks (the sum divided by the gradient divide factor
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
@@ -36,6 +37,27 @@ import torch.nn as nn
 from models.transformer import lm_loss
 from zeropp.comm import CommLedger
 from zeropp.topology import Mesh
+
+
+def squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of the gradients' squares, accumulated in fp64 (a 0-d tensor on `device`)."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        total += g.double().pow(2).sum()
+    return total
+
+
+def clip_by_norm_(grads: list[torch.Tensor], squared: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Scale `grads` so that their global L2 norm is at most `max_norm`; `squared` is the sum of
+    squares over every rank (`squared_norm`, all-reduced where gradients are sharded). Every
+    runtime clips through here, so one process, DDP, ZeRO-3 and TP agree to fp64 accuracy (torch's
+    `clip_grad_norm_` accumulates in fp32: on a 1M-element tensor that drifted by 5e-5 in 20 steps)."""
+    norm = squared.sqrt().float()
+    if math.isfinite(max_norm):
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+    return norm
 
 
 class Timings(defaultdict):

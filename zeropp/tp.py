@@ -47,7 +47,7 @@ from zeropp import acctfm
 from zeropp.checkpoint import FULL, SHARDED, read_safetensors, unsharded_tensors
 from zeropp.comm import CommLedger
 from zeropp.config import TensorParallelConfig, ZeroConfig
-from zeropp.runtime import Runtime
+from zeropp.runtime import Runtime, clip_by_norm_, squared_norm
 from zeropp.topology import Mesh, TopologyError
 
 
@@ -587,26 +587,14 @@ class TensorParallelRuntime(Runtime):
         """The norm over the whole model: sliced parameters summed over the tensor-parallel group,
         replicated ones counted once (tp rank 0's), and over the DP shards under ZeRO."""
         device = next(self.module.parameters()).device
-        parts = torch.zeros(2, dtype=torch.float64, device=device)
-        grads = []
-        for name, p in self.module.named_parameters():
-            if p.grad is None:
-                continue
-            grads.append(p.grad)
-            sq = p.grad.double().pow(2).sum()
-            if name in self.plan:
-                parts[0] += sq
-            elif self.tp.rank == 0:
-                parts[1] += sq
+        sliced = [p.grad for name, p in self.module.named_parameters() if p.grad is not None and name in self.plan]
+        replicated = [p.grad for name, p in self.module.named_parameters()
+                      if p.grad is not None and name not in self.plan]
+        parts = torch.stack([squared_norm(sliced, device), squared_norm(replicated, device) * (self.tp.rank == 0)])
         # DDP holds the same full gradient on every DP rank; ZeRO-3 holds shards of it.
         group = self.tp.group if self.inner.checkpoint_format == FULL else None
         dist.all_reduce(parts, group=group)
-        norm = parts.sum().sqrt().float()
-        if max_norm < float("inf"):
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for g in grads:
-                g.mul_(coef)
-        return norm
+        return clip_by_norm_(sliced + replicated, parts.sum(), max_norm)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter of the unsliced model (the group's slices concatenated), on every rank."""

@@ -28,6 +28,7 @@ def test_one_preset_per_stage_and_one_for_the_pipeline():
     (["--generation.top_p", "0"], "generation.top_p"),
     (["--reward.source", "task", "--data.task", "", "--data.preferences", "pairs.jsonl"], "reward.source"),
     (["--ppo.mini_batches", "16"], "ppo.mini_batches"),
+    (["--train.dist_timeout", "0"], "train.dist_timeout"),
 ])
 def test_bad_values_name_the_key(argv, key):
     cfg = parse_args(["--data.task", "word", *argv], RLHFConfig())

@@ -14,6 +14,7 @@ from tests.zeropp.test_engine import BATCH, OPTIM, _zero_run, batches, make_engi
 from trainer.optim import build_optimizer
 from trainer.spawn import run_ranks
 from zeropp.config import ZeroConfig
+from zeropp.ddp import DDPRuntime
 
 FP32 = ZeroConfig(stage=3, communication_data_type="fp32")
 V1 = Path(__file__).parent / "data" / "checkpoint_v1"
@@ -85,6 +86,54 @@ def _v1_model() -> Transformer:
     torch.manual_seed(0)
     return Transformer(ModelConfig.from_preset("llama-tiny", vocab_size=32, n_layer=2, d_model=16, n_head=2,
                                                n_kv_head=1, d_ff=24, max_seq_len=16))
+
+
+BIG_VOCAB = 16384  # gpt2-tiny's tied embedding becomes one 1M-element tensor
+
+
+def _big_vocab_model() -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(ModelConfig.from_preset("gpt2-tiny", vocab_size=BIG_VOCAB))
+
+
+def _clipped_run(rank, world, steps, clip):
+    """`steps` steps clipped at `clip`: one process on the DDP runtime (the trainer's one-process
+    path), more ranks on ZeRO-3; the losses, norms and (rank 0) the full weights."""
+    model = _big_vocab_model()
+    runtime = DDPRuntime(model) if world == 1 else make_engine(model, FP32)[0]
+    optimizer = build_optimizer(runtime.module, OPTIM)
+    losses, norms = [], []
+    for sample in batches(steps, BIG_VOCAB):
+        mine = sample[rank * BATCH // world:(rank + 1) * BATCH // world]
+        loss = lm_loss(runtime(mine[:, :-1]), mine[:, 1:])
+        runtime.backward(loss)
+        if world == 1:  # the norm an fp64 reduction of every gradient element gives
+            exact = torch.cat([p.grad.double().reshape(-1) for p in runtime.module.parameters()]).norm().item()
+        norms.append(runtime.clip_grad_norm_(clip).item())
+        if world == 1:
+            assert abs(norms[-1] - exact) <= 1e-6 * exact, (norms[-1], exact)
+        optimizer.step()
+        optimizer.zero_grad()
+        t = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(t)
+        losses.append(t.item() / world)
+    state = runtime.full_state_dict()
+    runtime.close()
+    return losses, norms, state
+
+
+def test_one_process_and_zero3_clip_with_the_same_norm():
+    """Every runtime clips by the fp64 global norm: with clipping active on every step of a model
+    holding a 1M-element tensor, one process (DDP runtime) and ZeRO-3 on 2 ranks stay within 1e-5
+    for 20 steps (torch's fp32 clip_grad_norm_ in the one-process run drifted 5e-5 apart)."""
+    steps, clip = 20, 0.05
+    losses, norms, state = _clipped_run(0, 1, steps, clip)
+    assert min(norms) > clip  # the clip acts on every step
+    z_losses, z_norms, z_state = run_ranks(_clipped_run, 2, args=(steps, clip))[0]
+    assert max(abs(a - b) for a, b in zip(losses, z_losses)) < 1e-5, (losses[-3:], z_losses[-3:])
+    assert max(abs(a - b) / a for a, b in zip(norms, z_norms)) < 1e-5
+    assert max((state[k] - z_state[k]).abs().max().item() for k in state) < 1e-5
 
 
 def _continue_v1(rank, world):
