@@ -136,8 +136,20 @@ class ZeroConfig:
     # link busy through a block whose compute is shorter than its gather; each costs one more
     # block's gathered weights of memory.
     prefetch_depth: int = 1
+    # Issue the next forward's first gathers (embeddings, norms, first blocks) from the optimizer
+    # step itself (with the runtime's attach_optimizer), not when the next forward starts.
+    prefetch_across_steps: bool = True
     # Units with more elements than this are not prefetched (DeepSpeed's meaning: numel).
     stage3_prefetch_bucket_size: int = 50_000_000
+    # Keep-gathered, DeepSpeed's meaning: a block is not released after its forward when it is
+    # used again (by its backward) within this many gathered parameters (elements). The last
+    # k blocks of the forward stay gathered for the backward, k = distance // (2 x block) + 1,
+    # and are not gathered again there. 0 keeps only the prefetch buffers' last blocks (DeepSpeed
+    # defaults to 1e9, which keeps a small model whole: ZeRO-3's memory saving on the weights lost).
+    stage3_max_reuse_distance: int = 0
+    # At most this many gathered block parameters (elements) live at once: caps the blocks kept
+    # for the reuse distance (never below prefetch_depth + 1 blocks).
+    stage3_max_live_parameters: int = 1_000_000_000
     # Dtype of the weight all-gather and the gradient reduce-scatter; the master weights,
     # optimizer states and the gradient accumulation stay fp32.
     communication_data_type: Literal["bf16", "fp16", "fp32"] = "bf16"
@@ -227,9 +239,9 @@ class ZeroConfig:
         if self.prefetch_depth < 1:
             raise ZeroConfigError(f"zero_optimization.prefetch_depth must be >= 1, got {self.prefetch_depth} "
                                   f"(overlap_comm: false turns prefetching off)")
-        if self.stage3_prefetch_bucket_size < 0:
-            raise ZeroConfigError(
-                f"zero_optimization.stage3_prefetch_bucket_size must be >= 0, got {self.stage3_prefetch_bucket_size}")
+        for key in ("stage3_prefetch_bucket_size", "stage3_max_reuse_distance", "stage3_max_live_parameters"):
+            if getattr(self, key) < 0:
+                raise ZeroConfigError(f"zero_optimization.{key} must be >= 0, got {getattr(self, key)}")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ZeroConfigError(f"zero_optimization.ranks_per_node must be >= 1, got {self.ranks_per_node}")
         for key in ("zero_quantized_weights_bits", "zero_quantized_gradients_bits"):

@@ -8,8 +8,9 @@ Forward: a unit's wire is re-encoded just before its gather when its master chan
 optimizer stepped, a checkpoint loaded). The model's pre-hook gathers the two resident units
 (embeddings, norms) into buffers of their own, once per weight update, and issues the first
 blocks' gathers behind theirs before it waits for anything. A block's pre-hook gathers it into
-one of `prefetch_depth` + 1 preallocated, rotating buffers and binds its parameters as views
-of it; the next blocks' gathers (`prefetch_depth` of them) are issued first (prefetch in the
+one of `prefetch_depth` + 1 preallocated, rotating buffers (more when
+`stage3_max_reuse_distance` keeps the forward's last blocks gathered for the backward) and binds
+its parameters as views of it; the next blocks' gathers (`prefetch_depth` of them) are issued first (prefetch in the
 order recorded on the first forward), so communication overlaps compute.
 
 Backward: an identity autograd function on each block's output (`_PreBackward`) fires
@@ -225,7 +226,7 @@ class Zero3Engine(Runtime):
         self.blocks = [u for group in self.block_groups for u in group]
         self.resident = [self.units[n] for base in ("embedding", "norms") for n in (base, base + FROZEN_SUFFIX)
                          if n in self.units]
-        self._slots = cfg.prefetch_depth + 1  # weight buffers: the computing block's and the prefetched ones
+        self._slots = self._buffer_count()
         if cfg.hpz and self.mesh.secondary_size > 1:
             for u in self.blocks:  # resident units are not re-gathered for the backward
                 u.enable_secondary(self.mesh.secondary_size)
@@ -248,6 +249,16 @@ class Zero3Engine(Runtime):
 
     # ------------------------------------------------------------------ buffers
 
+    def _buffer_count(self) -> int:
+        """Rotating weight buffers: the computing block's and the prefetched ones, or more to keep
+        the last blocks of the forward gathered for the backward (stage3_max_reuse_distance: block
+        p of n is used again after 2 (n - 1 - p) blocks' parameters), within
+        stage3_max_live_parameters. Never more than the blocks."""
+        cfg, n = self.config, len(self.block_groups)
+        block = max((sum(u.padded_numel for u in group) for group in self.block_groups), default=1)
+        kept = min(cfg.stage3_max_reuse_distance // (2 * block) + 1, cfg.stage3_max_live_parameters // block)
+        return max(1, min(n, max(cfg.prefetch_depth + 1, kept)))
+
     def _new_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, device=self.device)
 
@@ -257,7 +268,7 @@ class Zero3Engine(Runtime):
         return unit.codec.dtype == self.param_dtype and not self.comm.node_aware
 
     def _allocate_buffers(self) -> None:
-        """prefetch_depth + 1 rotating byte buffers shared by the blocks, each holding one block's
+        """The rotating byte buffers shared by the blocks (`_buffer_count`), each holding one block's
         units side by side (gathered bytes, and decoded weights when those differ in dtype), and two
         gradient buffers; a resident unit has buffers of its own."""
         shared_compute = all(self._decodes_in_place(u) for u in self.blocks)
@@ -272,16 +283,17 @@ class Zero3Engine(Runtime):
                 if u.trainable:
                     grad_numel = max(grad_numel, u.padded_numel)
             gather_bytes, compute_numel = max(gather_bytes, gather_at), max(compute_numel, compute_at)
-        gather_pair = [self._new_buffer(gather_bytes, torch.uint8) for _ in range(self._slots)]
-        compute_pair = [] if shared_compute else [self._new_buffer(compute_numel, self.param_dtype)
+        gather_bufs = [self._new_buffer(gather_bytes, torch.uint8) for _ in range(self._slots)]
+        compute_bufs = [] if shared_compute else [self._new_buffer(compute_numel, self.param_dtype)
                                                   for _ in range(self._slots)]
+        self._block_buffers = gather_bufs + compute_bufs
         self._grad_pair = [self._new_buffer(grad_numel, self.param_dtype) for _ in range(2)]
         self._grad_owner: list[Unit | None] = [None, None]
         for u, (gather_at, compute_at) in offsets.items():
             for s in range(self._slots):
-                gather = gather_pair[s][gather_at:gather_at + u.gathered_numel * u.wire.element_size()] \
+                gather = gather_bufs[s][gather_at:gather_at + u.gathered_numel * u.wire.element_size()] \
                     .view(u.codec.dtype)
-                compute = gather if shared_compute else compute_pair[s][compute_at:compute_at + u.padded_numel]
+                compute = gather if shared_compute else compute_bufs[s][compute_at:compute_at + u.padded_numel]
                 u.buffers.append((gather, compute))
         for u in self.resident:
             gather = self._new_buffer(u.gathered_numel, u.codec.dtype)
@@ -312,6 +324,9 @@ class Zero3Engine(Runtime):
         """Wait for the units' prefetched gathers (issuing the missing ones) and decode them."""
         due = [u for u in units if not self._holds_current(u)]
         for unit in due:
+            if unit.pending_gather is not None and unit.gathering_version != unit.version:
+                unit.pending_gather.wait()  # sent before the weights changed again: send them anew
+                unit.pending_gather = None
             if unit.pending_gather is None:
                 self._issue_gather(unit)
         for unit in due:
@@ -357,7 +372,8 @@ class Zero3Engine(Runtime):
         # blocks' right behind them, before anything waits.
         stale = [u for u in self.resident if not self._holds_current(u)]
         for u in stale:
-            self._issue_gather(u)
+            if u.pending_gather is None:  # else issued when the optimizer stepped
+                self._issue_gather(u)
         if self._order_known:
             self._prefetch_from(0, +1)
         self._ensure_gathered(stale)
@@ -396,6 +412,26 @@ class Zero3Engine(Runtime):
         if torch.is_grad_enabled():
             return _wrap_outputs(output, self, self.resident)
         return output
+
+    def _prefetch_next_forward(self) -> None:
+        """Right after an optimizer step: re-encode and issue the next forward's first gathers
+        (the embeddings and norms, then the first prefetch_depth blocks), so that they travel
+        while the caller logs, evaluates or loads the next batch."""
+        cfg = self.config
+        if self._rollout is not None or not self._order_known or not (cfg.overlap_comm and cfg.prefetch_across_steps):
+            return
+        self._phase = Phase.FORWARD
+        for u in self.resident:
+            if u.pending_gather is None and not self._holds_current(u):
+                self._issue_gather(u)
+        self._prefetch_from(0, +1)
+
+    def _wait_gathers(self) -> None:
+        """Let every gather in flight land (before the buffers are handed elsewhere, or closing)."""
+        for u in self.units.values():
+            if u.pending_gather is not None:
+                u.pending_gather.wait()
+                u.pending_gather = None
 
     # ------------------------------------------------------------------ backward
 
@@ -518,6 +554,7 @@ class Zero3Engine(Runtime):
                                 streamed_units=len(streamed), collectives_per_forward=bool(streamed))
         # The training buffers' occupants let go: a held block never takes a training buffer,
         # so nothing releases its copy's binding while the rollout runs.
+        self._wait_gathers()  # e.g. the next forward's, issued when the optimizer stepped
         for s, group in enumerate(self._occupant):
             for unit in group or ():
                 unit.release()
@@ -535,10 +572,7 @@ class Zero3Engine(Runtime):
                 u.bind(False, self._reduce)
             yield info
         finally:
-            for u in self.units.values():  # a forward that failed midway may leave a prefetch
-                if u.pending_gather is not None:
-                    u.pending_gather.wait()
-                    u.pending_gather = None
+            self._wait_gathers()  # a forward that failed midway may leave a prefetch
             for u in held:
                 u.drop_inference_copy()
             self._rollout, self._phase = None, Phase.FORWARD
@@ -547,6 +581,11 @@ class Zero3Engine(Runtime):
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         self.gradient_divide_factor = float(factor)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer, with a step post-hook that sends the next forward's first gathers."""
+        optimizer.register_step_post_hook(lambda *_: self._prefetch_next_forward())
+        return optimizer
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         grads = [p.grad for u in self.units.values() for _, p, _ in u.params if p.grad is not None]
@@ -597,7 +636,10 @@ class Zero3Engine(Runtime):
         load_unsharded(self, tensors, optimizer)
 
     def describe(self) -> str:
-        return f"{self.config.describe()}, gradients by {self.reducer.describe()} | topology: {self.mesh.describe()}"
+        buffers = sum(b.numel() * b.element_size() for b in self._block_buffers)
+        return (f"{self.config.describe()}, gradients by {self.reducer.describe()}, {self._slots} of "
+                f"{len(self.block_groups)} blocks gathered at once ({buffers / 2**20:.1f} MB of buffers) | "
+                f"topology: {self.mesh.describe()}")
 
     def zero3_cross_node_bytes(self) -> dict[str, int]:
         return zero3_cross_node_bytes(self._unit_numels, self.mesh, self.comm.node_aware)
@@ -614,7 +656,7 @@ class Zero3Engine(Runtime):
             sent, cross = totals.setdefault(tag, [0, 0])
             totals[tag] = [sent + times * volume[0], cross + times * volume[1]]
 
-        held = min(self.config.prefetch_depth + 1, len(self.block_groups))  # blocks the buffers hold
+        held = self._slots  # blocks the rotating buffers hold
         position = {id(u): i for i, group in enumerate(self.block_groups) for u in group}
         for u in self.units.values():
             forward = self.comm.volume(u.wire.numel() * u.wire.element_size(), "dp", node_aware=True)
@@ -651,6 +693,7 @@ class Zero3Engine(Runtime):
 
     def close(self) -> None:
         self._finish_reduces()
+        self._wait_gathers()
         for h in self._hooks:
             h.remove()
         self.comm.close()

@@ -132,6 +132,7 @@ class Unit:
         # is valid while it was made from the current one.
         self.version = 0
         self.gathered_version = self.secondary_version = -1
+        self.gathering_version = -1  # the version the gather in flight (pending_gather) sends
         self._encoded_master_version = -1
         self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (gather, compute) per buffer slot
         self.slot = 0  # which of the rotating weight buffers the unit uses (resident units: their own)
@@ -227,6 +228,7 @@ class Unit:
         gather, _ = self._buffer_pair()
         source = self.source(phase)
         shard = self.secondary if source is Source.SECONDARY else self.wire
+        self.gathering_version = self.version
         self.pending_gather = comm.all_gather(gather, shard, group=source.value, tag=f"{phase.value} gather",
                                               async_op=async_op, node_aware=True)
 
@@ -243,12 +245,12 @@ class Unit:
         gather, compute = self._buffer_pair()
         with timer("weight decode"):
             self.codec.decode(gather, compute, self.world_size, comm.gather_order)
-        self.gathered_version = self.version
+        self.gathered_version = self.gathering_version
         if self.secondary is not None and phase is Phase.FORWARD and torch.is_grad_enabled():
             n = self.secondary.numel()
             j = comm.mesh.group_rank("secondary")
             self.secondary.copy_(gather[j * n:(j + 1) * n])
-            self.secondary_version = self.version
+            self.secondary_version = self.gathering_version
 
     def bind(self, grad: bool, on_grads_ready) -> None:
         """Point the modules' attributes at views of the compute buffer; with `grad`, through the

@@ -10,7 +10,7 @@ from trainer.spawn import run_ranks
 from trainer.config import OptimSection
 from trainer.optim import build_optimizer
 from zeropp.config import ZeroConfig
-from zeropp.engine import UnsupportedModelError, Zero3Engine, partition_units
+from zeropp.engine import UnsupportedModelError, Zero3Engine, partition_units, unit_numels
 from zeropp.topology import build_mesh
 
 SEQ = 16
@@ -141,6 +141,89 @@ def test_deeper_prefetch_matches_single_process():
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, depth
         assert max((state[k] - ref_state[k]).abs().max().item() for k in state) < 1e-5, depth
         assert gathers == units * steps, depth
+
+
+def _keep_gathered_run(rank, world, configs, steps):
+    out = []
+    for kwargs in configs:
+        engine, optimizer = make_engine(deeper_model(5), ZeroConfig(stage=3, communication_data_type="fp32", **kwargs),
+                                        ranks_per_node=2)
+        losses = [train_step(engine, optimizer, sample, rank, world) for sample in batches(steps)]
+        totals = engine.ledger.totals()
+        out.append((losses, engine.full_state_dict(), totals["forward gather"]["calls"],
+                    totals.get("backward gather", {"calls": 0})["calls"], engine.describe()))
+        engine.close()
+    return out
+
+
+def test_blocks_kept_gathered_for_the_backward_match_single_process():
+    """stage3_max_reuse_distance covering the model keeps all 5 blocks gathered from the forward
+    to the backward: no backward gather at all; stage3_max_live_parameters of 3 blocks caps it at
+    the last 3 (2 blocks gathered again per backward). Same losses and weights as one process."""
+    steps, block = 4, unit_numels(partition_units(deeper_model(5)))["blocks.0"]
+    configs = [{"stage3_max_reuse_distance": 10**9},
+               {"stage3_max_reuse_distance": 10**9, "stage3_max_live_parameters": 3 * block + 64}]
+    ref_losses, ref_state = reference(deeper_model(5), steps)
+    results = run_ranks(_keep_gathered_run, 4, args=(configs, steps), ranks_per_node=2)[0]
+    resident = 2  # embeddings and norms: one forward gather per step each
+    for (losses, state, forward, backward, described), kept in zip(results, (5, 3)):
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, kept
+        assert max((state[k] - ref_state[k]).abs().max().item() for k in state) < 1e-5, kept
+        assert (forward, backward) == ((5 + resident) * steps, (5 - kept) * steps), kept
+        assert f"{kept} of 5 blocks gathered at once" in described
+
+
+def _cross_step_run(rank, world, steps, edit, across=True):
+    engine, optimizer = make_engine(deeper_model(4), ZeroConfig(stage=3, communication_data_type="fp32",
+                                                               zero_hpz_partition_size=2, prefetch_across_steps=across),
+                                    ranks_per_node=2)
+    optimizer = engine.attach_optimizer(optimizer)
+    losses, in_flight = [], []
+    for sample in batches(steps):
+        losses.append(train_step(engine, optimizer, sample, rank, world))
+        in_flight.append(sorted(u.name for u in engine.units.values() if u.pending_gather is not None))
+        if edit:
+            with torch.no_grad():
+                for p in engine.module.parameters():
+                    p.mul_(0.99)
+    gathers = engine.ledger.totals()["forward gather"]["calls"]
+    state = engine.full_state_dict()
+    engine.close()
+    return losses, state, in_flight, gathers
+
+
+def test_the_next_forwards_first_gathers_leave_at_the_optimizer_step():
+    """attach_optimizer: after each step the embeddings, norms and first block are already on the
+    wire, and the run equals one process; weights edited after the step (so the gathers in flight
+    are stale) are sent again, not used: the same as one process making the same edits."""
+    steps = 4
+    plain_losses, plain_state = reference(deeper_model(4), steps)
+    ref_losses, ref_state = plain_losses, plain_state
+    for edit in (False, True):
+        if edit:
+            model = deeper_model(4)
+            opt = build_optimizer(model, OPTIM)
+            ref_losses = []
+            for sample in batches(steps):
+                loss = lm_loss(model(sample[:, :-1]), sample[:, 1:])
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+                ref_losses.append(loss.item())
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(0.99)
+            ref_state = model.state_dict()
+        losses, state, in_flight, gathers = run_ranks(_cross_step_run, 4, args=(steps, edit), ranks_per_node=2)[0]
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, edit
+        assert max((state[k] - ref_state[k]).abs().max().item() for k in state) < 1e-5, edit
+        assert all(f == ["blocks.0", "embedding", "norms"] for f in in_flight), in_flight
+        # one per unit and step, the last step's 3 early ones unused; after edits the 3 again
+        assert gathers == (4 + 2) * steps + 3 + (3 * (steps - 1) if edit else 0), gathers
+    losses, state, in_flight, gathers = run_ranks(_cross_step_run, 4, args=(steps, False, False), ranks_per_node=2)[0]
+    assert all(f == [] for f in in_flight) and gathers == (4 + 2) * steps  # prefetch_across_steps off
+    assert max(abs(a - b) for a, b in zip(losses, plain_losses)) < 1e-5
 
 
 def test_gradient_accumulation_equals_big_batch():

@@ -323,6 +323,7 @@ def _predicted_and_measured(rank, world, cfg_kwargs, accum):
       "zero_quantized_gradients": True, "zero_quantized_gradients_stages": 2}, 4, 2),
     ({"zero_quantized_weights": True, "zero_quantized_gradients": True, "zero_quantization_block_size": BLOCK,
       "communication_data_type": "fp32"}, 6, 1),
+    ({"stage3_max_reuse_distance": 10**9, "stage3_max_live_parameters": 150_000}, 4, 2),  # keeps 3 of 5 blocks
 ])
 def test_predicted_step_bytes_equal_the_ledger(cfg_kwargs, world, accum):
     """The traffic the engine predicts from sizes and configuration alone is what the step sends."""
