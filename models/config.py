@@ -12,10 +12,11 @@ ARCHS = ("gpt2", "opt", "llama", "qwen2", "qwen3", "mistral")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu_tanh", "relu", "swiglu")
 POSITIONS = ("learned", "rope")
-# RoPE scalings (transformers' rope_type) -> (required parameters, optional parameters). "dynamic" NTK is
-# left out: it changes the frequencies with the length of the running sequence.
+# RoPE scalings (transformers' rope_type) -> (required parameters, optional parameters). "dynamic" NTK scales
+# the base with the running sequence's length beyond max_seq_len (transformers' max_position_embeddings).
 ROPE_SCALINGS = {
     "linear": (("factor",), ()),
+    "dynamic": (("factor",), ()),
     "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
     "yarn": (("factor", "original_max_position_embeddings"),
              ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")),

@@ -57,12 +57,17 @@ def make_norm(config: ModelConfig) -> nn.Module:
     return nn.LayerNorm(config.d_model, eps=config.norm_eps)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, device=None) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, device=None,
+                  seq_len: torch.Tensor | None = None, max_seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     """RoPE inverse frequencies [head_dim / 2] and the factor on cos/sin, as transformers computes them
-    for rope_type default, linear, llama3 and yarn (modeling_rope_utils)."""
+    for rope_type default, linear, llama3, yarn and dynamic (modeling_rope_utils). Dynamic NTK also needs
+    the length of the running sequence (`seq_len`, the largest position + 1) and the model's
+    `max_seq_len` (transformers' max_position_embeddings); without them it is plain RoPE."""
     pos_freqs = theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
     inv_freq = 1.0 / pos_freqs
     kind = scaling["rope_type"] if scaling else "default"
+    if kind == "dynamic":
+        return _dynamic_ntk_inv_freq(inv_freq, head_dim, theta, scaling["factor"], seq_len, max_seq_len), 1.0
     if kind == "linear":
         return inv_freq / scaling["factor"], 1.0
     if kind == "llama3":  # long wavelengths divided by factor, short ones kept, a smooth ramp between
@@ -105,13 +110,31 @@ def _yarn_inv_freq(pos_freqs: torch.Tensor, head_dim: int, theta: float, scaling
             float(attention_factor))
 
 
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, scaling: dict | None = None):
+def _dynamic_ntk_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, factor: float,
+                          seq_len: torch.Tensor | None, max_seq_len: int | None) -> torch.Tensor:
+    """Dynamic NTK scaling (transformers' _compute_dynamic_ntk_parameters): up to max_seq_len tokens plain
+    RoPE; beyond, the base grows to theta * (factor * seq_len / max_seq_len - (factor - 1)) ** (d / (d - 2)).
+    Computed with transformers' tensor dtypes (an int64 length, fp32 base), so the frequencies are its bits."""
+    if seq_len is None or max_seq_len is None or int(seq_len) <= max_seq_len:
+        return inv_freq
+    seq_len = torch.as_tensor(seq_len, dtype=torch.int64, device=inv_freq.device)
+    base = theta * ((factor * seq_len / max_seq_len) - (factor - 1)) ** (head_dim / (head_dim - 2))
+    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=inv_freq.device).float() / head_dim))
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, scaling: dict | None = None,
+                 max_seq_len: int | None = None):
     """fp32 cos/sin tables [B, T, head_dim] in the HF LLaMA (rotate_half) layout.
 
     Recomputed each forward instead of cached in a buffer: it is tiny, and the
     model then has no buffers to worry about when built on the meta device.
+    Dynamic NTK scaling takes the running length from this call's largest position (the
+    positions of a decoding step continue the cached ones) and needs `max_seq_len`.
     """
-    inv_freq, attention_factor = rope_inv_freq(head_dim, theta, scaling, position_ids.device)
+    seq_len = None
+    if scaling and scaling["rope_type"] == "dynamic" and position_ids.numel():
+        seq_len = position_ids.max() + 1
+    inv_freq, attention_factor = rope_inv_freq(head_dim, theta, scaling, position_ids.device, seq_len, max_seq_len)
     freqs = position_ids[..., None].float() * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     if attention_factor != 1.0:
@@ -312,7 +335,8 @@ class Transformer(nn.Module):
         x = self.embed(tokens, position_ids)
         rope = None
         if self.config.positions == "rope":
-            rope = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
+            rope = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling,
+                                self.config.max_seq_len)
         mask = None
         window = self.config.sliding_window
         if window is not None and past_len + T <= window:

@@ -30,10 +30,12 @@ def on_grid_model(model: Transformer, bits: int, block: int, vectors: bool) -> T
 
 # llama-gqa: rows of 64 (q/k/v/o, gate/up) and 96 (down_proj): block 64 gives groups of 64 and of gcd(96, 64) = 32;
 # block 256 spans 4 or 8/3 rows (groups of 64 and 32). opt: tied head, biases; opt-proj: project_in / project_out
-# (Linear layers kept dense, in `ignore`). qwen2: q/k/v biases, tied head.
+# (Linear layers kept dense, in `ignore`). qwen2: q/k/v biases, tied head. qwen3: q/k norms, explicit head_dim;
+# mistral: sliding window; llama3: Llama 3.1 RoPE scaling.
 @pytest.mark.parametrize("kind,bits,block,vectors", [("llama-gqa", 4, 64, False), ("llama-gqa", 8, 256, True),
                                                      ("opt", 4, 32, True), ("opt-proj", 8, 64, False),
-                                                     ("qwen2", 3, 64, True)])
+                                                     ("qwen2", 3, 64, True), ("qwen3", 4, 32, False),
+                                                     ("mistral", 4, 32, True), ("llama3", 8, 64, False)])
 def test_transformers_loads_it_with_our_quantized_logits(kind, bits, block, vectors, tmp_path):
     from transformers import AutoModelForCausalLM
 

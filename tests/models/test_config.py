@@ -85,8 +85,8 @@ def test_bias_groups_are_canonical():
 def test_new_field_errors():
     with pytest.raises(ValueError, match="rope_type 'llama3' needs .*missing \['low_freq_factor'"):
         ModelConfig.from_preset("llama-tiny", rope_scaling={"rope_type": "llama3", "factor": 8.0})
-    with pytest.raises(ValueError, match="rope_scaling=.*'dynamic'.*expected None or a dict with rope_type one of"):
-        ModelConfig.from_preset("llama-tiny", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match="rope_scaling=.*'longrope'.*expected None or a dict with rope_type one of"):
+        ModelConfig.from_preset("llama-tiny", rope_scaling={"rope_type": "longrope", "factor": 2.0})
     with pytest.raises(ValueError, match="sliding_window=0 must be a positive int or None"):
         ModelConfig.from_preset("mistral-tiny", sliding_window=0)
     with pytest.raises(ValueError, match="d_model=64 must be divisible by n_head=3 \(or set explicit_head_dim\)"):

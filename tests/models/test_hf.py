@@ -228,7 +228,7 @@ def test_unsupported_model_type(tmp_path):
 
 
 @pytest.mark.parametrize("kind, key, value", [
-    ("llama-gqa", "rope_scaling", {"rope_type": "dynamic", "factor": 8.0}),
+    ("llama-gqa", "rope_scaling", {"rope_type": "longrope", "factor": 8.0}),
     ("llama-gqa", "rope_scaling", {"rope_type": "llama3", "factor": 8.0}),  # low/high_freq_factor missing
     ("llama-gqa", "partial_rotary_factor", 0.5),
     ("qwen2", "use_sliding_window", True),
