@@ -132,11 +132,11 @@ def markdown(result: dict) -> str:
         lines += [text + ".", ""]
     kinds = sorted({k for r in rows for k in r.get("timing_kinds", [])})
     if kinds:
-        cols = COLUMNS[:5] + [("wire_ms", "wire time ms", "{:.0f}")] + [(f"{k} ms", f"{k} ms", "{:.0f}") for k in kinds]
+        cols = COLUMNS[:5] + [("wire_ms", "wire time ms", "{:.0f}"), *report.time_columns(kinds)]
         lines += ["Where the time goes, per step on rank 0 (the runtime's timings as train.py logs them, mean over "
                   "the timed steps): time the training thread waited for gathers and for reductions, and spent "
                   "encoding (quantizing, once per step) and decoding weights; the rest is compute and everything "
-                  "else.", "", *report.md_table(rows, cols + [("rest ms", "rest (compute, other) ms", "{:.0f}")])]
+                  "else.", "", *report.md_table(rows, cols)]
     return "\n".join(lines)
 
 

@@ -3,7 +3,7 @@
     python scripts/bench/comm_volume.py                      # the 10.56M reference GPT-2, + physical bytes
     python scripts/bench/comm_volume.py --quick              # ledger only (what the suite's --quick runs)
     python scripts/bench/comm_volume.py --tiny               # a tiny model, seconds (what the test runs)
-    python scripts/bench/comm_volume.py --block-size 64 --n-layer 2 --d-model 64 --vocab 512
+    python scripts/bench/comm_volume.py --tiny --block-size 64
 
 ONE training step of the same model on 4 local gloo ranks laid out as 2 nodes x 2, with ZeRO-3 and
 with ZeRO++; the ledger (zeropp.comm.CommLedger) counts the LOGICAL bytes each collective sends and
@@ -166,9 +166,6 @@ def summarize(per_rank: list[dict]) -> dict:
 
 def add_args(p) -> None:
     p.add_argument("--tiny", action="store_true", help="a tiny GPT (2 layers, d 64, vocab 512): seconds")
-    p.add_argument("--preset")
-    for k in ("n-layer", "d-model", "n-head", "vocab", "seq", "micro-batch"):
-        p.add_argument(f"--{k}", type=int)
     p.add_argument("--block-size", type=int, default=256, help="zero_quantization_block_size (default 256)")
     p.add_argument("--physical", action="store_true", default=None,
                    help="also measure physical bytes per collective on the emulated cluster (root; the default "
@@ -178,15 +175,15 @@ def add_args(p) -> None:
 
 def run(args, progress=print) -> dict:
     from trainer.spawn import run_ranks
+    from zeropp.config import ZeroConfig
 
-    m = {k: getattr(args, k) if getattr(args, k, None) is not None else v
-         for k, v in (TINY if args.tiny else REFERENCE).items()}
+    m = TINY if args.tiny else REFERENCE
     mc = model_config(m)
     facts = runner.model_facts(mc, m["preset"], m["seq"])
     result = {"model": {**facts, "micro_batch": m["micro_batch"],
                         "embedding_share": mc.vocab_size * mc.d_model / facts["params"]},
               "block_size": args.block_size, "ranks": RANKS, "ranks_per_node": RANKS_PER_NODE, "configs": {},
-              "node_aware_collectives": _node_aware_default()}
+              "node_aware_collectives": ZeroConfig().node_aware_collectives}
     configs, t0 = zero_configs(args.block_size), time.monotonic()
     per_rank = run_ranks(_steps, RANKS, args=(configs, m), ranks_per_node=RANKS_PER_NODE, timeout=900)
     for name, zero in configs.items():
@@ -215,12 +212,6 @@ def run(args, progress=print) -> dict:
     result["total_ratio"] = result["rows"][-1].get("ratio")
     result["physical_total_ratio"] = result["rows"][-1].get("physical_ratio")
     return result
-
-
-def _node_aware_default() -> bool:
-    from zeropp.config import ZeroConfig
-
-    return getattr(ZeroConfig(), "node_aware_collectives", False)
 
 
 def table_rows(result: dict) -> list[dict]:

@@ -61,12 +61,25 @@ def train_args(plan: dict) -> list[str]:
             *runner.zero_args(ranks_per_node=2)]
 
 
+def fp32_curve_args(plan: dict, **zero) -> list[str]:
+    """This job logging every step and evaluating at step 0, computing in fp32, with these zero_optimization keys
+    (separate.py's and tensor_parallel.py's convergence runs)."""
+    return [*train_args(plan), "--train.log_interval", "1", "--train.eval_at_start", "true",
+            "--train.precision", "fp32", *runner.zero_args(**zero)]
+
+
+def data_missing(path) -> str | None:
+    """Why a benchmark on Tiny Shakespeare cannot run (None when it can)."""
+    if Path(path).is_file():
+        return None
+    return f"{path} not found (Tiny Shakespeare lives in ../shared/data beside the project)"
+
+
 def run(args, progress=print) -> dict:
     plan = resolve(args)
     result = {"plan": plan, "rows": []}
-    if not Path(plan["data"]).is_file():
-        result["skipped"] = f"{plan['data']} not found (Tiny Shakespeare lives in ../shared/data beside the project)"
-        return result
+    if why := data_missing(plan["data"]):
+        return {**result, "skipped": why}
     result["model"] = runner.model_summary(config_args=train_args(plan))
     runs = {"zero3": ("ZeRO-3 (bf16)", runner.zero_args(stage=3))}
     for b in plan["bits"]:
@@ -77,8 +90,7 @@ def run(args, progress=print) -> dict:
             out, t0 = Path(tmp) / key, time.monotonic()
             rc, text = runner.launch([sys.executable, ROOT / "train.py", *train_args(plan), "--train.out_dir", out,
                                       *zargs], timeout=plan["timeout"])
-            metrics = runner.read_metrics(out)
-            val = [(m["step"], m["validation loss"]) for m in metrics if "validation loss" in m]
+            metrics, val = runner.read_metrics(out), runner.validation_curve(out)
             train = [(m["step"], m["lm loss"]) for m in metrics if "lm loss" in m]
             times = [m[runner.STEP_KEY] for m in metrics if runner.STEP_KEY in m]
             if rc or not val:

@@ -66,8 +66,6 @@ RUNTIMES = {
     "deepspeed-fp32": ("DeepSpeed ZeRO-3 (fp32)", "deepspeed", {}, "fp32", None),
     "deepspeed-bf16": ("DeepSpeed ZeRO-3 (bf16)", "deepspeed", {"dtype": "bf16"}, "bf16",
                        "DeepSpeed bf16: bf16 weights, fp32 master"),
-    "deepspeed-regather-fp32": ("DeepSpeed ZeRO-3 (fp32, re-gather for backward)", "deepspeed",
-                                {"zero": _REGATHER}, "fp32", None),
     "deepspeed-hpz-regather-fp32": ("DeepSpeed ZeRO-3 + hpZ (fp32, re-gather for backward)", "deepspeed",
                                     {"zero": {**_HPZ, **_REGATHER}}, "fp32", None),
     "deepspeed-zeropp": ("DeepSpeed ZeRO++ (qwZ + qgZ + hpZ)", "deepspeed",
@@ -88,7 +86,6 @@ PLANS = {
     "quick": {"100mbit": ["zeropp", "zero3-bf16", "ddp-bf16", "fsdp2-bf16", "deepspeed-bf16"],
               "loopback": ["zeropp"]},
 }
-FULL, QUICK = PLANS["full"], PLANS["quick"]
 
 
 # ---------------------------------------------------------------- the peer runtimes

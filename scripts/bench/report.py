@@ -128,6 +128,23 @@ def bars(ax, groups: list[str], series: dict[str, list], horizontal: bool = Fals
     ax.legend(fontsize=8)
 
 
+def time_columns(kinds: list[str]) -> list[tuple[str, str, str]]:
+    """md_table columns of where a step's time goes: the runtime's timings ("<kind> ms"), then the rest."""
+    return [(f"{k} ms", f"{k} ms", "{:.0f}") for k in kinds] + [("rest ms", "rest (compute, other) ms", "{:.0f}")]
+
+
+def time_bars(ax, rows: list[dict], kinds: list[str], names: list[str], xlabel: str, fontsize: int = 8):
+    """Horizontal stacked bars, one per row: where its step time goes (its "<kind> ms", then "rest ms")."""
+    left = [0.0] * len(rows)
+    for kind in [*kinds, "rest"]:
+        ax.barh(range(len(rows)), values := [max(0.0, r.get(f"{kind} ms", 0.0)) for r in rows], left=left, label=kind)
+        left = [a + b for a, b in zip(left, values)]
+    ax.set_yticks(range(len(rows)), names, fontsize=fontsize)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.legend(fontsize=7)
+
+
 def curves(ax, lines: dict[str, list[tuple]], xlabel: str, ylabel: str, **style):
     for name, points in lines.items():
         ax.plot(*zip(*points), label=name, **style)

@@ -58,11 +58,12 @@ TIMED = ["--train.log_interval", "1", "--train.eval_interval", str(10**6), "--tr
          "--train.checkpoint_interval", "0", "--train.progress_bar", "false", "--train.tensorboard", "false"]
 
 
-def train_args(micro_batch: int, steps: int, shape: str = "suite") -> list[str]:
-    """The config arguments every runtime of a comparison gets (the model: SHAPES[shape])."""
-    return ["--config", str(ROOT / "configs" / "quickstart.yaml"), *SHAPES[shape], "--data.seq_len", str(SEQ),
-            "--data.cache_dir", str(ROOT / "cache"), "--train.micro_batch_size", str(micro_batch),
-            "--train.steps", str(steps), *TIMED]
+def train_args(micro_batch: int, steps: int, shape: str = "suite", model: list[str] | None = None,
+               seq: int = SEQ) -> list[str]:
+    """The config arguments every runtime of a comparison gets (the model: SHAPES[shape], or `model`)."""
+    return ["--config", str(ROOT / "configs" / "quickstart.yaml"), *(model or SHAPES[shape]),
+            "--data.seq_len", str(seq), "--data.cache_dir", str(ROOT / "cache"),
+            "--train.micro_batch_size", str(micro_batch), "--train.steps", str(steps), *TIMED]
 
 
 def precision_args(compute: str) -> list[str]:
@@ -160,12 +161,12 @@ class LinkSampler(threading.Thread):
 
 
 def launch(cmd: list[str], cluster=None, nproc: int | None = NODES * RANKS_PER_NODE, timeout: float = 900,
-           log: Path | None = None) -> tuple[int, str]:
-    """Run `python script args` with torchrun on every node of `cluster`, or on `nproc` local ranks,
-    or (nproc None) as one plain process; -> (exit code, output). 124: timed out."""
+           log: Path | None = None, per_node: int = RANKS_PER_NODE) -> tuple[int, str]:
+    """Run `python script args` with torchrun on every node of `cluster` (`per_node` ranks each), or on
+    `nproc` local ranks, or (nproc None) as one plain process; -> (exit code, output). 124: timed out."""
     cmd = [str(c) for c in cmd]
     if cluster is not None:
-        result = cluster.run(cmd, nproc_per_node=RANKS_PER_NODE, cwd=ROOT, timeout=timeout)
+        result = cluster.run(cmd, nproc_per_node=per_node, cwd=ROOT, timeout=timeout)
         rc, output = result.returncode, "\n".join(result.node_outputs)
     else:
         if nproc:
@@ -182,10 +183,20 @@ def launch(cmd: list[str], cluster=None, nproc: int | None = NODES * RANKS_PER_N
     return rc, output
 
 
+def output_lines(text: str) -> list[str]:
+    """A job's output lines, stripped, without torchrun's "[rankN]:" prefixes."""
+    return [re.sub(r"^\[rank\d+\]:\s*", "", ln.strip()) for ln in text.splitlines()]
+
+
+def said(output: str, what: str) -> str | None:
+    """What a job's log line "<what>: ..." says (the Trainer logs "runtime: ..." and "compute: ...")."""
+    found = re.search(rf"{what}: (.*)", output)
+    return found.group(1).strip() if found else None
+
+
 def error_tail(text: str, lines: int = 6) -> str:
     """The exception a failed job died of, else the last lines of its output."""
-    keep = [re.sub(r"^\[rank\d+\]:\s*", "", ln.strip()) for ln in text.splitlines()
-            if ln.strip() and "Warning" not in ln and "warn(" not in ln]
+    keep = [ln for ln in output_lines(text) if ln and "Warning" not in ln and "warn(" not in ln]
     raised = [ln for ln in keep if re.match(r"^[\w.]+(Error|Exception|Interrupt): ", ln) and "ChildFailed" not in ln]
     if raised:
         return raised[-1][:600]
@@ -196,6 +207,36 @@ def error_tail(text: str, lines: int = 6) -> str:
 def read_metrics(out_dir: Path) -> list[dict]:
     path = out_dir / "metrics.jsonl"
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+
+
+def validation_curve(out_dir: Path) -> list[tuple[int, float]]:
+    """(step, validation loss) of every evaluation a run logged."""
+    return [(m["step"], m["validation loss"]) for m in read_metrics(out_dir) if "validation loss" in m]
+
+
+def wait_quiet(limit_s: float, max_load: float, progress=print) -> dict:
+    """Wait (up to limit_s) for a 1-minute load below max_load and no one else's training, suite or tests."""
+    start = time.monotonic()
+    while True:
+        busy = []
+        for d in (d for d in Path("/proc").iterdir() if d.name.isdigit() and int(d.name) != os.getpid()):
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            busy += [f"{d.name}: {cmd[:100]}"] if re.search(r"train\.py|suite\.py|pytest", cmd) else []
+        load, waited = os.getloadavg()[0], time.monotonic() - start
+        if (load < max_load and not busy) or waited > limit_s:
+            return {"load_1min": round(load, 2), "waited_s": round(waited), "quiet": load < max_load and not busy,
+                    "busy": busy[:5]}
+        progress(f"  waiting for a quiet machine: load {load:.2f}, {len(busy)} other processes ({waited:.0f} s)")
+        time.sleep(30)
+
+
+def quiet_words(q: dict) -> str:
+    """How quiet the machine was when a timed part started (wait_quiet's answer), for the docs."""
+    return (f"The timed part started at 1-minute load {q['load_1min']} after waiting {q['waited_s']} s"
+            + ("" if q["quiet"] else f" (NOT quiet: {'; '.join(q['busy']) or 'load'})"))
 
 
 @dataclass
@@ -231,7 +272,7 @@ def run_jobs(name: str, jobs: list[Job], steps: int, warmup: int, timeout: float
 
 def run_job(job: Job, steps: int, warmup: int, work: Path, cluster=None, timeout: float = 900) -> dict:
     """Run `job` for `steps` steps (on `cluster`, or 4 loopback ranks as 2 nodes x 2) and measure it."""
-    micro_batch, world = job.micro_batch, NODES * RANKS_PER_NODE
+    micro_batch = job.micro_batch
     out_dir = work / f"{job.key}-mb{micro_batch}-{time.time_ns() % 10**10}"
     cmd = [sys.executable, *job.script, *train_args(micro_batch, steps, job.shape), "--train.out_dir", str(out_dir),
            *job.args]
@@ -246,48 +287,56 @@ def run_job(job: Job, steps: int, warmup: int, work: Path, cluster=None, timeout
     if not row["ok"]:
         return row
     metrics = row.pop("metrics")
-    timed, last = metrics[warmup:] or metrics, metrics[-1]
-    step_s = statistics.median(m[STEP_KEY] for m in timed) / 1e3
-    row.update(step_ms=step_s * 1e3, step_ms_mean=statistics.mean(m[STEP_KEY] for m in timed),
-               step_ms_all=[m[STEP_KEY] for m in metrics],
-               tokens_per_s=micro_batch * SEQ * world / step_s,
-               # every step does the same FLOPs: the last logged step's rate at the mean step time
+    last = metrics[-1]
+    row.update(step_stats(metrics, warmup))
+    step_s = row["step_ms"] / 1e3
+    row.update(tokens_per_s=micro_batch * SEQ * NODES * RANKS_PER_NODE / step_s,
+               # every step does the same FLOPs: the last logged step's rate at the median step time
                tflops_per_rank=last["TFLOP/s per rank"] * last[STEP_KEY] / 1e3 / step_s,
                final_loss=last["lm loss"], losses=[m["lm loss"] for m in metrics])
-    # the runtime's per-step timings (waiting for gathers / reductions, weight encode / decode) in ms;
-    # the rest of the step is compute and everything else
-    kinds = sorted({k[:-5] for m in metrics for k in m if k.endswith(" (ms)") and k != STEP_KEY})
-    if kinds:
-        row["timing_kinds"] = kinds
-        for kind in kinds:
-            row[f"{kind} ms"] = statistics.mean(m.get(f"{kind} (ms)", 0.0) for m in timed)
-        row["rest ms"] = row["step_ms"] - sum(row[f"{kind} ms"] for kind in kinds)
-    if last.get("cross-node sent (MB)"):
-        row["ledger_cross_mb_rank"] = last["cross-node sent (MB)"] * 2**20 / 1e6  # logged in MiB
     if "wire_ms" in row:
         row["link_busy_pct"] = 100 * row["wire_ms"] / row["step_ms"]
     return row
 
 
+def step_stats(metrics: list[dict], warmup: int, rest_of: str = "median") -> dict:
+    """The logged steps after the warm-up: step time (median, mean; all of them), the runtime's per-step
+    timings (waiting for gathers / reductions, weight encode / decode, ...: means, ms; "rest ms" = the median
+    or mean step time minus them: compute and everything else) and the ledger's cross-node MB per rank."""
+    timed = metrics[warmup:] or metrics
+    times = [m[STEP_KEY] for m in timed]
+    out = {"step_ms": statistics.median(times), "step_ms_mean": statistics.mean(times),
+           "step_ms_all": [m[STEP_KEY] for m in metrics],
+           "timing_kinds": sorted({k[:-5] for m in metrics for k in m if k.endswith(" (ms)") and k != STEP_KEY})}
+    out.update({f"{kind} ms": statistics.mean(m.get(f"{kind} (ms)", 0.0) for m in timed)
+                for kind in out["timing_kinds"]})
+    out["rest ms"] = out["step_ms" if rest_of == "median" else "step_ms_mean"] - sum(
+        out[f"{kind} ms"] for kind in out["timing_kinds"])
+    if ledger := statistics.median(m.get("cross-node sent (MB)", 0.0) for m in timed):
+        out["ledger_cross_mb_rank"] = ledger * 2**20 / 1e6  # logged in MiB
+    return out
+
+
 def measured_launch(cmd: list, metrics: Path, cluster, steps: int, warmup: int, timeout: float,
-                    segments: list[tuple[int, int]] | None = None) -> dict:
+                    segments: list[tuple[int, int]] | None = None, per_node: int = RANKS_PER_NODE,
+                    keep_lines=None) -> dict:
     """Launch a job that logs STEP_KEY per step into `metrics`: {"ok", "wall_s", "error" or "metrics" (the
     logged steps), "runtime" and, on the cluster, what each node's link carried per step over `segments` (step
     windows; default: after the warm-up to the end): MB sent and received (mean over nodes) and the wire
-    time, the busier direction's bytes at the tbf rate}."""
+    time, the busier direction's bytes at the tbf rate}; "log": the distinct output lines `keep_lines` keeps."""
     start = time.monotonic()
     sampler = LinkSampler(cluster, metrics) if cluster else None
     if sampler:
         sampler.start()
     try:
-        rc, output = launch(cmd, cluster, timeout=timeout)
+        rc, output = launch(cmd, cluster, timeout=timeout, per_node=per_node)
     finally:
         if sampler:
             sampler.stop()
-    runtime = re.search(r"runtime: (.*)", output)  # the Trainer's description of what it ran
-    compute = re.search(r"compute: (.*)", output)  # and of what it computed in (trainer/precision.py)
-    out = {"wall_s": time.monotonic() - start, "runtime": runtime.group(1).strip() if runtime else None,
-           "compute_logged": compute.group(1).strip() if compute else None}
+    out = {"wall_s": time.monotonic() - start, "runtime": said(output, "runtime"),  # what the Trainer ran,
+           "compute_logged": said(output, "compute")}  # and what it computed in (trainer/precision.py)
+    if keep_lines:
+        out["log"] = [ln for ln in dict.fromkeys(output_lines(output)) if keep_lines(ln)][:40]
     logged = [m for m in read_metrics(metrics.parent) if STEP_KEY in m]
     if rc != 0 or len(logged) < steps:
         return {**out, "ok": False, "error": error_tail(output) if rc else f"{len(logged)} of {steps} steps logged"}

@@ -25,7 +25,6 @@ from __future__ import annotations
 import itertools
 import os
 import re
-import statistics
 import sys
 import tempfile
 import textwrap
@@ -38,6 +37,7 @@ from scripts.bench.suite import Quick, main_one, options
 
 TITLE = "## Measured"
 DOCS = ROOT / "docs" / "separate.md"
+OUT = "separate"  # the results directory under runs/bench/ (default: no time stamp)
 STEP = runner.STEP_KEY
 PLAIN = {"zero3": ("ZeRO-3", {"stage": 3}), "zeropp": ("ZeRO++ (qwZ int8, hpZ, qgZ int4)", convergence.ZPP),
          "ddp": ("DDP", {"stage": 0}), "powersgd": ("DDP + PowerSGD rank 4", {
@@ -98,8 +98,7 @@ def resolve(args) -> dict:
 
 def train_args(plan: dict) -> list[str]:
     """convergence.py's job, logging every step, evaluating at step 0, computing in fp32 everywhere."""
-    return [*convergence.train_args(plan), "--train.log_interval", "1", "--train.eval_at_start", "true",
-            "--train.precision", "fp32", *runner.zero_args(param_dtype="fp32")]
+    return convergence.fp32_curve_args(plan, param_dtype="fp32")
 
 
 def run_one(key: str, plan: dict, part: str, work: Path, cluster=None) -> dict:
@@ -113,37 +112,12 @@ def run_one(key: str, plan: dict, part: str, work: Path, cluster=None) -> dict:
         cmd, out / "metrics.jsonl", cluster, plan["steps"], plan["warmup"], plan["timeout"], segments)}
     if not row["ok"]:
         return row
-    steps = row.pop("metrics")
-    val = [(m["step"], m["validation loss"]) for m in runner.read_metrics(out) if "validation loss" in m]
+    steps, val = row.pop("metrics"), runner.validation_curve(out)
     clock = {0: 0.0, **dict(zip((m["step"] for m in steps), itertools.accumulate(m[STEP] / 1e3 for m in steps)))}
-    timed = steps[plan["warmup"]:]
-    row.update(ok=True, val_curve=val, val_time=[(clock[s], v) for s, v in val], final_val_loss=val[-1][1],
-               train_s=clock[plan["steps"]], step_ms=statistics.mean(m[STEP] for m in timed))
-    for kind in {k[:-5] for m in timed for k in m if k.endswith(" (ms)") and k != STEP}:
-        row[f"{kind} ms"] = statistics.mean(m.get(f"{kind} (ms)", 0.0) for m in timed)
-    row["rest ms"] = row["step_ms"] - sum(row.get(f"{k} ms", 0.0) for k in KINDS)
-    if timed[-1].get("cross-node sent (MB)"):  # logged in MiB
-        row["ledger_cross_mb_rank"] = statistics.median(m["cross-node sent (MB)"] for m in timed) * 2**20 / 1e6
+    stats = runner.step_stats(steps, plan["warmup"], rest_of="mean")  # step time: the mean here
+    row.update(stats, step_ms=stats["step_ms_mean"], val_curve=val, val_time=[(clock[s], v) for s, v in val],
+               final_val_loss=val[-1][1], train_s=clock[plan["steps"]])
     return row
-
-
-def wait_quiet(limit_s: float, max_load: float, progress=print) -> dict:
-    """Wait (up to limit_s) for a 1-minute load below max_load and no one else's training, suite or tests."""
-    start = time.monotonic()
-    while True:
-        busy = []
-        for d in (d for d in Path("/proc").iterdir() if d.name.isdigit() and int(d.name) != os.getpid()):
-            try:
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            busy += [f"{d.name}: {cmd[:100]}"] if re.search(r"train\.py|suite\.py|pytest", cmd) else []
-        load, waited = os.getloadavg()[0], time.monotonic() - start
-        if (load < max_load and not busy) or waited > limit_s:
-            return {"load_1min": round(load, 2), "waited_s": round(waited), "quiet": load < max_load and not busy,
-                    "busy": busy[:5]}
-        progress(f"  waiting for a quiet machine: load {load:.2f}, {len(busy)} other processes ({waited:.0f} s)")
-        time.sleep(30)
 
 
 def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
@@ -159,9 +133,8 @@ def run(args, progress=print) -> dict:
     for key in {*plan["runs"], *plan["wall_runs"]}:
         config(key, plan)  # an unknown key fails before anything runs
     result = {"plan": plan, "rows": []}
-    if not Path(plan["data"]).is_file():
-        result["skipped"] = f"{plan['data']} not found (Tiny Shakespeare lives in ../shared/data beside the project)"
-        return result
+    if why := convergence.data_missing(plan["data"]):
+        return {**result, "skipped": why}
     result["model"] = runner.model_summary(config_args=train_args(plan))
 
     def one(i, key, part, runs, cluster=None):
@@ -178,11 +151,12 @@ def run(args, progress=print) -> dict:
         if why:
             result["wallclock_skipped"] = f"emulated cluster unavailable: {why}"
         elif "wallclock" in plan["parts"]:
-            result["quiet"], since = wait_quiet(plan["quiet_wait"], plan["quiet_load"], progress), time.monotonic()
+            result["quiet"] = runner.wait_quiet(plan["quiet_wait"], plan["quiet_load"], progress)
+            since = time.monotonic()
             progress(f"  timed part starts at load {result['quiet']['load_1min']} (quiet: {result['quiet']['quiet']})")
             with runner.cluster_at(plan["rate"]) as cluster:
                 for i, key in enumerate(plan["wall_runs"], 1):  # and no one else's jobs during a timed run
-                    busy = wait_quiet(plan["quiet_wait"] - (time.monotonic() - since), 1e9, progress)["busy"]
+                    busy = runner.wait_quiet(plan["quiet_wait"] - (time.monotonic() - since), 1e9, progress)["busy"]
                     one(i, key, "wallclock", plan["wall_runs"], cluster).update(
                         others_at_start=busy, load_at_end=round(os.getloadavg()[0], 2))
     analyse(result)
@@ -248,22 +222,19 @@ def markdown(result: dict) -> str:
                       "run reaches") + ". Seconds: training time, the sum of the logged step times (start-up and "
                   "evaluations left out), linear between evaluations. Bytes per step: the ledger's cross-node bytes "
                   "(PowerSGD's hook is not in it) and each node link's veth counters between evaluations; wire time "
-                  "= the busier direction's bytes at the tbf rate. The timed part started at 1-minute load "
-                  f"{q['load_1min']} after waiting {q['waited_s']} s"
-                  + ("" if q["quiet"] else f" (NOT quiet: {'; '.join(q['busy']) or 'load'})") + ".", "",
+                  "= the busier direction's bytes at the tbf rate. " + runner.quiet_words(q) + ".", "",
                   *report.md_table(wall, WALL_COLUMNS), ""]
         lines += [f"- {r['label']} / ZeRO-3, time to the target: {r['time_ratio_vs_zero3']:.2f} (goal <= 0.6): "
                   f"{'met' if r['time_ratio_vs_zero3'] <= 0.6 else '**not met**'}; its step takes "
                   f"{r['step_ratio_vs_zero3']:.2f} of ZeRO-3's (the ratio it would reach converging per step like "
                   f"ZeRO-3), with {r.get('phys_ratio_vs_zero3', float('nan')):.2f} of its physical bytes." for r in wall
                   if r["ok"] and "sep" in r["key"] and r.get("time_ratio_vs_zero3") is not None]
-        cols = [("label", "run", "{}"), ("step_ms", "step ms", "{:.0f}"), ("wire_ms", "wire time ms", "{:.0f}")]
-        cols += [(f"{k} ms", f"{k} ms", "{:.0f}") for k in KINDS if any(f"{k} ms" in r for r in wall)]
+        cols = [("label", "run", "{}"), ("step_ms", "step ms", "{:.0f}"), ("wire_ms", "wire time ms", "{:.0f}"),
+                *report.time_columns([k for k in KINDS if any(f"{k} ms" in r for r in wall)])]
         lines += ["", f"Where a step's time goes (rank 0, mean over the steps after the first {plan['warmup']}): the "
                   "trainer's timings; the rest is compute and everything else (DDP waits for its all-reduce inside "
                   "the backward, so there the waiting is in the rest).", "",
-                  *report.md_table([r for r in wall if r["ok"]], cols + [("rest ms", "rest (compute, other) ms",
-                                                                            "{:.0f}")])]
+                  *report.md_table([r for r in wall if r["ok"]], cols)]
     return "\n".join(lines)
 
 
@@ -288,21 +259,12 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
         draw(ax, {r["label"]: r["val_time"][1:] for r in wall}, "training seconds")
         ax.axhline(result["target"], color="grey", ls="--", lw=1)
         ax.set_title(f"2 emulated nodes x 2 ranks at {result['plan']['rate']}; dashed: target")
-        left = [0.0] * len(wall)
-        for kind in [k for k in KINDS if any(f"{k} ms" in r for r in wall)] + ["rest"]:
-            ax2.barh(range(len(wall)), vals := [r.get(f"{kind} ms", 0.0) for r in wall], left=left, label=kind)
-            left = [a + b for a, b in zip(left, vals)]
-        ax2.set_yticks(range(len(wall)), [textwrap.fill(r["label"], 32) for r in wall], fontsize=7)
-        ax2.invert_yaxis()
-        ax2.set_xlabel("ms per step (rank 0); rest = compute and other")
-        ax2.legend(fontsize=7)
+        report.time_bars(ax2, wall, [k for k in KINDS if any(f"{k} ms" in r for r in wall)],
+                         [textwrap.fill(r["label"], 32) for r in wall],
+                         "ms per step (rank 0); rest = compute and other", fontsize=7)
         paths.append(report.save(fig, out_dir, "separate_wallclock"))
     return paths
 
 
 if __name__ == "__main__":
-    argv = sys.argv[1:] + ([] if {"--out", "--render"} & set(sys.argv) else
-                           ["--out", os.path.relpath(ROOT / "runs" / "bench" / "separate")])
-    if "--update-docs" in argv and not DOCS.is_file():  # a page of just this section; the rest is by hand
-        DOCS.write_text(f"{TITLE}\n")
-    sys.exit(main_one("separate", argv))
+    sys.exit(main_one("separate"))

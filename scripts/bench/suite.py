@@ -90,7 +90,8 @@ def parser(name: str) -> argparse.ArgumentParser:
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     mod.add_args(p)
     p.add_argument("--quick", action="store_true", help="the reduced set the suite's --quick runs")
-    p.add_argument("--out", type=Path, help=f"results directory (default runs/bench/{name}-<time>)")
+    out = getattr(mod, "OUT", f"{name}-<time>")
+    p.add_argument("--out", type=Path, help=f"results directory (default runs/bench/{out})")
     p.add_argument("--update-docs", action="store_true", help="also refresh this benchmark's docs section")
     p.add_argument("--render", type=Path, metavar="RESULT_JSON",
                    help=f"run nothing: the plots and (with --update-docs) the docs section from a saved {name}.json")
@@ -141,7 +142,8 @@ def main_one(name: str, argv: list[str] | None = None) -> int:
         result = json.loads(args.render.read_text())
         pngs = plots(name, result, out)
     else:
-        args.out = out = args.out or ROOT / "runs" / "bench" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        stem = getattr(module(name), "OUT", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        args.out = out = args.out or ROOT / "runs" / "bench" / stem
         result, pngs = execute(name, args, out, machine=report.machine_info(),
                                command=shlex.join(["python", f"scripts/bench/{name}.py", *argv]))
     print(f"\n{markdown(name, result, {p.stem: str(p) for p in pngs})}")
@@ -164,21 +166,17 @@ def _find(rows, **match) -> dict:
 
 
 ISSUE = "issue 17"
-TARGET_ARGS = {"kernel_bandwidth": ["--sizes", str(16 << 20), "--threads", "1"], "peers": ["--plan", "targets"]}
+# what --targets runs: T5 on kernel_bandwidth's 1-thread CPU-time clock (steadier than wall time on a busy machine)
+TARGET_ARGS = {"kernel_bandwidth": ["--sizes", str(16 << 20), "--threads", "1", "--clock", "cpu"],
+               "peers": ["--plan", "targets"]}
 
 
 def t_commands() -> list[tuple[str, str]]:
     """The commands of the T table's measurements: (command, what it gives)."""
-    kernels = " ".join(TARGET_ARGS["kernel_bandwidth"] + _cpu_clock("kernel_bandwidth"))
+    kernels = " ".join(TARGET_ARGS["kernel_bandwidth"])
     return [("python scripts/bench/peers.py --plan targets", "T1-T4, T6: the rows above, issue 17's model, 8 steps"),
             (f"python scripts/bench/kernel_bandwidth.py {kernels}", "T5"),
             ("python scripts/bench/suite.py --targets --out DIR", "both, and this table (other results in DIR kept)")]
-
-
-def _cpu_clock(name: str) -> list[str]:
-    """kernel_bandwidth's 1-thread CPU-time clock where it has one (steadier than wall time on a busy machine)."""
-    has = name == "kernel_bandwidth" and any("--clock" in a.option_strings for a in parser(name)._actions)
-    return ["--clock", "cpu"] if has else []
 
 
 def _row_text(r: dict, value: str = "step") -> str:
@@ -237,7 +235,7 @@ def targets(results: dict) -> list[dict]:
                                       ("fp32", "zeropp-c32", ("ddp", "fsdp2-fp32", "deepspeed-fp32"), None)):
         measured = [r for r in (row(k) for k in keys) if r]
         fastest = min(measured, key=lambda r: r["step_ms"], default=None)
-        missing = [RUNTIMES_SHORT.get(k, k) for k in keys if not row(k)]
+        missing = [FAMILIES[k.split("-")[0]] for k in keys if not row(k)]
         note = f" (not measured: {', '.join(missing)})" if missing and measured else ""
         add("T2" if dtype == "bf16" else "T2 (fp32)", f"fastest of DDP, FSDP2, DeepSpeed ZeRO-3 / ZeRO++, step at "
             f"{slow}, {dtype} compute{note}", ">= 4", lambda v: v >= 4,
@@ -291,8 +289,7 @@ def targets(results: dict) -> list[dict]:
     return out
 
 
-RUNTIMES_SHORT = {"ddp-bf16": "DDP", "fsdp2-bf16": "FSDP2", "deepspeed-bf16": "DeepSpeed", "ddp": "DDP",
-                  "fsdp2-fp32": "FSDP2", "deepspeed-fp32": "DeepSpeed"}
+FAMILIES = {"ddp": "DDP", "fsdp2": "FSDP2", "deepspeed": "DeepSpeed"}  # a peers key's first part -> its name
 
 
 def targets_markdown(items: list[dict]) -> list[str]:
@@ -429,19 +426,6 @@ def summary_section(results: dict, items: list[dict], t_items: list[dict]) -> st
     return "\n".join(lines)
 
 
-def update_summary(docs: Path, body: str) -> None:
-    """Replace the summary section of the docs page (also the unmarked one of older pages: from its heading to
-    the first benchmark section)."""
-    text = docs.read_text() if docs.is_file() else f"{report.TITLE}\n\n"
-    if "<!-- section:summary -->" not in text and "## Summary" in text:
-        start = text.index("## Summary")
-        end = text.find("<!-- section:", start)
-        text = text[:start] + report.section("summary", body) + "\n" + (text[end:] if end != -1 else "")
-        docs.write_text(text)
-    else:
-        report.update_docs_section(docs, "summary", body)
-
-
 def write_docs(results: dict, images: dict[str, dict], info: dict, command: str, quick: bool, seconds: float,
                items: list[dict], t_items: list[dict] | None = None) -> None:
     mode = ("`--quick`: a reduced set (fewer configurations, rates and steps) to check that everything "
@@ -477,21 +461,28 @@ def write_docs(results: dict, images: dict[str, dict], info: dict, command: str,
     report.DOCS.write_text(text)
 
 
+def publish(results: dict, images: dict[str, dict], info: dict, command: str, quick: bool, seconds: float,
+            items: list[dict], t_items: list[dict], names: list[str]) -> None:
+    """docs/benchmarks.md: the whole page when every benchmark of the suite ran, else the sections of `names`
+    (stamped with their own command and date) and the summary, the rest of the page left be."""
+    if set(SUITE) <= set(names):
+        write_docs(results, images, info, command, quick, seconds, items, t_items)
+        return
+    for name in names:
+        result = results[name]
+        stamp = report.stamp(info, result.get("command", command), result.get("date", "")[:10] or None)
+        report.update_docs_section(report.DOCS, name, markdown(name, result, images[name], stamp))
+    report.update_docs_section(report.DOCS, "summary", summary_section(results, items, t_items))
+
+
 def render(path: Path) -> int:
     """Plots and docs/benchmarks.md again from a suite.json (e.g. after editing the report code)."""
     saved = json.loads(path.read_text())
     results, out = saved["results"], path.parent
     images = {name: report.copy_images(plots(name, result, out)) for name, result in results.items()}
     items, t_items = summary(results), targets(results)
-    if set(SUITE) <= set(results):
-        write_docs(results, images, saved["machine"], saved["command"], saved["quick"], saved["seconds"], items,
-                   t_items)
-    else:  # a partial run's results: its sections and the summary, the rest of the page left be
-        for name, result in results.items():
-            stamp = report.stamp(saved["machine"], result.get("command", saved["command"]),
-                                 result["date"]) if result.get("date") else None
-            report.update_docs_section(report.DOCS, name, markdown(name, result, images[name], stamp))
-        update_summary(report.DOCS, summary_section(results, items, t_items))
+    publish(results, images, saved["machine"], saved["command"], saved["quick"], saved["seconds"], items, t_items,
+            list(results))
     report.write_json(path, {**saved, "summary": items, "targets": t_items})
     print("\n".join(targets_markdown(t_items) + [""] + summary_markdown(items)))
     print(f"wrote {report.DOCS} and {report.DOCS_IMAGES}/ from {path}")
@@ -535,8 +526,7 @@ def main(argv=None) -> int:
     results, images = {}, {}
     for i, name in enumerate(names, 1):
         print(f"[{i}/{len(names)}] {name} ... (elapsed {time.monotonic() - start:.0f} s)", flush=True)
-        bargs = parser(name).parse_args((["--quick"] if args.quick else []) + ["--out", str(out)] + extra.get(name, [])
-                                        + (_cpu_clock(name) if args.targets else []))
+        bargs = parser(name).parse_args((["--quick"] if args.quick else []) + ["--out", str(out)] + extra.get(name, []))
         bargs.reuse = results.get("ablation")  # peers: our ZeRO-3 / ZeRO++ runs of the same job, not run twice
         try:
             results[name], pngs = execute(name, bargs, out, progress=lambda s: print(s, flush=True), command=command)
@@ -558,15 +548,9 @@ def main(argv=None) -> int:
         print(f"\nkept from earlier runs in {out}: {', '.join(sorted(kept))}")
     print(f"\n{ISSUE}'s targets:\n" + "\n".join(targets_markdown(t_items)))
     print("\nearlier targets:\n" + "\n".join(summary_markdown(items)))
-    if not args.no_docs and names == SUITE:
-        write_docs(results, images, info, command, args.quick, seconds, items, t_items)
-        print(f"wrote {report.DOCS} and {report.DOCS_IMAGES}/")
-    elif not args.no_docs:  # a partial run refreshes its own sections and the summary (from the merged results)
-        for name in names:
-            report.update_docs_section(report.DOCS, name, markdown(name, results[name], images[name],
-                                                                   report.stamp(info, command)))
-        update_summary(report.DOCS, summary_section(merged, items, t_items))
-        print(f"updated the {', '.join(names)} section(s) and the summary of {report.DOCS}")
+    if not args.no_docs:  # a partial run refreshes its own sections and the summary (from the merged results)
+        publish(merged, images, info, command, args.quick, seconds, items, t_items, names)
+        print(f"wrote {report.DOCS} ({', '.join(names)} and the summary) and {report.DOCS_IMAGES}/")
     print(f"suite done in {seconds:.0f} s ({seconds / 60:.1f} min); results in {out}")
     return 0
 

@@ -32,7 +32,6 @@ in one table (final validation loss and step time at the slowest rate).
 
 from __future__ import annotations
 
-import inspect
 import os
 import re
 import statistics
@@ -47,6 +46,7 @@ from scripts.bench.suite import Quick, main_one, options
 
 TITLE = "## Measured"
 DOCS = ROOT / "docs" / "tensor_parallel.md"
+OUT = "tensor_parallel"  # the results directory under runs/bench/ (default: no time stamp)
 STEP = runner.STEP_KEY
 TP_WAIT = "waiting for tp all-reduces"
 # topk-q4 and full use the default handling of pruned rows (TensorParallelConfig.topk_pruned*); the
@@ -60,22 +60,6 @@ QUICK_CONV_RUNS = ["single", "plain", "full"]
 
 
 # ---------------------------------------------------------------- the runs
-
-
-def planner_landed() -> str | None:
-    """None when `tensor_parallel.partitions 0` (planned per sublayer) is accepted and implemented, else why not."""
-    from zeropp.config import TensorParallelConfig
-
-    try:
-        TensorParallelConfig(size=2, partitions=0).validate()
-    except Exception as e:
-        return f"TensorParallelConfig.validate rejects partitions 0 ({e})"
-    import zeropp.tp
-
-    if "plan_partitions" not in inspect.getsource(zeropp.tp):
-        return ("partitions 0 passes validation but zeropp/tp.py does not plan yet (it runs every sublayer "
-                "with max(1, partitions) = 1 partition)")
-    return None
 
 
 def default_pruned() -> str:
@@ -138,7 +122,7 @@ def add_args(p) -> None:
     p.add_argument("--rates", nargs="+", default=Quick(["1gbit", "100mbit"], ["100mbit"]),
                    help="link rates of the timing part (default %(default)s)")
     p.add_argument("--runs", nargs="+", default=Quick(RUNS, QUICK_RUNS),
-                   help="timing runs, in order; k0 is left out while the planner has not landed (default %(default)s)")
+                   help="timing runs, in order (default %(default)s)")
     p.add_argument("--conv-runs", nargs="+", default=Quick(CONV_RUNS, QUICK_CONV_RUNS),
                    help="convergence runs (default %(default)s)")
     p.add_argument("--steps", type=int, default=Quick(12, 5), help="steps of a timing run (default %(default)s)")
@@ -162,54 +146,24 @@ def add_args(p) -> None:
 
 
 def resolve(args) -> dict:
-    plan = {**options(args), "data": str(args.data), "eval_interval": max(1, args.conv_steps // (4 if args.quick else 10))}
-    plan["planner"] = planner_landed()
-    planned = [k for k in plan["runs"] if "k0" in k.split("-")]
-    if plan["planner"] and planned:
-        plan["runs"] = [k for k in plan["runs"] if k not in planned]
-        plan["left_out"] = f"{', '.join(planned)} (pipelining planned per sublayer): {plan['planner']}"
-    return plan
+    return {**options(args), "data": str(args.data),
+            "eval_interval": max(1, args.conv_steps // (4 if args.quick else 10))}
 
 
 def timing_args(plan: dict) -> list[str]:
     """train.py arguments of a timed job: the default corpus (4096-token vocabulary), a GPT-2 of the plan's
     size, every step logged and nothing else in the steps, fp32 compute, DDP over a DP group of one."""
-    d = plan["d_model"]
-    return ["--config", str(ROOT / "configs" / "quickstart.yaml"), "--model.preset", "gpt2-small-cpu",
-            "--model.n_layer", str(plan["layers"]), "--model.d_model", str(d), "--model.n_head", str(plan["heads"]),
-            "--model.d_ff", str(4 * d), "--model.max_seq_len", str(plan["seq"]), "--data.seq_len", str(plan["seq"]),
-            "--data.cache_dir", str(ROOT / "cache"), "--train.micro_batch_size", str(plan["micro_batch"]),
-            "--train.steps", str(plan["steps"]), *runner.TIMED, "--train.precision", "fp32",
+    d, seq = plan["d_model"], plan["seq"]
+    model = ["--model.preset", "gpt2-small-cpu", "--model.n_layer", str(plan["layers"]), "--model.d_model", str(d),
+             "--model.n_head", str(plan["heads"]), "--model.d_ff", str(4 * d), "--model.max_seq_len", str(seq)]
+    return [*runner.train_args(plan["micro_batch"], plan["steps"], model=model, seq=seq), "--train.precision", "fp32",
             *runner.zero_args(stage=0)]
 
 
 def conv_args(plan: dict) -> list[str]:
     """convergence.py's job (its model, data and schedule), evaluating at step 0, fp32, DDP over a DP group of one."""
-    conv = {**plan, "steps": plan["conv_steps"], "micro_batch": plan["conv_micro_batch"]}
-    return [*convergence.train_args(conv), "--train.log_interval", "1", "--train.eval_at_start", "true",
-            "--train.precision", "fp32", *runner.zero_args(stage=0)]
-
-
-class OneRankPerNode:
-    """An EmulatedCluster whose runs start one rank per node (runner.launch asks for RANKS_PER_NODE), and
-    which keeps the last run's node outputs."""
-
-    def __init__(self, cluster):
-        self._cluster, self.outputs = cluster, []
-
-    def run(self, cmd, nproc_per_node=1, **kwargs):
-        result = self._cluster.run(cmd, nproc_per_node=1, **kwargs)
-        self.outputs = result.node_outputs
-        return result
-
-    def __getattr__(self, name):
-        return getattr(self._cluster, name)
-
-
-def plan_lines(text: str) -> list[str]:
-    """What a planned (k0) run logged of its partition plan (predicted vs measured included)."""
-    keep = [re.sub(r"^\[rank\d+\]:\s*", "", ln.strip()) for ln in text.splitlines()]
-    return [ln for ln in dict.fromkeys(keep) if is_plan_line(ln)][:40]
+    return convergence.fp32_curve_args({**plan, "steps": plan["conv_steps"], "micro_batch": plan["conv_micro_batch"]},
+                                       stage=0)
 
 
 def is_plan_line(line: str) -> bool:
@@ -217,37 +171,22 @@ def is_plan_line(line: str) -> bool:
     return "partition plan" in line.lower() and not line.startswith("runtime:") and "Warning" not in line
 
 
-def summarize(row: dict, metrics: list[dict], warmup: int) -> dict:
-    """Medians and means over the steps after the warm-up."""
-    timed = metrics[warmup:] or metrics
-    row.update(step_ms=statistics.median(m[STEP] for m in timed), step_ms_mean=statistics.mean(m[STEP] for m in timed),
-               step_ms_all=[round(m[STEP], 1) for m in metrics], losses=[m["lm loss"] for m in metrics])
-    kinds = sorted({k[:-5] for m in metrics for k in m if k.endswith(" (ms)") and k != STEP})
-    row["timing_kinds"] = kinds
-    for kind in kinds:
-        row[f"{kind} ms"] = statistics.mean(m.get(f"{kind} (ms)", 0.0) for m in timed)
-    row["rest ms"] = row["step_ms_mean"] - sum(row[f"{k} ms"] for k in kinds)
-    if any("cross-node sent (MB)" in m for m in timed):  # logged in MiB
-        row["ledger_cross_mb_rank"] = statistics.median(m.get("cross-node sent (MB)", 0.0) for m in timed) * 2**20 / 1e6
-    if any("comm sent (MB)" in m for m in timed):
-        row["ledger_mb_rank"] = statistics.median(m.get("comm sent (MB)", 0.0) for m in timed) * 2**20 / 1e6
-    return row
-
-
-def run_timing(key: str, plan: dict, rate: str, cluster: OneRankPerNode, work: Path, best_k: int | None) -> dict:
+def run_timing(key: str, plan: dict, rate: str, cluster, work: Path, best_k: int | None) -> dict:
+    """One timed run on the cluster, one rank per node; a planned (k0) run keeps the partition plan it logged."""
     label, keys = parse_key(key, plan, best_k)
     out = work / f"{rate}-{key}"
     cmd = [sys.executable, ROOT / "train.py", *timing_args(plan), "--train.out_dir", out, *tp_args(keys)]
-    load = round(os.getloadavg()[0], 2)
     row = {"key": key, "label": label, "part": "timing", "setting": rate, "partitions": keys.get("partitions", 1),
-           "load_at_start": load, **runner.measured_launch(cmd, out / "metrics.jsonl", cluster, plan["steps"],
-                                                            plan["warmup"], plan["timeout"])}
+           "load_at_start": round(os.getloadavg()[0], 2), **runner.measured_launch(
+               cmd, out / "metrics.jsonl", cluster, plan["steps"], plan["warmup"], plan["timeout"], per_node=1,
+               keep_lines=is_plan_line if keys.get("partitions") == 0 else None)}
     row["load_at_end"] = round(os.getloadavg()[0], 2)
-    if keys.get("partitions") == 0:
-        row["plan_log"] = plan_lines("\n".join(cluster.outputs))
-    if not row["ok"]:
-        return row
-    return summarize(row, row.pop("metrics"), plan["warmup"])
+    if "log" in row:
+        row["plan_log"] = row.pop("log")
+    if row["ok"]:
+        metrics = row.pop("metrics")
+        row.update(runner.step_stats(metrics, plan["warmup"], rest_of="mean"), losses=[m["lm loss"] for m in metrics])
+    return row
 
 
 def run_convergence(key: str, plan: dict, work: Path) -> dict:
@@ -256,12 +195,9 @@ def run_convergence(key: str, plan: dict, work: Path) -> dict:
     cmd = [sys.executable, ROOT / "train.py", *conv_args(plan), "--train.out_dir", out, *tp_args(keys)]
     start = time.monotonic()
     rc, text = runner.launch(cmd, nproc=None if key == "single" else 2, timeout=plan["timeout"])
-    metrics = runner.read_metrics(out)
-    val = [(m["step"], m["validation loss"]) for m in metrics if "validation loss" in m]
-    steps = [m for m in metrics if STEP in m]
-    runtime = re.search(r"runtime: (.*)", text)
+    val, steps = runner.validation_curve(out), [m for m in runner.read_metrics(out) if STEP in m]
     row = {"key": key, "label": label, "part": "convergence", "wall_s": time.monotonic() - start,
-           "runtime": runtime.group(1).strip() if runtime else None}
+           "runtime": runner.said(text, "runtime")}
     if rc or not val or len(steps) < plan["conv_steps"]:
         return {**row, "ok": False, "error": f"exit {rc}: {runner.error_tail(text)}"}
     return {**row, "ok": True, "final_val_loss": val[-1][1], "val_curve": val,
@@ -276,9 +212,7 @@ def run(args, progress=print) -> dict:
             parse_key(key, plan)  # an unknown key fails before anything runs
     for key in plan["conv_runs"]:
         parse_key(key, {**plan, "full_partitions": plan["conv_partitions"]})
-    result = {"plan": plan, "rows": [], "notes": []}
-    if plan.get("left_out"):
-        result["notes"].append(f"Left out: {plan['left_out']}.")
+    result = {"plan": plan, "rows": []}
     with tempfile.TemporaryDirectory(prefix="bench-tensor-parallel-") as tmp:
         if "timing" in plan["parts"]:
             result["timing_model"] = runner.model_summary(config_args=timing_args(plan))
@@ -286,28 +220,23 @@ def run(args, progress=print) -> dict:
             if why:
                 result["timing_skipped"] = f"emulated cluster unavailable: {why}"
             else:
-                from scripts.bench.cluster import EmulatedCluster
-                from scripts.bench.separate import wait_quiet
-
-                result["quiet"] = wait_quiet(plan["quiet_wait"], plan["quiet_load"], progress)
+                result["quiet"] = runner.wait_quiet(plan["quiet_wait"], plan["quiet_load"], progress)
                 progress(f"  timing part starts at load {result['quiet']['load_1min']} (quiet: {result['quiet']['quiet']})")
                 for rate in plan["rates"]:
-                    with EmulatedCluster(nodes=2, rate=rate) as cluster:
-                        one = OneRankPerNode(cluster)
+                    with runner.cluster_at(rate) as cluster:
                         for i, key in enumerate(plan["runs"], 1):
                             done = [r for r in result["rows"] if r["ok"] and r.get("setting") == rate
                                     and r["key"] in ("plain", "k1", "k2", "k4", "k0")]
                             best_k = min(done, key=lambda r: r["step_ms"])["partitions"] if done else None
                             if key == "full" and best_k is None and plan["full_partitions"] is None:
                                 best_k = 1
-                            result["rows"].append(row := run_timing(key, plan, rate, one, Path(tmp), best_k))
+                            result["rows"].append(row := run_timing(key, plan, rate, cluster, Path(tmp), best_k))
                             progress(f"  tensor_parallel timing @ {rate} [{i}/{len(plan['runs'])}] {row['label']}: "
                                      + (f"{row['step_ms']:.0f} ms/step, {row.get('phys_tx_mb_node', 0):.2f} MB/step on "
                                         f"the link" if row["ok"] else row["error"]) + f" ({row['wall_s']:.0f} s)")
         if "convergence" in plan["parts"]:
-            if not Path(plan["data"]).is_file():
-                result["convergence_skipped"] = (f"{plan['data']} not found (Tiny Shakespeare lives in ../shared/data "
-                                                 "beside the project)")
+            if why := convergence.data_missing(plan["data"]):
+                result["convergence_skipped"] = why
             else:
                 result["conv_model"] = runner.model_summary(config_args=conv_args(plan))
                 for i, key in enumerate(plan["conv_runs"], 1):
@@ -316,8 +245,6 @@ def run(args, progress=print) -> dict:
                              + (f"final validation loss {row['final_val_loss']:.4f}" if row["ok"] else row["error"])
                              + f" ({row['wall_s']:.0f} s)")
     analyse(result)
-    if not result["notes"]:
-        del result["notes"]
     return result
 
 
@@ -354,8 +281,7 @@ def timing_columns(rows: list[dict]) -> list[tuple[str, str, str]]:
     return ([("label", "run", "{}"), ("step_ms", "step ms (median)", "{:.0f}"), ("speedup", "speedup vs plain TP", "{:.2f}"),
              ("ledger_cross_mb_rank", "ledger MB/step/rank", "{:.2f}"), ("phys_tx_mb_node", "link MB/step/node (tx)", "{:.2f}"),
              ("phys_rx_mb_node", "link MB/step/node (rx)", "{:.2f}"), ("wire_ms", "wire ms", "{:.0f}")]
-            + [(f"{k} ms", f"{k} ms", "{:.0f}") for k in kinds]
-            + [("rest ms", "rest (compute, other) ms", "{:.0f}"), ("load_at_start", "load", "{:.1f}")])
+            + report.time_columns(kinds) + [("load_at_start", "load", "{:.1f}")])
 
 
 def markdown(result: dict) -> str:
@@ -396,9 +322,7 @@ def markdown(result: dict) -> str:
                   "Link MB: the node veth counters between those steps, mean over the 2 nodes; wire ms = the busier "
                   "direction's bytes at the tbf rate. \"full\" uses the partitions of the fastest pipelining run at "
                   "that rate" + (f" (fixed: {plan['full_partitions']})" if plan["full_partitions"] is not None else "")
-                  + ". The timed part started at 1-minute load "
-                  f"{q['load_1min']} after waiting {q['waited_s']} s"
-                  + ("" if q["quiet"] else f" (NOT quiet: {'; '.join(q['busy']) or 'load'})") + "; the load column "
+                  + ". " + runner.quiet_words(q) + "; the load column "
                   "is the 1-minute load when each run started (2 cores: above ~1 the runs share them with others).", ""]
         cols = timing_columns(timing)
         for rate in plan["rates"]:
@@ -430,7 +354,7 @@ def markdown(result: dict) -> str:
         if planned:
             lines += ["", "The partition plans the planned runs logged (K per sublayer, as the runtime prints them):", "", "```"]
             for r in planned:
-                lines += [f"# {r['key']} @ {r['setting']}", *filter(is_plan_line, r["plan_log"])]
+                lines += [f"# {r['key']} @ {r['setting']}", *r["plan_log"]]
             lines += ["```"]
         lines.append("")
     if result.get("convergence_skipped"):
@@ -503,16 +427,10 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
         fig, axes = plt.subplots(1, len(rates), figsize=(6.5 * len(rates), 4.5), squeeze=False)
         kinds = sorted({k for r in timing for k in r.get("timing_kinds", [])}, key=lambda k: (k != TP_WAIT, k))
         for ax, rate in zip(axes[0], rates):
-            at, left = [r for r in timing if r["setting"] == rate], None
-            left = [0.0] * len(at)
-            for kind in kinds + ["rest"]:
-                ax.barh(range(len(at)), vals := [max(0.0, r.get(f"{kind} ms", 0.0)) for r in at], left=left, label=kind)
-                left = [a + b for a, b in zip(left, vals)]
-            ax.set_yticks(range(len(at)), [r["key"] for r in at], fontsize=8)
-            ax.invert_yaxis()
-            ax.set_xlabel("ms per step (rank 0, mean after warm-up); rest = compute and other")
+            at = [r for r in timing if r["setting"] == rate]
+            report.time_bars(ax, at, kinds, [r["key"] for r in at],
+                             "ms per step (rank 0, mean after warm-up); rest = compute and other")
             ax.set_title(f"TP 2 across {rate}")
-            ax.legend(fontsize=7)
         paths.append(report.save(fig, out_dir, "tensor_parallel_step_time"))
     if conv:
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -524,8 +442,4 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
 
 
 if __name__ == "__main__":
-    argv = sys.argv[1:] + ([] if {"--out", "--render"} & set(sys.argv) else
-                           ["--out", os.path.relpath(ROOT / "runs" / "bench" / "tensor_parallel")])
-    if "--update-docs" in argv and not DOCS.is_file():  # a page of just this section; the rest is the lead's
-        DOCS.write_text(f"{TITLE}\n")
-    sys.exit(main_one("tensor_parallel", argv))
+    sys.exit(main_one("tensor_parallel"))

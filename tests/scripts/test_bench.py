@@ -206,9 +206,9 @@ def test_summary_ratios_and_missing_values(monkeypatch):
 
 def test_a_partial_suite_run_keeps_the_other_results_and_refreshes_the_summary(tmp_path, monkeypatch):
     """--only / --targets: the results already in --out are kept (suite.json), the summary is refreshed in
-    place (also the unmarked summary of an older page) and the other sections are left alone."""
+    place and the other sections are left alone."""
     docs = tmp_path / "benchmarks.md"
-    docs.write_text(f"{report.TITLE}\n\nintro\n\n## Summary: the issue's targets\n\n| old |\n\n"
+    docs.write_text(f"{report.TITLE}\n\nintro\n\n" + report.section("summary", "## Summary: the targets\n\n| old |")
                     + report.section("ablation", "## 1. Ablation\n\nold ablation")
                     + report.section("kernel_bandwidth", "## 5. Kernels\n\nold kernels"))
     monkeypatch.setattr(report, "DOCS", docs)
@@ -323,6 +323,20 @@ def test_link_sampler_window_is_taken_at_step_boundaries():
     assert s.window(2, 9) is None
     assert runner.error_tail("noise\nTraceback (most recent call last):\n  x\nValueError: boom\n") == \
         "ValueError: boom"
+
+
+def test_step_stats_of_the_timed_steps():
+    """The one summary of a run's logged steps (ablation, peers, tensor_parallel, separate): after the warm-up,
+    median and mean step time, the runtime's timings and "rest" (of the median or the mean), the ledger in MB."""
+    key = runner.STEP_KEY
+    metrics = [{key: 900.0, "waiting for gathers (ms)": 500.0}, {key: 100.0, "waiting for gathers (ms)": 10.0},
+               {key: 300.0, "waiting for gathers (ms)": 20.0, "cross-node sent (MB)": 1.0},
+               {key: 200.0, "cross-node sent (MB)": 1.0}]
+    stats = runner.step_stats(metrics, warmup=1)
+    assert (stats["step_ms"], stats["step_ms_mean"], stats["timing_kinds"]) == (200.0, 200.0, ["waiting for gathers"])
+    assert stats["waiting for gathers ms"] == pytest.approx(10.0) and stats["rest ms"] == pytest.approx(190.0)
+    assert stats["ledger_cross_mb_rank"] == pytest.approx(2**20 / 1e6)  # logged in MiB
+    assert runner.step_stats(metrics[:3], warmup=1, rest_of="mean")["rest ms"] == pytest.approx(200.0 - 15.0)
 
 
 def test_kernel_benchmark_tiny_through_the_cli(tmp_path, capsys):
