@@ -115,11 +115,10 @@ def one_step(rank: int, world: int, zero_kwargs: dict, m: dict, physical_if: str
     runtime.ledger.reset()
     runtime.backward(lm_loss(runtime(sample[:, :-1]), sample[:, 1:]))
     runtime.clip_grad_norm_(1.0)
+    # the step's own collectives: the optimizer step then sends the next forward's first gathers
+    out = {"rank": rank, "ledger": runtime.ledger.totals(), **({"physical": dict(sent)} if sent is not None else {})}
     optimizer.step()
-    out = {"rank": rank, "ledger": runtime.ledger.totals()}
     runtime.close()
-    if sent is not None:
-        out["physical"] = dict(sent)
     return out
 
 

@@ -34,6 +34,7 @@ TITLE = "## 2. Peers: DDP, PyTorch FSDP2, DeepSpeed ZeRO-3"
 _HPZ = {"zero_hpz_partition_size": RANKS_PER_NODE}
 _REGATHER = {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0}
 _ZPP, _FLAT = CONFIGS["zeropp"][1], {"node_aware_collectives": False}
+_KEEP = {"stage3_max_reuse_distance": 10**9}  # DeepSpeed's default: a model this small stays gathered
 AUTOCAST = "autocast, fp32 master weights"
 
 
@@ -55,6 +56,14 @@ RUNTIMES = {
     "zero3-bf16-c32": ("ZeRO-3 (ours, bf16 wire), fp32 compute", "ours", _ours("fp32", stage=3), "fp32", None),
     "zero3-flat": ("ZeRO-3 (ours, bf16 wire), node-aware collectives off", "ours", _ours("bf16", stage=3, **_FLAT),
                    "bf16", AUTOCAST),
+    "zero3-keep": ("ZeRO-3 (ours, bf16 wire), kept gathered for the backward (DeepSpeed's reuse defaults)", "ours",
+                   _ours("bf16", stage=3, **_KEEP), "bf16", AUTOCAST),
+    "zeropp-keep": ("ZeRO++ (ours), kept gathered for the backward", "ours", _ours("bf16", **_ZPP, **_KEEP), "bf16",
+                    AUTOCAST),
+    "zeropp-nostep": ("ZeRO++ (ours), first gathers at the forward, not the optimizer step", "ours",
+                      _ours("bf16", **_ZPP, prefetch_across_steps=False), "bf16", AUTOCAST),
+    "zeropp-depth2": ("ZeRO++ (ours), prefetch_depth 2", "ours", _ours("bf16", **_ZPP, prefetch_depth=2), "bf16",
+                      AUTOCAST),
     "zero3-fp32": ("ZeRO-3 (ours, fp32 wire)", "ours", _ours("fp32", stage=3, communication_data_type="fp32"), "fp32",
                    None),
     "ddp": ("DDP (train.py stage 0, fp32 all-reduce)", "ddp", _ours("fp32", stage=0), "fp32", None),
@@ -77,12 +86,14 @@ RUNTIMES = {
 PLANS = {
     "full": {"100mbit": ["zeropp", "zero3-bf16", "ddp-bf16", "fsdp2-bf16", "deepspeed-bf16",
                          "zeropp-c32", "zero3-bf16-c32", "zero3-fp32", "ddp", "fsdp2-fp32", "deepspeed-fp32",
-                         "deepspeed-hpz-regather-fp32", "zero3-flat", "zeropp-flat"],
+                         "deepspeed-hpz-regather-fp32", "zero3-flat", "zeropp-flat", "zero3-keep", "zeropp-keep",
+                         "zeropp-nostep"],
              "loopback": ["zeropp", "zero3-bf16", "deepspeed-bf16", "zero3-fp32", "deepspeed-fp32",
-                          "deepspeed-zeropp"]},
+                          "deepspeed-zeropp", "zero3-keep", "zeropp-keep"]},
     "targets": {"100mbit": ["zeropp", "zero3-bf16", "ddp-bf16", "fsdp2-bf16", "deepspeed-bf16", "zeropp-c32",
-                            "zero3-bf16-c32", "ddp", "zero3-flat", "zeropp-flat"],
-                "loopback": ["zeropp", "zero3-bf16", "deepspeed-bf16"]},
+                            "zero3-bf16-c32", "ddp", "zero3-flat", "zeropp-flat", "zero3-keep", "zeropp-keep",
+                            "zeropp-nostep"],
+                "loopback": ["zeropp", "zero3-bf16", "deepspeed-bf16", "zero3-keep", "zeropp-keep"]},
     "quick": {"100mbit": ["zeropp", "zero3-bf16", "ddp-bf16", "fsdp2-bf16", "deepspeed-bf16"],
               "loopback": ["zeropp"]},
 }

@@ -248,6 +248,10 @@ def targets(results: dict) -> list[dict]:
         add("T3", f"DeepSpeed ZeRO-3 / our ZeRO-3, step, bf16 wire + bf16 compute, {where}", ">= 1.25",
             lambda v: v >= 1.25, [(row("deepspeed-bf16", setting), f"DeepSpeed ZeRO-3 [bf16] @ {setting}"),
                                   (row("zero3-bf16", setting), f"our ZeRO-3 [bf16] @ {setting}")], steps, before=before)
+        if row("zero3-keep", setting):  # both keep a model this small gathered from forward to backward
+            add("T3 (kept)", f"the same, ours also kept gathered (DeepSpeed's stage3_max_reuse_distance), {where}",
+                ">= 1.25", lambda v: v >= 1.25, [(row("deepspeed-bf16", setting), ""), (row("zero3-keep", setting), "")],
+                steps)
     for setting in (slow, "loopback"):
         if row("deepspeed-fp32", setting) and row("zero3-fp32", setting):
             where = "unshaped" if setting == "loopback" else setting
@@ -274,6 +278,15 @@ def targets(results: dict) -> list[dict]:
     if row("zero3-bf16-c32") or row("zeropp-c32"):
         add("T6 (fp32)", "the same, fp32 compute", "–", None,
             [(row("zero3-bf16-c32"), "zero3-bf16-c32"), (row("zeropp-c32"), "zeropp-c32")], steps)
+    # what each overlap option bought: the step without it / with it
+    for key, base, what in (("zeropp-keep", "zeropp", "ZeRO++ default / kept gathered for the backward"),
+                            ("zero3-keep", "zero3-bf16", "our ZeRO-3 default / kept gathered for the backward"),
+                            ("zeropp", "zeropp-nostep", "ZeRO++ first gathers at the forward / at the optimizer step")):
+        for setting in (slow, "loopback"):
+            if row(key, setting) and row(base, setting):
+                where = "unshaped" if setting == "loopback" else setting
+                add("overlap", f"{what}, step, {where}", "–", None, [(row(base, setting), ""), (row(key, setting), "")],
+                    steps)
     ablation = results.get("ablation", {})
     arow = [dict(r, key={"zero3": "zero3-bf16"}.get(r["key"], r["key"])) for r in ablation.get("rows", [])
             if r.get("ok") and r.get("micro_batch") == 4]
@@ -360,7 +373,8 @@ def summary_markdown(items: list[dict]) -> list[str]:
 
 
 T_KEYS = ["zeropp", "zero3-bf16", "ddp-bf16", "fsdp2-bf16", "deepspeed-bf16", "zeropp-c32", "zero3-bf16-c32", "ddp",
-          "fsdp2-fp32", "deepspeed-fp32", "zero3-fp32", "zeropp-flat", "zero3-flat"]  # peers rows of the T table
+          "fsdp2-fp32", "deepspeed-fp32", "zero3-fp32", "zeropp-flat", "zero3-flat", "zero3-keep", "zeropp-keep",
+          "zeropp-nostep"]  # peers rows of the T table
 
 
 def _model_words(result: dict) -> str:
