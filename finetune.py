@@ -16,7 +16,7 @@ import sys
 from trainer.preemption import catch_early
 
 catch_early()  # first: a preemption warning while torch loads or data is prepared must not kill the rank
-from trainer.config import Config, ConfigError, parse_args, pop_debug  # noqa: E402
+from trainer.config import Config, ConfigError, parse_args  # noqa: E402
 from trainer.loop import run_main, train  # noqa: E402
 
 USAGE = (f"usage: python finetune.py --finetune.hf_checkpoint DIR [--config FILE] [--section.key VALUE ...] "
@@ -33,21 +33,16 @@ def defaults() -> Config:
     return cfg
 
 
+def parse(argv: list[str]) -> Config:
+    cfg = parse_args(argv, defaults(), usage=USAGE, hide=HIDDEN)
+    if cfg.finetune.hf_checkpoint is None:
+        raise ConfigError("finetune.py needs --finetune.hf_checkpoint: a Hugging Face model directory "
+                          "(config.json, model.safetensors and the tokenizer files)")
+    return cfg
+
+
 def main(argv: list[str]) -> None:
-    debug, argv = pop_debug(argv)
-    try:
-        cfg = parse_args(argv, defaults(), usage=USAGE, hide=HIDDEN)
-        if cfg.finetune.hf_checkpoint is None:
-            raise ConfigError("finetune.py needs --finetune.hf_checkpoint: a Hugging Face model directory "
-                              "(config.json, model.safetensors and the tokenizer files)")
-    except ConfigError as e:
-        if debug:
-            raise
-        sys.exit(f"finetune.py: config error: {e}")
-    if debug:
-        train(cfg)  # errors keep their traceback
-    else:
-        run_main("finetune.py", train, cfg)
+    run_main("finetune.py", argv, parse, train)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from rlhf.config import STAGES, RLHFConfig, check
 from rlhf.common import setup_distributed
-from trainer.config import ConfigError, help_text, parse_args, pop_debug
+from trainer.config import ConfigError, help_text, parse_args
 from trainer.loop import run_main
 
 
@@ -62,28 +62,24 @@ def run_stage(stage: str, cfg: RLHFConfig, env) -> dict:
 USAGE = f"usage: python rlhf.py <{'|'.join(STAGES)}> [--config FILE] [--section.key VALUE ...] [--debug]\n{__doc__}"
 
 
-def main(argv: list[str]) -> None:
-    debug, argv = pop_debug(argv)
+def parse(argv: list[str]) -> tuple[str, RLHFConfig] | None:
+    """(stage, its config), or None after printing the help."""
     if not argv or argv[0].startswith("-"):
         if argv and argv[0] in ("-h", "--help"):
             print(help_text(RLHFConfig(), USAGE))
-            return
+            return None
         sys.exit(f"rlhf.py: name a stage first: rlhf.py <{'|'.join(STAGES)}> --config FILE [--key value ...] "
                  f"(--help lists the keys)")
     stage = argv[0]
-    try:
-        if stage not in STAGES:  # before the options, which may ask for --help
-            raise ConfigError(f"unknown stage {stage!r}: expected one of {', '.join(STAGES)}")
-        cfg = parse_args(argv[1:], RLHFConfig(), usage=USAGE)
-        check(cfg, stage)
-    except ConfigError as e:
-        if debug:
-            raise
-        sys.exit(f"rlhf.py: config error: {e}")
-    if debug:
-        run(stage, cfg)  # errors keep their traceback
-    else:
-        run_main(f"rlhf.py {stage}", run, stage, cfg)
+    if stage not in STAGES:  # before the options, which may ask for --help
+        raise ConfigError(f"unknown stage {stage!r}: expected one of {', '.join(STAGES)}")
+    cfg = parse_args(argv[1:], RLHFConfig(), usage=USAGE)
+    check(cfg, stage)
+    return stage, cfg
+
+
+def main(argv: list[str]) -> None:
+    run_main("rlhf.py", argv, parse, lambda stage_cfg: run(*stage_cfg))
 
 
 def run(stage: str, cfg: RLHFConfig) -> dict:

@@ -14,24 +14,14 @@ import sys
 from trainer.preemption import catch_early
 
 catch_early()  # first: a preemption warning while torch loads or data is prepared must not kill the rank
-from trainer.config import ConfigError, parse_args, pop_debug  # noqa: E402
+from trainer.config import parse_args  # noqa: E402
 from trainer.loop import run_main, train  # noqa: E402
 
 USAGE = f"usage: python train.py [--config FILE] [--section.key VALUE ...] [--debug]\n{__doc__}"
 
 
 def main(argv: list[str]) -> None:
-    debug, argv = pop_debug(argv)
-    try:
-        cfg = parse_args(argv, usage=USAGE, hide=("finetune",))
-    except ConfigError as e:
-        if debug:
-            raise
-        sys.exit(f"train.py: config error: {e}")
-    if debug:
-        train(cfg)  # errors keep their traceback
-    else:
-        run_main("train.py", train, cfg)
+    run_main("train.py", argv, lambda args: parse_args(args, usage=USAGE, hide=("finetune",)), train)
 
 
 if __name__ == "__main__":

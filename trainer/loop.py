@@ -31,7 +31,7 @@ from models.lora import apply_lora
 from models.transformer import Transformer
 from trainer.checkpoint import (FULL, LATEST, CheckpointError, export_hf, export_note, load_checkpoint, read_state,
                                 recover, resolve_checkpoint, save_checkpoint)
-from trainer.config import Config, ConfigError, LoraSection, check_values, to_dict
+from trainer.config import Config, ConfigError, LoraSection, check_values, pop_debug, to_dict
 from trainer.distributed import (DistEnv, LauncherError, PeerError, all_gather_objects, all_reduce_sum, barrier,
                                  init_distributed, is_peer_failure)
 from trainer.finetune_data import FinetuneData, prepare_finetuning
@@ -627,12 +627,26 @@ USER_ERRORS = (ConfigError, DataError, CheckpointError, LauncherError, TopologyE
                ZeroConfigError, UnsupportedModelError, MissingKeyError, NonFiniteError, PeerError, OSError)
 
 
-def run_main(prog: str, fn, *args):
-    """Run an entry point's work: a known failure exits 1 with one line (naming the rank when there
-    are several) instead of a traceback, so on many ranks the failing rank's cause stands out
-    among the others' PeerErrors. Anything else is a bug and keeps its traceback."""
+def run_main(prog: str, argv: list[str], parse, work) -> None:
+    """An entry point's main. `parse(argv)` builds its config (None: nothing to run, e.g. help was
+    printed), `work(cfg)` runs it. A config error, and any known failure of the work, exits 1 with
+    one line (naming the rank when there are several, so on many ranks the failing rank's cause
+    stands out among the others' PeerErrors) instead of a traceback; anything else is a bug and
+    keeps its traceback. --debug (or ZEROPP_DEBUG=1) keeps every traceback."""
+    debug, argv = pop_debug(argv)
     try:
-        return fn(*args)
+        cfg = parse(argv)
+    except ConfigError as e:
+        if debug:
+            raise
+        sys.exit(f"{prog}: config error: {e}")
+    if cfg is None:
+        return
+    if debug:
+        work(cfg)
+        return
+    try:
+        work(cfg)
     except USER_ERRORS as e:
         rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE", "1")
         where = f" (rank {rank})" if rank is not None and world != "1" and not isinstance(e, PeerError) else ""
