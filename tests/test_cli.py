@@ -171,3 +171,4 @@ def test_cross_node_report_on_one_node_says_so_instead_of_a_table_of_zeros():
     table = cross_node_report({"forward gather": {"cross_node_sent": 2**20}}, {**zero3, "forward gather": 2**21}, "x")
     assert "nan" not in table.split("\n", 1)[1].split("forward gather")[1].split("\n")[0]
     assert "0.50" in table and "total" in table
+    assert "nan" not in table and table.split("backward gather")[1].split("\n")[0].split()[-1] == "-"  # 0 / 0

@@ -576,7 +576,7 @@ def cross_node_report(step: dict[str, dict], zero3: dict[str, int], runtime: str
              f"  {'collective':<16} {'this run (MB)':>14} {'predicted (MB)':>15} {'ZeRO-3 (MB)':>12} {'ratio':>6}"]
     for tag, ours, expected, base in rows:
         lines.append(f"  {tag:<16} {mb(ours):>14} {mb(expected):>15} {mb(base):>12} "
-                     f"{ours / base if base else float('nan'):>6.2f}")
+                     f"{f'{ours / base:.2f}' if base else '-':>6}")
     return "\n".join(lines)
 
 
