@@ -316,17 +316,19 @@ class Zero3Engine(Runtime):
         """Whether the unit's buffer still holds its current weights (re-encoded first if its master
         changed): a block no later block has taken the buffer of since it was gathered, e.g. the
         last blocks of the forward when the backward starts, the first ones of the backward when
-        the next micro-batch's forward starts. Those are not gathered again."""
+        the next micro-batch's forward starts. Those are not gathered again. A gather in flight
+        that sends an older version (the weights changed after it left) is let land and dropped,
+        so every caller sees either no gather or one of the current weights."""
         self._refresh(unit)
+        if unit.pending_gather is not None and unit.gathering_version != unit.version:
+            unit.pending_gather.wait()  # sent before the weights changed again: it will be sent anew
+            unit.pending_gather = None
         return unit.pending_gather is None and unit.gathered_version == unit.version
 
     def _ensure_gathered(self, units: list[Unit]) -> None:
         """Wait for the units' prefetched gathers (issuing the missing ones) and decode them."""
         due = [u for u in units if not self._holds_current(u)]
         for unit in due:
-            if unit.pending_gather is not None and unit.gathering_version != unit.version:
-                unit.pending_gather.wait()  # sent before the weights changed again: send them anew
-                unit.pending_gather = None
             if unit.pending_gather is None:
                 self._issue_gather(unit)
         for unit in due:
@@ -343,8 +345,8 @@ class Zero3Engine(Runtime):
     def _prefetch(self, group: list[Unit]) -> None:
         if group[0].inference is not None:  # a rollout holds it: nothing to gather
             return
-        due = [u for u in group if self.config.overlap_comm and u.pending_gather is None
-               and u.padded_numel <= self.config.stage3_prefetch_bucket_size and not self._holds_current(u)]
+        due = [u for u in group if self.config.overlap_comm and u.padded_numel <= self.config.stage3_prefetch_bucket_size
+               and not self._holds_current(u) and u.pending_gather is None]
         if due:
             self._take_buffer(group)
         for unit in due:
@@ -422,7 +424,7 @@ class Zero3Engine(Runtime):
             return
         self._phase = Phase.FORWARD
         for u in self.resident:
-            if u.pending_gather is None and not self._holds_current(u):
+            if not self._holds_current(u) and u.pending_gather is None:
                 self._issue_gather(u)
         self._prefetch_from(0, +1)
 
