@@ -324,9 +324,9 @@ def load_checkpoint(path: Path, optimizer: torch.optim.Optimizer, read_tensors, 
 
 def trained_grid(state: dict) -> tuple[int, int] | None:
     """(bits, block size) of the qwZ grid a run's forward computed with, from its state.json;
-    None for a run without qwZ."""
+    None for a run without qwZ, or with qwZ deltas (its forward used the bf16 references, no grid)."""
     zero = (state.get("config") or {}).get("zero_optimization") or {}
-    if not zero.get("zero_quantized_weights"):
+    if not zero.get("zero_quantized_weights") or zero.get("zero_quantized_weights_delta"):
         return None
     return zero["zero_quantized_weights_bits"], zero["zero_quantization_block_size"]
 

@@ -9,7 +9,10 @@ Inside a checkpoint directory (the trainer makes it atomic: temp dir + rename), 
                                   "<unit>.<state>" for each optimizer state (exp_avg, ...),
                                   shard-long, zero where the shard holds no trainable element;
                                   "reducer.<unit>.<key>": the gradient reducer's state of
-                                  this rank (qgZ's error feedback), restored on the same world size
+                                  this rank (qgZ's error feedback), restored on the same world size;
+                                  "references.<unit>" (qwZ deltas): this rank's copy of its node's
+                                  weights, and "references.<unit>.current" whether it held the
+                                  saved weights; restored on the same world size
 
 Format "full" (DDP): rank 0 writes model.safetensors (parameters and persistent buffers by
 module name) and optimizer.safetensors ("<param>.<state>").
@@ -36,6 +39,7 @@ MANIFEST = "manifest.json"
 FORMAT = "zeropp-zero3-v1"
 FULL, SHARDED = "full", "zero3-sharded"  # state.json "format": DDP's unsharded form, or ZeRO-3's shards
 REDUCER = "reducer."
+REFERENCES = "references."
 
 
 class CheckpointError(RuntimeError):
@@ -77,6 +81,9 @@ def save_shards(engine, directory: str | Path, optimizer) -> None:
             (scalars if value.dim() == 0 else shaped).setdefault(key, value)
     tensors = {REDUCER + k: v.detach().cpu() for k, v in engine.reducer.state_dict().items()}
     for name, unit in engine.units.items():
+        if unit.delta_codec is not None and unit.secondary_version >= 0:
+            tensors[REFERENCES + name] = unit.secondary.detach().cpu().clone()
+            tensors[f"{REFERENCES}{name}.current"] = torch.tensor(unit.references_current())
         tensors[f"{name}.master"] = unit.master_shard().detach().cpu()
         if not unit.trainable:
             continue
@@ -194,8 +201,15 @@ def load_shards(engine, directory: str | Path, optimizer) -> None:
                      for key, scalar in sorted(states.items())}
             if state:
                 optimizer.state[piece] = {k: v.to(piece.device) for k, v in state.items()}
-    if manifest["world_size"] == engine.mesh.world_size:
-        mine = reader.file(engine.mesh.rank)
+    same_layout = manifest["world_size"] == engine.mesh.world_size
+    mine = reader.file(engine.mesh.rank) if same_layout else None
+    for name, unit in engine.units.items():
+        if unit.delta_codec is not None:  # without saved references the weights go out whole once
+            key = REFERENCES + name
+            saved = same_layout and key in mine.keys()
+            unit.load_references(mine.get_tensor(key).to(engine.device) if saved else None,
+                                 saved and bool(mine.get_tensor(key + ".current")))
+    if same_layout:
         engine.reducer.load_state_dict({k[len(REDUCER):]: mine.get_tensor(k).to(engine.device)
                                         for k in mine.keys() if k.startswith(REDUCER)})
     elif any(k.startswith(REDUCER) for k in reader.file(0).keys()):
@@ -278,6 +292,8 @@ def load_unsharded(engine, tensors: dict[str, torch.Tensor], optimizer) -> None:
         if "" not in flats:
             raise CheckpointError(f"unit {unit.name}: no weights among the tensors to load")
         unit.load_master_shard(flats[""][lo:hi])
+        if unit.delta_codec is not None:
+            unit.load_references(None, False)
         for start, piece, _ in _piece_states(unit, optimizer):
             state = {k[1:]: flat[lo:hi][start:start + piece.numel()].clone() for k, flat in flats.items() if k}
             state.update({k: v.clone() for k, v in scalars.items()})

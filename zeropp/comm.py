@@ -132,10 +132,13 @@ class Comm:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeropp-comm") \
             if self.backend == "gloo" else None
         self.node_aware = node_aware and uses_node_aware(mesh, self.backend)
-        # The DP rank whose shard sits at each position of a `dp` all-gather's output with
-        # `node_aware=True`: local-rank-major when the gather is node-aware; None: rank order.
-        self.gather_order = [n * mesh.ranks_per_node + local for local in range(mesh.ranks_per_node)
-                             for n in range(mesh.num_nodes)] if self.node_aware else None
+        # The DP rank whose shard sits at each position of a gather across nodes, then inside the
+        # node: local-rank-major (None where that is rank order: one node, or one rank per node).
+        self.local_major_order = [n * mesh.ranks_per_node + local for local in range(mesh.ranks_per_node)
+                                  for n in range(mesh.num_nodes)] \
+            if mesh.num_nodes > 1 and mesh.ranks_per_node > 1 else None
+        # ... and of a `dp` all-gather's output with `node_aware=True` (None: rank order).
+        self.gather_order = self.local_major_order if self.node_aware else None
 
     def volume(self, chunk_bytes: int, group: str = "dp", node_aware: bool = False) -> tuple[int, int]:
         """(bytes sent, of which cross-node) by this rank in a collective over `group` that moves one
@@ -173,6 +176,41 @@ class Comm:
         across = torch.empty(m.num_nodes * shard.numel(), dtype=shard.dtype, device=shard.device)
         dist.all_gather_single(across, shard, group=m.group("inter_node", thread=True))
         dist.all_gather_single(out, across, group=m.group("intra_node", thread=True))
+
+    def delta_gather(self, out: torch.Tensor, references: torch.Tensor, sent: torch.Tensor | None, codec,
+                     tag: str, async_op: bool):
+        """qwZ deltas: bring this node's copy of the weights up to date, then gather it inside the node.
+
+        `references` holds, in the communication dtype, the shards of the ranks with this local
+        rank, one per node in node order (hpZ's secondary partition). `sent` is this rank's
+        update: the codes of its shard's change (`codec`: QuantizedCodec) or, with `codec`
+        None, the shard's values themselves (the first time, or after a load); None when the
+        references are current. It is all-gathered across nodes (same local rank) and applied
+        to `references`; then `out` receives the node's references in local-rank-major order
+        (`local_major_order`). Every holder of a shard applies the same bytes the same way, so
+        the copies stay identical, the sender's included."""
+        m = self.mesh
+        if sent is not None:
+            self._record(tag, sent.dtype, sent.numel() * sent.element_size(), "inter_node")
+        self._record(tag, references.dtype, references.numel() * references.element_size(), "intra_node")
+        threaded = self._executor is not None
+
+        def work():
+            if sent is not None:
+                across = torch.empty(m.num_nodes * sent.numel(), dtype=sent.dtype, device=sent.device)
+                dist.all_gather_single(across, sent, group=m.group("inter_node", thread=threaded))
+                if codec is None:
+                    references.copy_(across)
+                else:
+                    change = torch.empty(references.numel(), dtype=torch.float32, device=references.device)
+                    codec.decode(across, change, m.num_nodes)
+                    references.copy_(change.add_(references))
+            dist.all_gather_single(out, references, group=m.group("intra_node", thread=threaded))
+
+        if threaded:
+            return self._on_thread(work, async_op)
+        work()
+        return _DoneWork() if async_op else None
 
     def _on_thread(self, work, async_op):
         future = self._executor.submit(work)

@@ -168,6 +168,13 @@ class ZeroConfig:
     # ZeRO++ (docs/zeropp.md). qwZ: block-quantized weight all-gather.
     zero_quantized_weights: bool = False
     zero_quantized_weights_bits: int = 8
+    # qwZ deltas (ours, beyond the paper; docs/zeropp.md): the forward's cross-node gather sends
+    # the block-quantized change of each shard since its last gather (closed loop: what a
+    # quantization lost goes out with the next change) and every node keeps the weights in the
+    # communication dtype, split over its ranks as hpZ's secondary partition. The forward then
+    # computes with weights as exact as ZeRO-3's bf16 gather at zero_quantized_weights_bits
+    # (4 recommended) on the slow link. Needs hpZ over one node; trainable units only.
+    zero_quantized_weights_delta: bool = False
     # Frozen parameters (requires_grad=False, e.g. a LoRA base model) are kept only as qwZ codes
     # (zero_quantized_weights_bits, no fp32 copy) and gathered as such, never requantized.
     zero_quantized_nontrainable_weights: bool = False
@@ -208,7 +215,8 @@ class ZeroConfig:
             return "DDP" + (f" + {self.gradient_compression.describe()}" if self.gradient_compression.enabled else "")
         parts = ["ZeRO-3"]
         if self.zero_quantized_weights:
-            parts.append(f"qwZ int{self.zero_quantized_weights_bits}")
+            deltas = " deltas" if self.zero_quantized_weights_delta else ""
+            parts.append(f"qwZ int{self.zero_quantized_weights_bits}{deltas}")
         if self.hpz:
             parts.append("hpZ")
         if self.zero_quantized_gradients:
@@ -254,6 +262,10 @@ class ZeroConfig:
         if self.zero_hpz_partition_size < 0:
             raise ZeroConfigError(f"zero_optimization.zero_hpz_partition_size={self.zero_hpz_partition_size}: "
                                   f"use 1 (off), 0 (one node) or a group size that divides the world size")
+        if self.zero_quantized_weights_delta and not (self.zero_quantized_weights and self.hpz):
+            raise ZeroConfigError("zero_optimization.zero_quantized_weights_delta needs zero_quantized_weights: true "
+                                  "and hpZ over one node (zero_hpz_partition_size: 0): each node keeps the weights "
+                                  "the deltas update in its secondary partition")
         if self.zero_quantized_gradients_hops not in (0, 1, 2):
             raise ZeroConfigError(f"zero_optimization.zero_quantized_gradients_hops="
                                   f"{self.zero_quantized_gradients_hops}: use 0 (automatic), 1 or 2")

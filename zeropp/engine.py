@@ -211,14 +211,25 @@ class Zero3Engine(Runtime):
                  if cfg.zero_quantized_weights else PlainCodec(self.comm_dtype))
         frozen_codec = (QuantizedCodec(cfg.zero_quantized_weights_bits, cfg.zero_quantization_block_size)
                         if cfg.zero_quantized_nontrainable_weights else codec)
+        # qwZ deltas: trainable units gather their weights in the comm dtype from the node's
+        # references; only the quantized change crosses nodes.
+        delta = cfg.zero_quantized_weights_delta
+        if delta and self.mesh.secondary_size != self.mesh.ranks_per_node:
+            raise ZeroConfigError(
+                f"zero_optimization.zero_quantized_weights_delta keeps each node's weights in hpZ's secondary "
+                f"partition, which must be one node ({self.mesh.ranks_per_node} ranks), not "
+                f"{self.mesh.secondary_size}: set zero_hpz_partition_size to 0")
         units = partition_units(model)
         self._unit_numels = unit_numels(units)
         self.units: dict[str, Unit] = {}
         for name, params in units.items():
             frozen = name.endswith(FROZEN_SUFFIX)
             stored_quantized = frozen and cfg.zero_quantized_nontrainable_weights
-            self.units[name] = Unit(name, params, world, rank, self.device, frozen_codec if frozen else codec,
-                                    stored_quantized, cfg.param_align(frozen), cfg.shard_align(frozen))
+            deltas = delta and not frozen
+            self.units[name] = Unit(name, params, world, rank, self.device,
+                                    frozen_codec if frozen else PlainCodec(self.comm_dtype) if deltas else codec,
+                                    stored_quantized, cfg.param_align(frozen), cfg.shard_align(frozen),
+                                    delta_codec=codec if deltas else None)
         self.reducer = self._build_reducer()
         # A block's units (trainable, then frozen) are gathered, computed and freed together.
         self.block_groups = [[self.units[n] for n in (f"blocks.{i}", f"blocks.{i}{FROZEN_SUFFIX}") if n in self.units]
@@ -230,6 +241,9 @@ class Zero3Engine(Runtime):
         if cfg.hpz and self.mesh.secondary_size > 1:
             for u in self.blocks:  # resident units are not re-gathered for the backward
                 u.enable_secondary(self.mesh.secondary_size)
+        for u in self.units.values():
+            if u.delta_codec is not None:  # every unit (resident ones too) keeps its references
+                u.enable_secondary(self.mesh.ranks_per_node, self.mesh.node)
         self._allocate_buffers()
 
         # The block order of the first forward: prefetch follows it, and a block's position
@@ -265,7 +279,7 @@ class Zero3Engine(Runtime):
     def _decodes_in_place(self, unit: Unit) -> bool:
         """The gathered bytes are the weights themselves (wire dtype = compute dtype), unless a
         node-aware gather's shards must be put in place while decoding."""
-        return unit.codec.dtype == self.param_dtype and not self.comm.node_aware
+        return unit.codec.dtype == self.param_dtype and unit.gather_order(self.comm) is None
 
     def _allocate_buffers(self) -> None:
         """The rotating byte buffers shared by the blocks (`_buffer_count`), each holding one block's
@@ -278,7 +292,7 @@ class Zero3Engine(Runtime):
             gather_at = compute_at = 0
             for u in group:
                 offsets[u] = gather_at, compute_at
-                gather_at += _aligned(u.gathered_numel * u.wire.element_size())
+                gather_at += _aligned(u.gathered_numel * u.codec.dtype.itemsize)
                 compute_at += u.padded_numel
                 if u.trainable:
                     grad_numel = max(grad_numel, u.padded_numel)
@@ -291,7 +305,7 @@ class Zero3Engine(Runtime):
         self._grad_owner: list[Unit | None] = [None, None]
         for u, (gather_at, compute_at) in offsets.items():
             for s in range(self._slots):
-                gather = gather_bufs[s][gather_at:gather_at + u.gathered_numel * u.wire.element_size()] \
+                gather = gather_bufs[s][gather_at:gather_at + u.gathered_numel * u.codec.dtype.itemsize] \
                     .view(u.codec.dtype)
                 compute = gather if shared_compute else compute_bufs[s][compute_at:compute_at + u.padded_numel]
                 u.buffers.append((gather, compute))
@@ -629,6 +643,9 @@ class Zero3Engine(Runtime):
         return out
 
     def save(self, directory, optimizer: torch.optim.Optimizer) -> None:
+        for u in self.units.values():  # with qwZ deltas a gather in flight may be updating the references
+            if u.pending_gather is not None:
+                u.pending_gather.wait()
         save_shards(self, Path(directory), optimizer)
 
     def load(self, directory, optimizer: torch.optim.Optimizer) -> None:
@@ -661,16 +678,21 @@ class Zero3Engine(Runtime):
         held = self._slots  # blocks the rotating buffers hold
         position = {id(u): i for i, group in enumerate(self.block_groups) for u in group}
         for u in self.units.values():
-            forward = self.comm.volume(u.wire.numel() * u.wire.element_size(), "dp", node_aware=True)
-            if u in self.resident:
+            i = position.get(id(u))  # None: a resident unit, gathered once per step and kept
+            if u.delta_codec is not None:  # the change across nodes once per step, the references inside
+                first = self.comm.volume(u.wire.numel() * u.wire.element_size(), "inter_node")
+                add("forward gather", first)
+                forward = backward = self.comm.volume(u.secondary.numel() * u.secondary.element_size(), "intra_node")
+            else:
+                forward = self.comm.volume(u.wire.numel() * u.wire.element_size(), "dp", node_aware=True)
+                backward = forward if u.secondary is None else \
+                    self.comm.volume(u.secondary.numel() * u.secondary.element_size(), "secondary")
+            if i is None:
                 add("forward gather", forward)
             else:
                 # the first `held` blocks stay from one micro-batch's backward to the next forward,
                 # the last `held` from each forward to its backward
-                i = position[id(u)]
                 add("forward gather", forward, 1 + (micro_batches - 1) * (i >= held))
-                backward = forward if u.secondary is None else \
-                    self.comm.volume(u.secondary.numel() * u.secondary.element_size(), "secondary")
                 add("backward gather", backward, micro_batches * (i < len(self.block_groups) - held))
             reduce = self.reducer.volume(u.padded_numel) if u.trainable else (0, 0)
             if reduce is not None:

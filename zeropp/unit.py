@@ -13,7 +13,10 @@ Per rank a unit holds:
                of `grad_shard`
   grad_shard   fp32 reduced gradients, accumulated over micro-batches
   wire         the shard as the all-gather sends it (zeropp.quantized: a dtype or qwZ codes)
-  secondary    hpZ: this rank's part of the gathered wire bytes within its secondary group
+  secondary    hpZ: this rank's part of the gathered wire bytes within its secondary group;
+               with qwZ deltas, the references: this node's copy of the weights (the shards
+               of the ranks with this local rank, in the communication dtype) that the
+               deltas update
 
 The data flow of one step, as methods the engine calls in order:
   refresh()    re-encode the wire when the master changed (an optimizer step, a load)
@@ -99,9 +102,11 @@ class _Narrow(torch.autograd.Function):
 class Unit:
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]], list[str]]],
                  world_size: int, rank: int, device: torch.device, codec, stored_quantized: bool,
-                 param_align: int = 1, shard_align: int = 1):
+                 param_align: int = 1, shard_align: int = 1, delta_codec=None):
         """params: (qualified name, parameter, [(module, attribute)], [alias names]) in model order;
-        codec: what the wire holds (zeropp.quantized); stored_quantized: a frozen unit kept only as codes."""
+        codec: what the gathered bytes hold (zeropp.quantized); stored_quantized: a frozen unit kept
+        only as codes; delta_codec: qwZ deltas, the wire holds the codes of the change since the
+        last gather (the references, in `codec`'s dtype, come with enable_secondary)."""
         if len({p.requires_grad for _, p, _, _ in params}) > 1:
             raise ValueError(f"unit {name} mixes trainable and frozen parameters; split them into two units")
         self.name, self.world_size, self.rank, self.device = name, world_size, rank, device
@@ -123,10 +128,12 @@ class Unit:
         self.master: torch.Tensor | None = full[self.shard_start:self.shard_start + self.shard_numel].clone().to(device)
         self.grad_shard = torch.zeros_like(self.master) if self.trainable else None
 
-        self.codec = codec
+        self.codec, self.delta_codec = codec, delta_codec
         self.stored_quantized = stored_quantized
-        self.wire = torch.zeros(codec.wire_numel(self.shard_numel), dtype=codec.dtype, device=device)
-        self.gathered_numel = world_size * self.wire.numel()
+        wire = delta_codec or codec
+        self.wire = torch.zeros(wire.wire_numel(self.shard_numel), dtype=wire.dtype, device=device)
+        self.gathered_numel = world_size * codec.wire_numel(self.shard_numel)
+        self.reference_at = 0  # qwZ deltas: where this rank's own shard sits in the references
         self.secondary: torch.Tensor | None = None  # set by enable_secondary()
         # Versions: `version` counts re-encodings of the wire; a gathered buffer or a secondary
         # is valid while it was made from the current one.
@@ -207,14 +214,40 @@ class Unit:
         counter: an optimizer step, a load). Returns whether it did."""
         if self.master is None or self.master._version == self._encoded_master_version:
             return False
-        self.codec.encode(self.master, self.wire)
+        if self.delta_codec is None:
+            self.codec.encode(self.master, self.wire)
+        elif self.secondary_version >= 0:  # else the next gather sends the values whole
+            if self.pending_gather is not None:  # it may still be updating the references
+                self.pending_gather.wait()
+            own = self.secondary[self.reference_at:self.reference_at + self.shard_numel]
+            self.delta_codec.encode(self.master - own.float(), self.wire)
         self._encoded_master_version = self.master._version
         self.version += 1
         return True
 
-    def enable_secondary(self, size: int) -> None:
-        """hpZ: keep 1/size of the gathered bytes, so the backward gathers inside a group of `size`."""
+    def enable_secondary(self, size: int, node: int = 0) -> None:
+        """hpZ: keep 1/size of the gathered bytes, so the backward gathers inside a group of `size`
+        (with qwZ deltas: the node's references, this rank's own shard at position `node`)."""
         self.secondary = torch.zeros(self.gathered_numel // size, dtype=self.codec.dtype, device=self.device)
+        self.reference_at = node * self.shard_numel
+
+    def references_current(self) -> bool:
+        """qwZ deltas: the references hold the master's weights (nothing to send for them)."""
+        return self.secondary_version == self.version and self.master._version == self._encoded_master_version
+
+    def load_references(self, references: torch.Tensor | None, current: bool) -> None:
+        """qwZ deltas, after load_master_shard: restore the references a checkpoint saved (`current`:
+        they held the saved weights, so nothing is sent for them), or with None resend the
+        weights whole at the next gather."""
+        if references is None:
+            self.secondary_version = -1
+        else:
+            self.secondary.copy_(references)
+            self.secondary_version = 0  # valid, so refresh() encodes the change against them
+        self._encoded_master_version = -1
+        self.refresh()
+        if references is not None:
+            self.secondary_version = self.version if current else self.version - 1
 
     def source(self, phase: Phase) -> Source:
         if phase is Phase.BACKWARD and self.secondary is not None and self.secondary_version == self.version:
@@ -226,6 +259,16 @@ class Unit:
 
     def gather(self, comm, phase: Phase, async_op: bool) -> None:
         gather, _ = self._buffer_pair()
+        if self.delta_codec is not None:  # the change (if any) across nodes, then the references inside
+            sent, codec = None, self.delta_codec
+            if self.secondary_version < 0:
+                sent, codec = self.master.to(self.codec.dtype), None
+            elif self.secondary_version != self.version:
+                sent = self.wire
+            self.gathering_version = self.secondary_version = self.version
+            self.pending_gather = comm.delta_gather(gather, self.secondary, sent, codec, tag=f"{phase.value} gather",
+                                                    async_op=async_op)
+            return
         source = self.source(phase)
         shard = self.secondary if source is Source.SECONDARY else self.wire
         self.gathering_version = self.version
@@ -244,13 +287,18 @@ class Unit:
                 self.pending_gather = None
         gather, compute = self._buffer_pair()
         with timer("weight decode"):
-            self.codec.decode(gather, compute, self.world_size, comm.gather_order)
+            self.codec.decode(gather, compute, self.world_size, self.gather_order(comm))
         self.gathered_version = self.gathering_version
-        if self.secondary is not None and phase is Phase.FORWARD and torch.is_grad_enabled():
+        if self.delta_codec is None and self.secondary is not None and phase is Phase.FORWARD \
+                and torch.is_grad_enabled():
             n = self.secondary.numel()
             j = comm.mesh.group_rank("secondary")
             self.secondary.copy_(gather[j * n:(j + 1) * n])
             self.secondary_version = self.gathering_version
+
+    def gather_order(self, comm) -> list[int] | None:
+        """The rank whose shard is at each position of the gathered bytes (None: rank order)."""
+        return comm.local_major_order if self.delta_codec is not None else comm.gather_order
 
     def bind(self, grad: bool, on_grads_ready) -> None:
         """Point the modules' attributes at views of the compute buffer; with `grad`, through the
@@ -310,5 +358,5 @@ class Unit:
         if self.grad_shard is not None:
             out["gradient shard"] = nbytes(self.grad_shard)
         if self.secondary is not None:
-            out["hpZ secondary"] = nbytes(self.secondary)
+            out["qwZ delta references" if self.delta_codec is not None else "hpZ secondary"] = nbytes(self.secondary)
         return out
