@@ -1,14 +1,10 @@
-"""Throughput ablation on the emulated cluster (ZeRO++ paper, Fig. 10 / Table 1).
+"""Throughput ablation on the emulated cluster (ZeRO++ paper, Fig. 10 / Table 1): ZeRO-3, + qwZ (int8
+weights), + hpZ (secondary partition = one node), + qgZ (int4 gradients, 2 hops) and full ZeRO++, each
+`train.py` on 2 emulated nodes x 2 ranks at every link rate and micro-batch size (runner.py measures).
 
     python scripts/bench/ablation.py                      # 2 rates x 2 tokens-per-rank x 5 configurations
     python scripts/bench/ablation.py --quick              # ZeRO-3 and ZeRO++ at 100mbit, 4 x 128 tokens
-    python scripts/bench/ablation.py --rates 100mbit --micro-batches 4 --configs zero3 zeropp --steps 6
     python scripts/bench/ablation.py --quick --precision fp32 --shape issue   # fp32 compute, issue 17's model
-
-ZeRO-3, + qwZ (int8 weights), + hpZ (secondary partition = one node), + qgZ (int4 gradients, 2 hops)
-and full ZeRO++ train the reference GPT-2 with `train.py` on 2 emulated nodes x 2 ranks, at each link
-rate and micro-batch size (scripts/bench/runner.py: what a run measures, how), every run computing in
-`--precision` (bf16 autocast with fp32 master weights by default, passed as --train.precision).
 """
 
 from __future__ import annotations
@@ -17,7 +13,7 @@ import sys
 from pathlib import Path
 
 from scripts.bench import report, runner
-from scripts.bench.cluster import parse_rate
+from scripts.cluster import parse_rate
 from scripts.bench.runner import SEQ, Job
 from scripts.bench.suite import Quick, main_one, options
 
@@ -28,6 +24,7 @@ CONFIGS = {  # key -> (label, zero_optimization keys)
     "zero3": ("ZeRO-3", ZERO3), "qwz": ("ZeRO-3 + qwZ", {**ZERO3, **QWZ}), "hpz": ("ZeRO-3 + hpZ", {**ZERO3, **HPZ}),
     "qgz": ("ZeRO-3 + qgZ", {**ZERO3, **QGZ}), "zeropp": ("ZeRO++", {**ZERO3, **QWZ, **HPZ, **QGZ}),
 }
+COMPUTE = {"bf16": "bf16 (autocast, fp32 master weights)", "fp32": "fp32"}  # --precision, in the docs' words
 
 
 def add_args(p) -> None:
@@ -80,34 +77,27 @@ COLUMNS = [("label", "configuration", "{}"), ("compute", "compute", "{}"), ("set
            ("wire_ms", "wire time ms", "{:.0f}"), ("link_busy_pct", "link busy %", "{:.0f}")]
 
 
-def _compute(plan: dict) -> str:
-    return {"bf16": "bf16 (autocast, fp32 master weights)", "fp32": "fp32"}.get(plan.get("precision"), "the machine's "
-                                                                                "default precision (not recorded)")
-
-
 def plots(result: dict, out_dir: Path) -> list[Path]:
     rows = [r for r in result["rows"] if r["ok"]]
     groups = sorted({(r["setting"], r["micro_batch"]) for r in rows}, key=lambda g: (parse_rate(g[0]), g[1]))
-    paths = []
-    for metric, ylabel, name in (("tokens_per_s", "tokens/s (4 ranks)", "ablation_throughput"),
-                                 ("phys_tx_mb_node", "physical MB per step per node link", "ablation_bytes")):
-        fig, ax = report.pyplot().subplots(figsize=(9, 4.2))
-        series = {CONFIGS[k][0]: [next((r.get(metric) for r in rows if (r["setting"], r["micro_batch"]) == g
-                                        and r["key"] == k), None) for g in groups] for k in result["plan"]["configs"]}
-        report.bars(ax, [f"{rate}\n{mb}x{SEQ} tokens/rank" for rate, mb in groups], series)
-        ax.set_ylabel(ylabel)
-        ax.set_title(f"{result['model']['params'] / 1e6:.1f}M-parameter GPT-2, 2 nodes x 2 ranks (emulated)")
-        paths.append(report.save(fig, out_dir, name))
-    return paths
+    return [report.bar_chart(
+        out_dir, name, [f"{rate}\n{mb}x{SEQ} tokens/rank" for rate, mb in groups],
+        {CONFIGS[k][0]: [next((r.get(metric) for r in rows if (r["setting"], r["micro_batch"]) == g and r["key"] == k),
+                              None) for g in groups] for k in result["plan"]["configs"]},
+        f"{result['model']['params'] / 1e6:.1f}M-parameter GPT-2, 2 nodes x 2 ranks (emulated)", ylabel,
+        figsize=(9, 4.2))
+        for metric, ylabel, name in (("tokens_per_s", "tokens/s (4 ranks)", "ablation_throughput"),
+                                     ("phys_tx_mb_node", "physical MB per step per node link", "ablation_bytes"))]
 
 
 def markdown(result: dict) -> str:
     m, plan = result["model"], result["plan"]
+    compute = COMPUTE.get(plan.get("precision"), "the machine's default precision (not recorded)")
     lines = [f"`train.py` on {result['nodes']} emulated nodes x {result['ranks_per_node']} ranks (network namespaces, "
              f"tbf-shaped links), model {m['preset']} with {m['n_layer']} layers: **{m['params'] / 1e6:.2f}M "
              f"parameters** (d_model {m['d_model']}, vocabulary {m['vocab_size']}, {m['seq_len']} tokens per "
-             f"sample), default corpus, AdamW, every run computing in {_compute(plan)} "
-             f"(`--train.precision {plan.get('precision', '?')}`). {plan['steps']} steps per run, the first "
+             f"sample), default corpus, AdamW, every run computing in {compute} (`--train.precision "
+             f"{plan.get('precision', '?')}`). {plan['steps']} steps per run, the first "
              f"{plan['warmup']} not timed, step time = their median. "
              "TFLOP/s are model FLOPs: 6·N per token (N without the position table, tied head counted) plus "
              "12·n_layer·d_model·seq for attention. Physical bytes: what each node's link sent per step "

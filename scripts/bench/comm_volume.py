@@ -3,13 +3,11 @@
     python scripts/bench/comm_volume.py                      # the 10.56M reference GPT-2, + physical bytes
     python scripts/bench/comm_volume.py --quick              # ledger only (what the suite's --quick runs)
     python scripts/bench/comm_volume.py --tiny               # a tiny model, seconds (what the test runs)
-    python scripts/bench/comm_volume.py --tiny --block-size 64
 
-ONE training step of the same model on 4 local gloo ranks laid out as 2 nodes x 2, with ZeRO-3 and
-with ZeRO++; the ledger (zeropp.comm.CommLedger) counts the LOGICAL bytes each collective sends and
-the topology says which cross a node boundary, so no namespaces are needed. `--physical` runs the
-step again on the emulated cluster, every collective fenced by barriers, and reads the node's link
-counters around each one. markdown() below (the docs) says what exactly is compared.
+One training step on 4 local gloo ranks laid out as 2 nodes x 2: the ledger (zeropp.comm.CommLedger)
+counts the logical bytes of each collective and the topology says which cross a node boundary, so no
+namespaces are needed. `--physical` runs the step again on the emulated cluster, every collective fenced
+by barriers, and reads the node's link counters around each one.
 """
 
 from __future__ import annotations
@@ -245,15 +243,13 @@ COLUMNS = [("collective", "collective", "{}"), ("zero3_dtypes", "ZeRO-3 wire", "
 
 
 def plots(result: dict, out_dir: Path) -> list[Path]:
-    rows = [r for r in result["rows"] if r["collective"] in TAGS[:3]]
-    fig, ax = report.pyplot().subplots(figsize=(7.5, 4))
-    report.bars(ax, [r["collective"] for r in rows],
-                {"ZeRO-3 (bf16)": [r["zero3_cross_mb"] for r in rows],
-                 "ZeRO++ (int8 qwZ, hpZ, int4 qgZ)": [r["zeropp_cross_mb"] for r in rows]},
-                labels={"ZeRO++ (int8 qwZ, hpZ, int4 qgZ)": [report.fmt(r.get("ratio"), "{:.2f}x") for r in rows]})
-    ax.set_ylabel("cross-node MB per rank, one step (ledger)")
-    ax.set_title(f"{result['model']['params'] / 1e6:.2f}M-parameter GPT-2, 2 nodes x 2 ranks")
-    return [report.save(fig, out_dir, "comm_volume")]
+    rows, zpp = [r for r in result["rows"] if r["collective"] in TAGS[:3]], "ZeRO++ (int8 qwZ, hpZ, int4 qgZ)"
+    return [report.bar_chart(
+        out_dir, "comm_volume", [r["collective"] for r in rows],
+        {"ZeRO-3 (bf16)": [r["zero3_cross_mb"] for r in rows], zpp: [r["zeropp_cross_mb"] for r in rows]},
+        f"{result['model']['params'] / 1e6:.2f}M-parameter GPT-2, 2 nodes x 2 ranks",
+        "cross-node MB per rank, one step (ledger)", figsize=(7.5, 4),
+        labels={zpp: [report.fmt(r.get("ratio"), "{:.2f}x") for r in rows]})]
 
 
 def markdown(result: dict) -> str:
@@ -270,22 +266,17 @@ def markdown(result: dict) -> str:
              *report.md_table(result["rows"], COLUMNS if result.get("physical_rate") else COLUMNS[:7]), "",
              "\"paper\" = Table 4 of the ZeRO++ paper in units of ZeRO-3's volume. Its 0.25 for the gradients is "
              "int4 over fp16; with 2 hops each rank sends across nodes only the share it reduced inside its node "
-             "(1/L of its gradients, L = ranks per node), int4. " + (
-                 "ZeRO-3's collectives are node-aware (each shard crosses once per remote node: a rank sends "
-                 "(N-1)/W of the model across, N nodes, W ranks), so on 2 nodes x 2 the ledger sees 1/4 of ZeRO-3's "
-                 "bf16 reduce-scatter, as the paper, plus the fp32 scales (4 bytes per block)."
-                 if result.get("node_aware_collectives") else
-                 "ZeRO-3's flat ring sends a rank's shard to every rank of the other nodes, so on 2 nodes x 2 the "
-                 "ledger sees about 1/8 of ZeRO-3's bf16 reduce-scatter, plus the fp32 scales.")]
+             "(1/L of its gradients, L = ranks per node), int4. ZeRO-3's collectives are node-aware (each shard "
+             "crosses once per remote node: a rank sends (N-1)/W of the model across, N nodes, W ranks), so on 2 "
+             "nodes x 2 the ledger sees 1/4 of ZeRO-3's bf16 reduce-scatter, as the paper, plus the fp32 scales "
+             "(4 bytes per block)."]
     if result.get("physical_rate"):
-        ring = ("Node-aware collectives (`node_aware_collectives`, the default): the all-gather and the exact "
-                "reduce-scatter go across nodes among same-local-rank peers, then inside the node, so each shard "
-                "crosses the node boundary once per remote node (gloo's flat ring, with them off, crosses it with 3 "
-                "of the 4 logical shards per node on 2 x 2)" if result.get("node_aware_collectives") else
-                "gloo's ring all-gather crosses the node boundary with 3 of the 4 logical shards per node")
         lines += ["", f"Physical: bytes each node's link sent during each collective on the emulated cluster "
                   f"({result['physical_rate']}), every collective made synchronous and fenced by barriers whose own "
-                  f"bytes are subtracted. {ring}; TCP/IP headers add ~4%."]
+                  "bytes are subtracted. Node-aware collectives (`node_aware_collectives`, the default): the "
+                  "all-gather and the exact reduce-scatter go across nodes among same-local-rank peers, then inside "
+                  "the node, so each shard crosses the node boundary once per remote node (gloo's flat ring, with "
+                  "them off, crosses it with 3 of the 4 logical shards per node on 2 x 2); TCP/IP headers add ~4%."]
     elif result.get("physical_skipped"):
         lines += ["", f"Physical bytes per collective: {result['physical_skipped']}."]
     return "\n".join(lines)

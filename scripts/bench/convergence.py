@@ -2,13 +2,9 @@
 
     python scripts/bench/convergence.py                   # ZeRO-3, ZeRO++ with 8-, 6-, 4-bit qwZ; 250 steps
     python scripts/bench/convergence.py --quick           # ZeRO-3 and ZeRO++ 8-bit, 60 steps
-    python scripts/bench/convergence.py --steps 500 --bits 8 4
 
-`train.py` on 4 local ranks laid out as 2 nodes x 2 (the node layout only decides which collectives
-are intra-node, so no namespaces are needed), on ../shared/data/tinyshakespeare.txt with
-configs/shakespeare.yaml's data and a tiny GPT-2, the same seed (initial weights, batches) for every
-run. ZeRO-3 communicates bf16; each ZeRO++ run uses hpZ over the node and 4-bit qgZ (as the paper)
-with 8-, 6- or 4-bit qwZ. Skips with a message when the data file is missing.
+`train.py` on 4 local ranks laid out as 2 nodes x 2 (the layout only decides which collectives are
+intra-node, so no namespaces are needed), a tiny GPT-2, the same seed (weights, batches) for every run.
 """
 
 from __future__ import annotations
@@ -75,6 +71,19 @@ def data_missing(path) -> str | None:
     return f"{path} not found (Tiny Shakespeare lives in ../shared/data beside the project)"
 
 
+def curve_run(cmd: list, out: Path, timeout: float, nproc: int | None = 4) -> dict:
+    """Run a train.py job that evaluates as it goes (its --train.out_dir `out`): {"ok", "wall_s", "runtime",
+    "error"}, or its validation curve and logged steps ("metrics")."""
+    start = time.monotonic()
+    rc, text = runner.launch(cmd, nproc=nproc, timeout=timeout)
+    row = {"wall_s": time.monotonic() - start, "runtime": runner.said(text, "runtime")}
+    val = runner.validation_curve(out)
+    if rc or not val:
+        return {**row, "ok": False, "error": f"exit {rc}: {runner.error_tail(text)}"}
+    return {**row, "ok": True, "final_val_loss": val[-1][1], "val_curve": val,
+            "metrics": [m for m in runner.read_metrics(out) if runner.STEP_KEY in m]}
+
+
 def run(args, progress=print) -> dict:
     plan = resolve(args)
     result = {"plan": plan, "rows": []}
@@ -87,23 +96,20 @@ def run(args, progress=print) -> dict:
                                 runner.zero_args(**ZPP, zero_quantized_weights_bits=b))
     with tempfile.TemporaryDirectory(prefix="bench-convergence-") as tmp:
         for i, (key, (label, zargs)) in enumerate(runs.items(), 1):
-            out, t0 = Path(tmp) / key, time.monotonic()
-            rc, text = runner.launch([sys.executable, ROOT / "train.py", *train_args(plan), "--train.out_dir", out,
-                                      *zargs], timeout=plan["timeout"])
-            metrics, val = runner.read_metrics(out), runner.validation_curve(out)
-            train = [(m["step"], m["lm loss"]) for m in metrics if "lm loss" in m]
-            times = [m[runner.STEP_KEY] for m in metrics if runner.STEP_KEY in m]
-            if rc or not val:
-                row = {"key": key, "label": label, "ok": False, "error": f"exit {rc}: {runner.error_tail(text)}"}
-            else:
-                row = {"key": key, "label": label, "ok": True, "final_val_loss": val[-1][1], "val_curve": val,
-                       "train_curve": train, "final_train_loss": train[-1][1],
-                       "step_ms": sum(times[1:]) / (len(times) - 1) if len(times) > 1 else times[0],
-                       "seconds": time.monotonic() - t0}
+            out = Path(tmp) / key
+            row = {"key": key, "label": label, **curve_run(
+                [sys.executable, ROOT / "train.py", *train_args(plan), "--train.out_dir", out, *zargs], out,
+                plan["timeout"])}
+            if row["ok"]:
+                steps = row.pop("metrics")
+                times = [m[runner.STEP_KEY] for m in steps]
+                row.update(train_curve=[(m["step"], m["lm loss"]) for m in steps],
+                           final_train_loss=steps[-1]["lm loss"],
+                           step_ms=sum(times[1:]) / (len(times) - 1) if len(times) > 1 else times[0])
             result["rows"].append(row)
             progress(f"  convergence [{i}/{len(runs)}] {label}: "
                      + (f"final validation loss {row['final_val_loss']:.4f}" if row["ok"] else row["error"])
-                     + f" ({time.monotonic() - t0:.0f} s)")
+                     + f" ({row['wall_s']:.0f} s)")
     base = next((r for r in result["rows"] if r["key"] == "zero3" and r["ok"]), None)
     for r in result["rows"]:
         if base and r["ok"]:

@@ -1,19 +1,15 @@
-"""Benchmark: the quantization kernels' torch path against a plain memory copy (not named kernels.py:
-run as a script, that would shadow the `kernels` package).
+"""The quantization kernels' torch path against a plain memory copy (not named kernels.py: run as a
+script, that would shadow the `kernels` package).
 
     python scripts/bench/kernel_bandwidth.py                # 1M and 16M elements, 8 and 4 bits, 1 and all threads
     python scripts/bench/kernel_bandwidth.py --quick        # 1M only, a few seconds
-    python scripts/bench/kernel_bandwidth.py --update-docs  # + its section of docs/benchmarks.md
     git show REV:kernels/quant.py > /tmp/quant_before.py    # another version of kernels/quant.py ...
     python scripts/bench/kernel_bandwidth.py --sizes 16777216 --threads 1 --baseline /tmp/quant_before.py
 
-For quantize, quantize_transposed, dequantize, dequant_reduce (adding into an fp32 buffer) and
-dequant_reduce_quant (both over k=4 tensors that add up to `numel` elements) at each size and bit
-width: median time, GB/s of input read, and the time relative to `copy_` of `numel` elements of
-the input dtype — a pass over the full-precision side, which bounds how fast any of them can be on
-this machine. Every round times copy_ and each case once, in turn, so on a shared machine they all
-see the same noise; `--baseline` adds the same cases run by another kernels/quant.py (the "before"
-of a change) to those rounds, and checks that it produces the same bits.
+Each case is timed relative to `copy_` of `numel` elements of the input dtype: a pass over the
+full-precision side bounds how fast any of them can be. Every round times copy_ and each case once, in
+turn, so on a shared machine they all see the same noise; `--baseline` adds another kernels/quant.py to
+those rounds (the "before" of a change) and checks that it produces the same bits.
 """
 
 import importlib.util
@@ -31,6 +27,7 @@ TITLE = "## 5. Quantization kernels vs memory-copy bandwidth"
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BLOCK = 256
+IMPL = "torch"  # the inputs are CPU tensors: Triton would only run in its interpreter
 K_CHUNKS = 4
 A, B, STAGES = 8, 4, 2  # quantize_transposed reads stage 1 of an [A, B, STAGES, C] buffer
 
@@ -43,34 +40,34 @@ def _load(path):
     return mod
 
 
-def _inputs(numel, bits, dtype, impl):
+def _inputs(numel, bits, dtype):
     """The tensors every implementation reads (built once per size and bit width)."""
     g = torch.Generator().manual_seed(bits)
     x = torch.randn(numel, generator=g).to(dtype)
     stage = torch.randn(A, B, STAGES, numel // (A * B), generator=g).to(dtype)[:, :, 1]
     chunk = numel // K_CHUNKS
-    parts = [K.quantize(x[i * chunk:(i + 1) * chunk], bits, BLOCK, impl=impl) for i in range(K_CHUNKS)]
+    parts = [K.quantize(x[i * chunk:(i + 1) * chunk], bits, BLOCK, impl=IMPL) for i in range(K_CHUNKS)]
     return x, stage, chunk, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts])
 
 
-def _cases(mod, inputs, bits, impl):
+def _cases(mod, inputs, bits):
     """name -> (callable returning what to compare, bytes of input it reads), each with its own outputs."""
     x, stage, chunk, codes, scales = inputs
     numel = x.numel()
-    q = K.quantize(x, bits, BLOCK, impl=impl)
+    q = K.quantize(x, bits, BLOCK, impl=IMPL)
     out, acc = torch.empty(numel), torch.zeros(chunk)
     qbytes = q.codes.numel() + q.scales.numel() * q.scales.element_size()
     kbytes = codes.numel() + scales.numel() * scales.element_size()
     return {
-        "quantize": (lambda: mod.quantize(x, bits, BLOCK, codes_out=q.codes, scales_out=q.scales, impl=impl),
+        "quantize": (lambda: mod.quantize(x, bits, BLOCK, codes_out=q.codes, scales_out=q.scales, impl=IMPL),
                      x.numel() * x.element_size()),
-        "quantize_transposed": (lambda: mod.quantize_transposed(stage, bits, BLOCK, impl=impl),
+        "quantize_transposed": (lambda: mod.quantize_transposed(stage, bits, BLOCK, impl=IMPL),
                                 stage.numel() * stage.element_size()),
-        "dequantize": (lambda: mod.dequantize(q.codes, q.scales, numel, bits, BLOCK, out=out, impl=impl), qbytes),
+        "dequantize": (lambda: mod.dequantize(q.codes, q.scales, numel, bits, BLOCK, out=out, impl=IMPL), qbytes),
         "dequant_reduce": (lambda: mod.dequant_reduce(codes, scales, K_CHUNKS, chunk, bits, BLOCK, out=acc,
-                                                      accumulate=True, impl=impl), kbytes),
+                                                      accumulate=True, impl=IMPL), kbytes),
         "dequant_reduce_quant": (lambda: mod.dequant_reduce_quant(codes, scales, K_CHUNKS, chunk, bits, BLOCK,
-                                                                  impl=impl), kbytes),
+                                                                  impl=IMPL), kbytes),
     }
 
 
@@ -84,7 +81,7 @@ def _bits(result):
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
-def measure(sizes, bits_list, dtype_name="fp32", repeats=10, impl="torch", baseline=None, clock="wall"):
+def measure(sizes, bits_list, dtype_name="fp32", repeats=10, baseline=None, clock="wall"):
     """Yields {op, numel, bits, version, seconds, best_seconds, input_gbps, vs_copy[, same_bits]}, copy_ first
     for each size; `baseline` = a kernels/quant.py measured alongside (version "baseline"). clock="cpu"
     counts this thread's CPU time, which leaves out the time other processes hold the core (1 thread only)."""
@@ -96,10 +93,10 @@ def measure(sizes, bits_list, dtype_name="fp32", repeats=10, impl="torch", basel
         src, dst = torch.randn(numel).to(dtype), torch.empty(numel, dtype=dtype)
         fns, nbytes, same = {("copy_", None, "current"): lambda: dst.copy_(src)}, {}, {}
         for bits in bits_list:
-            inputs = _inputs(numel, bits, dtype, impl)
+            inputs = _inputs(numel, bits, dtype)
             first = {}
             for version, mod in versions.items():
-                for op, (fn, n) in _cases(mod, inputs, bits, impl).items():
+                for op, (fn, n) in _cases(mod, inputs, bits).items():
                     fns[op, bits, version], nbytes[op, bits, version] = fn, n
                     got = _bits(fn())  # warm-up, and the bits to compare
                     if op != "dequant_reduce":
@@ -129,7 +126,6 @@ def add_args(parser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="fp32")
     parser.add_argument("--repeats", type=int, default=Quick(15, 5),
                         help="timed rounds, median kept (default %(default)s)")
-    parser.add_argument("--impl", choices=["torch", "triton"], default="torch")
     parser.add_argument("--threads", type=int, nargs="+",
                         help="torch thread counts to measure (default: 1 and torch's choice; on a busy machine "
                              "1 thread is the steadier figure)")
@@ -149,12 +145,12 @@ def run(args, progress=print) -> dict:
     try:
         for t in threads:
             torch.set_num_threads(t)
-            progress(f"  kernels: torch {torch.__version__}, {t} thread(s), impl={args.impl}, input {args.dtype}, "
+            progress(f"  kernels: torch {torch.__version__}, {t} thread(s), impl={IMPL}, input {args.dtype}, "
                      f"block {BLOCK}, median of {args.repeats}, {args.clock} clock"
                      + (f", baseline {args.baseline}" if args.baseline else ""))
             progress(f"  {'op':<22}{'numel':>10}{'bits':>5}{'version':>9}{'ms':>9}{'best':>8}{'in GB/s':>9}"
                      f"{'x copy':>8}{'copy/op':>8}")
-            for r in measure(args.sizes, args.bits, args.dtype, args.repeats, args.impl, args.baseline, args.clock):
+            for r in measure(args.sizes, args.bits, args.dtype, args.repeats, args.baseline, args.clock):
                 rows.append(dict(r, threads=t, ms=r["seconds"] * 1e3, ok=True))
                 same = {True: "", False: "  DIFFERENT BITS", None: ""}[r.get("same_bits")]
                 progress(f"  {r['op']:<22}{r['numel']:>10}{r['bits'] or '-':>5}{r['version']:>9}"
@@ -162,7 +158,7 @@ def run(args, progress=print) -> dict:
                          f"{r['vs_copy']:>8.2f}{1 / r['vs_copy']:>8.2f}{same}")
     finally:
         torch.set_num_threads(default)
-    return dict(torch=torch.__version__, threads=threads, impl=args.impl, dtype=args.dtype, block_size=BLOCK,
+    return dict(torch=torch.__version__, threads=threads, impl=IMPL, dtype=args.dtype, block_size=BLOCK,
                 repeats=args.repeats, sizes=args.sizes, baseline=args.baseline, clock=args.clock, rows=rows)
 
 
@@ -181,14 +177,11 @@ def plots(result: dict, out_dir) -> list:
     rows = [r for r in _current(result["rows"]) if r["op"] != "copy_"]
     labels = sorted({(r["op"], r["bits"]) for r in rows}, key=lambda k: (_OPS.index(k[0]), -k[1]))
     x_copy = {(r["op"], r["bits"], r["numel"], r["threads"]): r["vs_copy"] for r in rows}
-    fig, ax = report.pyplot().subplots(figsize=(10, 4))
-    report.bars(ax, [f"{op}\n{bits} bit" for op, bits in labels],
-                {f"{_size(n)} elements, {t} thread(s)": [x_copy.get((*k, n, t)) for k in labels]
-                 for n in result["sizes"] for t in result["threads"]})
-    ax.axhline(1.0, color="k", lw=0.8, ls="--")
-    ax.set_ylabel("time / copy_ of as many fp32 elements")
-    ax.set_title(f"quantization kernels ({result['impl']}), block {result['block_size']}")
-    return [report.save(fig, out_dir, "kernel_bandwidth")]
+    return [report.bar_chart(out_dir, "kernel_bandwidth", [f"{op}\n{bits} bit" for op, bits in labels],
+                             {f"{_size(n)} elements, {t} thread(s)": [x_copy.get((*k, n, t)) for k in labels]
+                              for n in result["sizes"] for t in result["threads"]},
+                             f"quantization kernels ({result['impl']}), block {result['block_size']}",
+                             "time / copy_ of as many fp32 elements", figsize=(10, 4), line_at=1.0)]
 
 
 def markdown(result: dict) -> str:

@@ -2,11 +2,10 @@
 
     python scripts/bench/memory.py --preset gpt2-small-cpu --ranks 4 [--comm bf16]
 
-ZeRO-3 keeps, per rank and parameter element of its 1/W shard: the fp32 master (4 bytes), AdamW's two
-fp32 moments (8), the copy in the communication dtype (2 for bf16) and the fp32 gradient shard (4):
-(4 + 8 + c + 4) * N / W bytes. The engine is built on W gloo ranks and runs two steps; each kind's
-measured bytes stand next to the formula, with the bytes of the preallocated gather/gradient buffers
-and whether those were allocated once (the same storage before and after the steps).
+Per parameter element of its 1/W shard a rank keeps the fp32 master (4 bytes), AdamW's two moments (8),
+the copy in the communication dtype (c) and the fp32 gradient shard (4): (16 + c) * N / W bytes. Also:
+the preallocated gather/gradient buffers, and whether they were allocated once (same storage after two
+steps).
 """
 
 import sys

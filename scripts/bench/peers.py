@@ -2,14 +2,11 @@
 
     python scripts/bench/peers.py                 # 100mbit (2 nodes x 2) and unshaped loopback, issue 17's model
     python scripts/bench/peers.py --plan targets  # only the rows of issue 17's T1-T4 and T6 (suite.py's summary)
-    python scripts/bench/peers.py --quick         # bf16 compute: ZeRO++, ZeRO-3, DDP, FSDP2, DeepSpeed; ZeRO++ unshaped
     python scripts/bench/peers.py --runtimes zero3-fp32 deepspeed-fp32 --settings loopback
-    python scripts/bench/peers.py --shape suite   # the ablation's 10.56M model instead
 
-Every runtime trains the same model, data, AdamW, schedule and clipping through the same training
-loop (trainer.loop.Trainer): ours and DDP as `train.py`, FSDP2 and DeepSpeed as this script's
-`--worker`, which hands the Trainer a builder of the Runtime subclasses below. What the rows compare
-(wire and compute dtypes, DeepSpeed's defaults) is said in markdown() below, i.e. in the docs.
+Every runtime trains the same model, data and schedule through the same training loop
+(trainer.loop.Trainer): ours and DDP as `train.py`, FSDP2 and DeepSpeed as this script's `--worker`,
+which hands the Trainer the Runtime subclasses below. markdown() says what the rows compare.
 """
 
 from __future__ import annotations
@@ -38,37 +35,31 @@ _KEEP = {"stage3_max_reuse_distance": 10**9}  # DeepSpeed's default: a model thi
 AUTOCAST = "autocast, fp32 master weights"
 
 
-def _ours(compute: str, **zero) -> list[str]:
-    """train.py arguments: these zero_optimization keys, computing in `compute` (--train.precision)."""
-    return runner.zero_args(**zero) + runner.precision_args(compute)
+def _ours(label: str, compute: str, family: str = "ours", **zero) -> tuple:
+    """A train.py row: these zero_optimization keys, computing in `compute` (--train.precision)."""
+    return label, family, runner.zero_args(**zero) + runner.precision_args(compute), compute, (
+        AUTOCAST if compute == "bf16" else None)
 
 
 # key -> (label, family, train.py arguments | the peer runtime's options, compute dtype, how it computes in it).
-# Every train.py row passes --train.precision; the peer workers pass fp32 (no autocast from the Trainer): their
-# bf16 rows compute in bf16 through their own mixed precision (bf16 weights), as they are normally used.
+# The peer workers pass --train.precision fp32 (no autocast from the Trainer): their bf16 rows compute in bf16
+# through their own mixed precision (bf16 weights), as they are normally used.
 RUNTIMES = {
-    "zeropp": ("ZeRO++ (ours: qwZ int8, hpZ, qgZ int4)", "ours", _ours("bf16", **_ZPP), "bf16", AUTOCAST),
-    "zeropp-c32": ("ZeRO++ (ours: qwZ int8, hpZ, qgZ int4), fp32 compute", "ours", _ours("fp32", **_ZPP), "fp32",
-                   None),
-    "zeropp-flat": ("ZeRO++ (ours), node-aware collectives off", "ours", _ours("bf16", **_ZPP, **_FLAT), "bf16",
-                    AUTOCAST),
-    "zero3-bf16": ("ZeRO-3 (ours, bf16 wire)", "ours", _ours("bf16", stage=3), "bf16", AUTOCAST),
-    "zero3-bf16-c32": ("ZeRO-3 (ours, bf16 wire), fp32 compute", "ours", _ours("fp32", stage=3), "fp32", None),
-    "zero3-flat": ("ZeRO-3 (ours, bf16 wire), node-aware collectives off", "ours", _ours("bf16", stage=3, **_FLAT),
-                   "bf16", AUTOCAST),
-    "zero3-keep": ("ZeRO-3 (ours, bf16 wire), kept gathered for the backward (DeepSpeed's reuse defaults)", "ours",
-                   _ours("bf16", stage=3, **_KEEP), "bf16", AUTOCAST),
-    "zeropp-keep": ("ZeRO++ (ours), kept gathered for the backward", "ours", _ours("bf16", **_ZPP, **_KEEP), "bf16",
-                    AUTOCAST),
-    "zeropp-nostep": ("ZeRO++ (ours), first gathers at the forward, not the optimizer step", "ours",
-                      _ours("bf16", **_ZPP, prefetch_across_steps=False), "bf16", AUTOCAST),
-    "zeropp-depth2": ("ZeRO++ (ours), prefetch_depth 2", "ours", _ours("bf16", **_ZPP, prefetch_depth=2), "bf16",
-                      AUTOCAST),
-    "zero3-fp32": ("ZeRO-3 (ours, fp32 wire)", "ours", _ours("fp32", stage=3, communication_data_type="fp32"), "fp32",
-                   None),
-    "ddp": ("DDP (train.py stage 0, fp32 all-reduce)", "ddp", _ours("fp32", stage=0), "fp32", None),
-    "ddp-bf16": ("DDP (train.py stage 0, fp32 all-reduce), bf16 autocast", "ddp", _ours("bf16", stage=0), "bf16",
-                 AUTOCAST),
+    "zeropp": _ours("ZeRO++ (ours: qwZ int8, hpZ, qgZ int4)", "bf16", **_ZPP),
+    "zeropp-c32": _ours("ZeRO++ (ours: qwZ int8, hpZ, qgZ int4), fp32 compute", "fp32", **_ZPP),
+    "zeropp-flat": _ours("ZeRO++ (ours), node-aware collectives off", "bf16", **_ZPP, **_FLAT),
+    "zero3-bf16": _ours("ZeRO-3 (ours, bf16 wire)", "bf16", stage=3),
+    "zero3-bf16-c32": _ours("ZeRO-3 (ours, bf16 wire), fp32 compute", "fp32", stage=3),
+    "zero3-flat": _ours("ZeRO-3 (ours, bf16 wire), node-aware collectives off", "bf16", stage=3, **_FLAT),
+    "zero3-keep": _ours("ZeRO-3 (ours, bf16 wire), kept gathered for the backward (DeepSpeed's reuse defaults)",
+                        "bf16", stage=3, **_KEEP),
+    "zeropp-keep": _ours("ZeRO++ (ours), kept gathered for the backward", "bf16", **_ZPP, **_KEEP),
+    "zeropp-nostep": _ours("ZeRO++ (ours), first gathers at the forward, not the optimizer step", "bf16", **_ZPP,
+                           prefetch_across_steps=False),
+    "zeropp-depth2": _ours("ZeRO++ (ours), prefetch_depth 2", "bf16", **_ZPP, prefetch_depth=2),
+    "zero3-fp32": _ours("ZeRO-3 (ours, fp32 wire)", "fp32", stage=3, communication_data_type="fp32"),
+    "ddp": _ours("DDP (train.py stage 0, fp32 all-reduce)", "fp32", "ddp", stage=0),
+    "ddp-bf16": _ours("DDP (train.py stage 0, fp32 all-reduce), bf16 autocast", "bf16", "ddp", stage=0),
     "fsdp2-fp32": ("FSDP2 fully_shard (fp32)", "fsdp2", {}, "fp32", None),
     "fsdp2-bf16": ("FSDP2 fully_shard (bf16 gather + reduce)", "fsdp2", {"dtype": "bf16"}, "bf16",
                    "MixedPrecisionPolicy: bf16 weights"),
@@ -304,7 +295,7 @@ def run(args, progress=print) -> dict:
     plan = resolve(args)
     result = {"plan": plan, "model": runner.model_summary(shape=plan["shape"]), "nodes": runner.NODES,
               "ranks_per_node": RANKS_PER_NODE, "rows": [], "notes": [],
-              "common_args": runner.common_command(plan["micro_batch"], plan["steps"], plan["shape"])}
+              "common_args": runner.shown(runner.train_args(plan["micro_batch"], plan["steps"], plan["shape"]))}
     if not deepspeed_installed():
         result["notes"].append("DeepSpeed: not installed (pip install -r requirements-bench.txt)")
     why, rows, jobs = runner.cluster_unavailable(), [], []
@@ -366,15 +357,16 @@ COLUMNS = [("label", "runtime", "{}"), ("compute_cell", "compute", "{}"), ("sett
 def plots(result: dict, out_dir: Path) -> list[Path]:
     rows = [r for r in result["rows"] if r["ok"]]
     settings = [s for s in result["plan"]["settings"] if any(r["setting"] == s for r in rows)]
-    labels = list(dict.fromkeys(f"{r['label']} [{r.get('compute') or '?'}]" for r in rows))
-    fig, ax = report.pyplot().subplots(figsize=(9, 0.5 * len(labels) + 1.5))
-    report.bars(ax, labels, {("unshaped loopback" if s == "loopback" else f"{s} links, 2 nodes x 2 ranks"):
-                             [next((r["tokens_per_s"] for r in rows if (f"{r['label']} [{r.get('compute') or '?'}]",
-                                                                        r["setting"]) == (label, s)), None)
-                              for label in labels] for s in settings}, horizontal=True)
-    ax.set_xlabel("tokens/s (4 ranks)")
-    ax.set_title(f"{result['model']['params'] / 1e6:.1f}M-parameter GPT-2, the same training loop")
-    return [report.save(fig, out_dir, "peers_throughput")]
+    tokens = {}  # (label [compute], setting) -> tokens/s of its first row
+    for r in rows:
+        tokens.setdefault((f"{r['label']} [{r.get('compute') or '?'}]", r["setting"]), r["tokens_per_s"])
+    labels = list(dict.fromkeys(label for label, _ in tokens))
+    return [report.bar_chart(
+        out_dir, "peers_throughput", labels,
+        {("unshaped loopback" if s == "loopback" else f"{s} links, 2 nodes x 2 ranks"):
+         [tokens.get((label, s)) for label in labels] for s in settings},
+        f"{result['model']['params'] / 1e6:.1f}M-parameter GPT-2, the same training loop",
+        xlabel="tokens/s (4 ranks)", figsize=(9, 0.5 * len(labels) + 1.5), horizontal=True)]
 
 
 def markdown(result: dict) -> str:
@@ -415,17 +407,16 @@ def markdown(result: dict) -> str:
         "needs its CUDA quantizer kernels and fails on CPU (the row shows its error).", "",
         *report.md_table(rows, COLUMNS)]
     if result.get("common_args"):
-        lines += ["", "Every row runs `torchrun` on each node with `python SCRIPT " + "<common> <its arguments>`, "
+        scripts = {}  # each runtime once, as it first appears
+        for r in (r for r in result["rows"] if r.get("script")):
+            scripts.setdefault(r["key"], {"label": r["label"], "compute": r.get("compute"), "script": r["script"],
+                                          "args": " ".join(r.get("args") or []) or "–"})
+        lines += ["", "Every row runs `torchrun` on each node with `python SCRIPT <common> <its arguments>`, "
                   f"common = `{result['common_args']}` (train.py: `--train.out_dir` added; loopback: "
                   "`--zero_optimization.ranks_per_node 2` added). Each row's script and arguments:", "",
-                  "| runtime | compute | script | its arguments |", "| --- | --- | --- | --- |"]
-        seen = set()
-        for r in result["rows"]:
-            if r["key"] in seen or not r.get("script"):
-                continue
-            seen.add(r["key"])
-            lines.append(f"| {r['label']} | {r.get('compute') or '–'} | `{r['script']}` | "
-                         f"`{' '.join(r.get('args') or []) or '–'}` |")
+                  *report.md_table(scripts.values(), [("label", "runtime", "{}"), ("compute", "compute", "{}"),
+                                                      ("script", "script", "`{}`"), ("args", "its arguments", "`{}`")],
+                                   "llll")]
     return "\n".join(lines)
 
 

@@ -4,15 +4,10 @@
     python scripts/bench/quantized_perplexity.py --quick               # smoke run, ~2 min
     python scripts/bench/quantized_perplexity.py --update-docs         # also write its section of docs/export.md
 
-In one run, on Tiny Shakespeare (skipped with a message if absent):
-1. pretrains a small LLaMA-architecture base model in fp32 with `train.py` under ZeRO-3 on one process;
-2. fine-tunes it `--finetune-steps` more steps once without qwZ (the fp reference) and once per bit
-   width b with qwZ at b bits (the sharded checkpoint is resharded to qwZ's aligned layout on resume);
-3. exports with scripts/export_quantized.py: each qwZ run at its own bits (exact: the weights its
-   forward used) and the fp run with round-to-nearest (RTN) at every b;
-4. evaluates the mean token NLL of each over the WHOLE validation split train.py uses.
-As a check of the export's exactness, each qwZ export's loss over the batches train.py's own final
-evaluation used is compared with the validation loss train.py logged (its forward was qwZ's).
+On Tiny Shakespeare: pretrain a small LLaMA in fp32 (train.py, ZeRO-3, one process), fine-tune it once
+without qwZ and once per bit width with qwZ, export (each qwZ run at its own bits, exact; the fp run by
+RTN at every width) and evaluate each export over the whole validation split train.py uses. Each qwZ
+export's loss over train.py's own evaluation batches is checked against the loss train.py logged.
 """
 
 from __future__ import annotations

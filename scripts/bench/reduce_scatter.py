@@ -1,9 +1,9 @@
-"""Benchmark: gloo's native reduce-scatter vs our send/recv ring vs an all-reduce, side by side.
+"""gloo's native reduce-scatter vs our send/recv ring vs an all-reduce, side by side.
 
     python scripts/bench/reduce_scatter.py --ranks 4 --numel 4000000
 
-Why: on gloo `reduce_scatter` moves about as much data as an all-reduce, so the ZeRO-3 baseline
-uses the faster exact ring from zeropp.comm. Gives seconds per call and ratios to the ring.
+Why: on gloo `reduce_scatter` moves about as much data as an all-reduce, so ZeRO-3 uses the exact ring
+from zeropp.comm.
 """
 
 import sys

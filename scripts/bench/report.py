@@ -26,16 +26,21 @@ def fmt(value, spec: str) -> str:
         return str(value)
 
 
-def md_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> list[str]:
-    """Markdown table lines; `columns` = (key, header, format spec); missing values show '–'."""
-    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |",
-             "| " + " | ".join("---" if i == 0 else "---:" for i in range(len(columns))) + " |"]
+def md_table(rows: list[dict], columns: list[tuple[str, str, str]], align: str | None = None) -> list[str]:
+    """Markdown table lines; `columns` = (key, header, format spec), `align` = l, r or c per column (default: the
+    first left, the others right); missing values show '–', a failed row (ok False) its error."""
+    rule = {"l": "---", "r": "---:", "c": ":---:"}
+    lines = [row_line(h for _, h, _ in columns), row_line(rule[a] for a in align or "l" + "r" * (len(columns) - 1))]
     for r in rows:
         cells = [fmt(r.get(k), f) for k, _, f in columns]
         if not r.get("ok", True):
             cells = cells[:2] + [f"failed: {str(r.get('error', '?'))[:160]}"] + [""] * (len(columns) - 3)
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(row_line(cells))
     return lines
+
+
+def row_line(cells) -> str:
+    return "| " + " | ".join(cells) + " |"
 
 
 def write_json(path: Path, obj) -> Path:
@@ -126,6 +131,22 @@ def bars(ax, groups: list[str], series: dict[str, list], horizontal: bool = Fals
     else:
         ax.set_xticks(ticks, groups, fontsize=8)
     ax.legend(fontsize=8)
+
+
+def bar_chart(out_dir: Path, name: str, groups: list[str], series: dict[str, list], title: str, ylabel: str = "",
+              xlabel: str = "", figsize=(8, 4), horizontal: bool = False, labels: dict | None = None,
+              line_at: float | None = None) -> Path:
+    """A figure of grouped bars (see bars), saved as plots/<name>.png; line_at: a dashed horizontal line."""
+    fig, ax = pyplot().subplots(figsize=figsize)
+    bars(ax, groups, series, horizontal, labels)
+    if line_at is not None:
+        ax.axhline(line_at, color="k", lw=0.8, ls="--")
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    if ylabel:
+        ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    return save(fig, out_dir, name)
 
 
 def time_columns(kinds: list[str]) -> list[tuple[str, str, str]]:

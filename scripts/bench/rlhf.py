@@ -3,12 +3,9 @@ ZeRO++ blog reports 2.25x faster generation and 1.26x faster training in RLHF).
 
     python scripts/bench/rlhf.py                  # 6-layer model, 2 x (ZeRO-3, ZeRO++) x 6 PPO steps
     python scripts/bench/rlhf.py --quick          # 3-layer model, 1 x (ZeRO-3, ZeRO++) x 4 PPO steps
-    python scripts/bench/rlhf.py --n-layer 8 --steps 8 --repeats 3 --rate 1gbit
 
-`rlhf.py ppo` on 2 emulated nodes x 2 ranks, once under plain ZeRO-3 and once under ZeRO++ (frozen
-models kept as int8 codes too), the runs interleaved on one cluster. The SFT and reward models are
-made once beforehand, in one process outside the cluster, and both configurations' PPO runs start
-from them, so only PPO is timed; what a row reports is said in markdown() below, i.e. in the docs.
+`rlhf.py ppo` on 2 emulated nodes x 2 ranks under each configuration, the runs interleaved on one
+cluster. The SFT and reward models are made once beforehand in one process, so only PPO is timed.
 """
 
 from __future__ import annotations
@@ -219,29 +216,22 @@ COLUMNS = [("label", "configuration", "{}"), ("setting", "link", "{}"),
 
 
 def plots(result: dict, out_dir: Path) -> list[Path]:
-    rows = {r["key"]: r for r in result["rows"] if r.get("ok")}
-    rat = result.get("ratios") or {}
-    paths = []
+    rows, rat, paths = [r for r in result["rows"] if r.get("ok")], result.get("ratios") or {}, []
     if rat:
-        fig, ax = report.pyplot().subplots(figsize=(8, 4))
-        groups = ["generation tokens/s", "PPO step (1 / time)", "training tokens/s"]
         series = {"ZeRO-3": [1.0, 1.0, 1.0],
                   "ZeRO++ (ours, CPU emulation)": [rat.get("generation"), rat.get("step"), rat.get("training")],
                   "ZeRO++ (DeepSpeed blog, GPUs)": [DEEPSPEED["generation"], DEEPSPEED["training"],
                                                     DEEPSPEED["training"]]}
-        labels = {k: [f"{v:.2f}x" if v else "" for v in vs] for k, vs in series.items() if k != "ZeRO-3"}
-        report.bars(ax, groups, series, labels=labels)
-        ax.set_ylabel("speed relative to ZeRO-3")
-        ax.set_title(f"PPO, {result['model']['params'] / 1e6:.1f}M-parameter models, 2 nodes x 2 ranks at "
-                     f"{result['plan']['rate']} (emulated)")
-        paths.append(report.save(fig, out_dir, "rlhf_speedup"))
+        paths.append(report.bar_chart(
+            out_dir, "rlhf_speedup", ["generation tokens/s", "PPO step (1 / time)", "training tokens/s"], series,
+            f"PPO, {result['model']['params'] / 1e6:.1f}M-parameter models, 2 nodes x 2 ranks at "
+            f"{result['plan']['rate']} (emulated)", "speed relative to ZeRO-3",
+            labels={k: [f"{v:.2f}x" if v else "" for v in vs] for k, vs in series.items() if k != "ZeRO-3"}))
     if rows:
-        fig, ax = report.pyplot().subplots(figsize=(8, 4))
         phases = [("cross_gen_mb", "generation"), ("cross_exp_mb", "experience"), ("cross_train_mb", "training")]
-        report.bars(ax, [p for _, p in phases], {r["label"]: [r.get(k) for k, _ in phases] for r in rows.values()})
-        ax.set_ylabel("cross-node MB per PPO step (rank 0)")
-        ax.set_title("Cross-node bytes per phase (ledger)")
-        paths.append(report.save(fig, out_dir, "rlhf_bytes"))
+        paths.append(report.bar_chart(out_dir, "rlhf_bytes", [p for _, p in phases],
+                                      {r["label"]: [r.get(k) for k, _ in phases] for r in rows},
+                                      "Cross-node bytes per phase (ledger)", "cross-node MB per PPO step (rank 0)"))
     return paths
 
 

@@ -1,25 +1,12 @@
 """The one runner of the benchmarks' training jobs: the reference workload, launched with torchrun on the
 emulated cluster (or on 4 loopback ranks laid out as 2 nodes x 2), and what each job measured.
 
-A job is `train.py` or a peer runtime (`scripts/bench/peers.py --worker KEY`, the same Trainer with
-FSDP2 or DeepSpeed underneath), given the same config arguments. Its step time is the mean of the
-"elapsed time per iteration (ms)" the Trainer logs (log_interval 1) after the warm-up steps; on the
-cluster a sampler reads each node's veth counters at those step boundaries, so the physical bytes
-per step exclude start-up, the final evaluation and the checkpoint.
-
-A job's step time is the MEDIAN of the steps after the warm-up (issue 17's protocol: 8 steps, the
-median of steps 3-8); the mean is kept as step_ms_mean. Every job passes `--train.precision`
-explicitly (`precision_args`), so what a row computes in never depends on the machine (`auto` is
-bf16 autocast on a CPU with native bf16, fp32 elsewhere); the Trainer's "compute:" log line is kept
-in the row as `compute_logged`.
-
-Models (SHAPES): "suite", the suite's 10.56M reference (gpt2-small-cpu, 12 layers, d_model 256,
-vocabulary 4096), and "issue", issue 17's reference shape (GPT-2 of 4 layers, d_model 384, d_ff
-1536, vocabulary 8192: 10.29M parameters).
-
-Model FLOPs (models.config.flops_per_token, as the Trainer logs them): 6·N per token for the weight
-matmuls (N without the position table; the tied LM head counts) plus 12·n_layer·d_model·seq for the
-attention scores and values, no discount for causal masking.
+A job is `train.py` or a peer runtime (`peers.py --worker KEY`: the same Trainer with FSDP2 or DeepSpeed
+underneath) with the same config arguments. Its step time is the MEDIAN of the "elapsed time per iteration
+(ms)" the Trainer logs after the warm-up (issue 17's protocol; the mean is kept as step_ms_mean). On the
+cluster a sampler reads each node's veth counters at those step boundaries, so the physical bytes per step
+leave out start-up, the final evaluation and the checkpoint. Every job passes `--train.precision`, so what
+a row computes in never depends on the machine's `auto`.
 """
 
 from __future__ import annotations
@@ -39,12 +26,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from scripts.cluster import ClusterRequirementError, EmulatedCluster, check_requirements
+
 ROOT = Path(__file__).resolve().parents[2]
-# The issue's reference model: gpt2-small-cpu (d_model 256, 8 heads, d_ff 1024) with 12 layers and the
-# default corpus' 4096-token vocabulary: 10.56M parameters (10.53M without the position table).
-MODEL_ARGS = ["--model.preset", "gpt2-small-cpu", "--model.n_layer", "12", "--model.max_seq_len", "128"]
 SHAPES = {  # name -> the model (and vocabulary) arguments of a comparison's jobs
-    "suite": MODEL_ARGS,
+    # the suite's reference: gpt2-small-cpu with 12 layers and the default corpus' 4096-token vocabulary: 10.56M
+    "suite": ["--model.preset", "gpt2-small-cpu", "--model.n_layer", "12", "--model.max_seq_len", "128"],
     # issue 17's reference shape: GPT-2 of 4 layers, d_model 384, d_ff 1536, vocabulary 8192 (10.29M parameters)
     "issue": ["--model.preset", "gpt2-small-cpu", "--model.n_layer", "4", "--model.d_model", "384",
               "--model.d_ff", "1536", "--model.max_seq_len", "128", "--data.vocab_size", "8192"],
@@ -52,8 +39,7 @@ SHAPES = {  # name -> the model (and vocabulary) arguments of a comparison's job
 SEQ = 128
 NODES, RANKS_PER_NODE = 2, 2
 STEP_KEY = "elapsed time per iteration (ms)"
-# train.py / rlhf.py arguments of a timed job: every step logged, nothing else (no evaluation, checkpoint,
-# progress bar or TensorBoard) in the steps
+# a timed job logs every step and does nothing else in the steps (no evaluation, checkpoint, progress bar)
 TIMED = ["--train.log_interval", "1", "--train.eval_interval", str(10**6), "--train.eval_batches", "1",
          "--train.checkpoint_interval", "0", "--train.progress_bar", "false", "--train.tensorboard", "false"]
 
@@ -78,8 +64,7 @@ def zero_args(**keys) -> list[str]:
 
 
 def model_summary(config_args: list[str] | None = None, shape: str = "suite") -> dict:
-    """Size and FLOPs per token of the model a job with these arguments (default: SHAPES[shape]'s) builds
-    (vocabulary from the config)."""
+    """model_facts of the model a job with these arguments (default: SHAPES[shape]'s) builds."""
     from trainer.config import parse_args
     from trainer.loop import build_model_config
 
@@ -89,7 +74,7 @@ def model_summary(config_args: list[str] | None = None, shape: str = "suite") ->
 
 
 def model_facts(mc, preset: str, seq_len: int) -> dict:
-    """What the docs say of a model (a models.config.ModelConfig)."""
+    """What the docs say of a model (a models.config.ModelConfig); FLOPs as the Trainer logs them."""
     from models.config import flops_per_token, num_params
 
     return {"preset": preset, "n_layer": mc.n_layer, "d_model": mc.d_model, "d_ff": mc.d_ff, "n_head": mc.n_head,
@@ -104,10 +89,8 @@ def model_facts(mc, preset: str, seq_len: int) -> dict:
 def cluster_unavailable() -> str | None:
     """Why the emulated cluster cannot run here (None when it can)."""
     try:
-        from scripts.bench.cluster import check_requirements
-
         check_requirements()
-    except Exception as e:  # ClusterRequirementError, or an import problem
+    except ClusterRequirementError as e:
         return str(e)
     return None
 
@@ -118,8 +101,6 @@ def cluster_at(rate: str | None):
     if not rate:
         yield None
         return
-    from scripts.bench.cluster import EmulatedCluster
-
     with EmulatedCluster(nodes=NODES, rate=rate) as cluster:
         yield cluster
 
@@ -281,7 +262,7 @@ def run_job(job: Job, steps: int, warmup: int, work: Path, cluster=None, timeout
     row = {"key": job.key, "label": job.label, "setting": job.setting, "micro_batch": micro_batch,
            "tokens_per_rank": micro_batch * SEQ, "steps": steps, "warmup": warmup, "shape": job.shape,
            "compute": job.compute, "compute_how": job.compute_how, "args": [str(a) for a in job.args],
-           "script": shown_script(job.script), "load_start": round(os.getloadavg()[0], 2),
+           "script": shown(job.script), "load_start": round(os.getloadavg()[0], 2),
            **measured_launch(cmd, out_dir / "metrics.jsonl", cluster, steps, warmup, timeout)}
     shutil.rmtree(out_dir, ignore_errors=True)
     if not row["ok"]:
@@ -348,15 +329,9 @@ def measured_launch(cmd: list, metrics: Path, cluster, steps: int, warmup: int, 
     return {**out, "ok": True, "metrics": logged}
 
 
-def shown_script(script: list) -> str:
-    """A job's script as the docs show it: relative to the checkout."""
-    return " ".join(str(Path(a).relative_to(ROOT)) if Path(str(a)).is_absolute() and str(a).startswith(str(ROOT))
-                    else str(a) for a in script)
-
-
-def common_command(micro_batch: int, steps: int, shape: str) -> str:
-    """The arguments every job of a comparison gets, relative to the checkout, as the docs show them."""
-    return " ".join(str(a).replace(str(ROOT) + "/", "") for a in train_args(micro_batch, steps, shape))
+def shown(args) -> str:
+    """Arguments as the docs show them: paths relative to the checkout."""
+    return " ".join(str(a).replace(str(ROOT) + "/", "") for a in args)
 
 
 def describe_row(row: dict) -> str:

@@ -1,23 +1,17 @@
-"""SEPARATE gradient compression (seed 002, docs/separate.md) against uncompressed ZeRO-3, ZeRO++ and
-torch's PowerSGD under DDP: convergence, and wall-clock to a target validation loss.
+"""SEPARATE gradient compression (docs/separate.md) against uncompressed ZeRO-3, ZeRO++ and torch's
+PowerSGD under DDP: convergence, and wall-clock to a target validation loss.
 
     python scripts/bench/separate.py                      # both parts, 300 steps, into runs/bench/separate
     python scripts/bench/separate.py --quick              # both parts, 50 steps, fewer runs (a few minutes)
-    python scripts/bench/separate.py --parts convergence --runs zero3 sep4 sep16g sep16ef --steps 400
     python scripts/bench/separate.py --parts wallclock --wall-runs zero3 sep16 zeropp --target 5.5
 
-Both parts train convergence.py's tiny GPT-2 on Tiny Shakespeare (same data, seed, steps, learning-rate
-schedule; fp32 compute in every run), evaluating at step 0 and every `eval_interval` steps.
-1. convergence: 4 loopback ranks laid out as 2 nodes x 2; validation loss against steps.
-2. wallclock: the same jobs on 2 emulated nodes x 2 ranks at `rate` (runner.py, cluster.py), once the
-   machine is quiet; validation loss against training seconds (the sum of the logged step times:
-   start-up and evaluations left out), each run's time to the target loss, the trainer's per-step
-   timings, and bytes per step from the ledger and the veth counters (evaluations left out).
+Both parts train convergence.py's job in fp32, evaluating at step 0 and every `eval_interval` steps:
+convergence on 4 loopback ranks laid out as 2 nodes x 2, wallclock on 2 emulated nodes x 2 ranks at
+`rate` once the machine is quiet (training seconds = the sum of the logged step times).
 Run keys: zero3, zeropp (qwZ int8 + hpZ + qgZ int4), ddp, powersgd (DDP + PowerSGD), sepN (ZeRO-3 +
-SEPARATE CR N, the config's defaults otherwise), zpp-sepN (ZeRO++ with qgZ carrying SEPARATE's
-projections), qh-sepN (qwZ + hpZ + SEPARATE's bf16 reduce-scatter), ddp-sepN; a suffix g (sep16g)
-projects on Gaussian directions (block 256), ef (sep16ef) turns on the paper's error feedback
-(beta 0.95, with the contractive reconstruction that keeps it stable).
+SEPARATE CR N), zpp-sepN (ZeRO++ with qgZ carrying SEPARATE's projections), qh-sepN (qwZ + hpZ +
+SEPARATE's bf16 reduce-scatter), ddp-sepN; suffix g (sep16g) projects on Gaussian directions (block
+256), ef (sep16ef) turns on error feedback (beta 0.95, contractive reconstruction).
 """
 
 from __future__ import annotations
@@ -58,7 +52,7 @@ def config(key: str, plan: dict) -> tuple[str, dict]:
     m = re.fullmatch(r"(zpp-|qh-|ddp-)?sep(\d+)(g?)(ef)?", key)
     if not m:
         raise ValueError(f"unknown run {key!r}: zero3, zeropp, ddp, powersgd, [zpp-|qh-|ddp-]sepN[g][ef]")
-    (label, base), gauss = BASES[m.group(1)], bool(m.group(3)) or plan["projection"] == "gaussian"
+    (label, base), gauss = BASES[m.group(1)], bool(m.group(3))
     sep = {"method": "separate", "ratio": m.group(2), "projection": "gaussian" if gauss else "hadamard",
            "block_size": plan["block_size"] or (256 if gauss else 1024),
            **({"reconstruction": "contractive", "beta": 0.95} if m.group(4) else {}),
@@ -76,8 +70,6 @@ def add_args(p) -> None:
                    help="wall-clock runs (default %(default)s)")
     p.add_argument("--rate", default="100mbit", help="link rate of the wall-clock part (default %(default)s)")
     p.add_argument("--target", type=float, help="target validation loss (default: the highest best one of the runs)")
-    p.add_argument("--projection", choices=["hadamard", "gaussian"], default="hadamard",
-                   help="of every SEPARATE run (a run key ending in g, e.g. sep16g, is gaussian either way)")
     p.add_argument("--block-size", type=int, help="SEPARATE block size (default 1024, gaussian 256)")
     p.add_argument("--sep-set", nargs="+", default=[], metavar="KEY=VALUE",
                    help="more gradient_compression keys for every SEPARATE run, e.g. beta=0.01")

@@ -10,24 +10,12 @@ every benchmark.
     python scripts/bench/suite.py --render runs/bench/full/suite.json           # docs again, nothing run
     python scripts/bench/NAME.py [--quick] [--out DIR] [--update-docs] [its options; --help]   # one benchmark
 
-The registry: SUITE in its run order (cheapest first), then the benchmarks that run on their own
-(memory, reduce_scatter, quantized_perplexity, separate and tensor_parallel: their sections are in
-docs/export.md, docs/separate.md and docs/tensor_parallel.md). A benchmark is a
-module of this package with `TITLE` (its docs heading), `add_args(parser)` (a default that differs
-under --quick is a `Quick(full, quick)`), `run(args, progress) -> result` (a dict: `rows` are its
-table, `skipped` says why it could not run), `markdown(result)` and optionally `plots(result,
-out_dir) -> [png]`, `DOCS` (its page) and `worker(argv)` (what `NAME.py --worker ...` runs on each
-rank). Results go to `<out>/<name>.json` and `.csv`, plots to
-`<out>/plots/`, the suite's to `<out>/suite.json` and, unless `--no-docs`, docs/benchmarks.md (plots
-copied to docs/benchmarks/). The cluster parts need root and iproute2; without them they say so and
-the rest still runs.
-
-The summary (printed, in suite.json as "targets" and "summary", and the docs' first section) is issue
-17's T1-T6 (`targets()`: each ratio, the rows it divides with their compute dtype, the issue's "before",
-the goal, met or missed), then the earlier targets (`summary()`). T1-T4 and T6 come from peers (issue
-17's model; `peers.py --plan targets` runs just those rows), T5 from kernel_bandwidth's 16M-element,
-1-thread rows. A run with --only keeps the other benchmarks' results found in --out (its suite.json,
-else their <name>.json), so the summary covers them; the date and load of each are shown.
+A benchmark is a module of this package with TITLE (its docs heading), add_args(parser) (a default that
+differs under --quick is a Quick(full, quick)), run(args, progress) -> result (`rows` its table, `skipped`
+why it could not run), markdown(result), and optionally plots(result, out_dir), DOCS (its page, when not
+docs/benchmarks.md), OUT (its results directory) and worker(argv) (what `NAME.py --worker ...` runs on
+each rank). Results go to <out>/<name>.json, .csv and plots/, the suite's to <out>/suite.json and (unless
+--no-docs) docs/benchmarks.md. The summary is issue 17's T1-T6 (`targets()`), then the earlier targets.
 """
 
 from __future__ import annotations
@@ -63,11 +51,8 @@ class Quick:
     quick: object
 
     def __str__(self) -> str:
-        return f"{_words(self.full)}, quick {_words(self.quick)}"
-
-
-def _words(value) -> str:
-    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+        words = [" ".join(map(str, v)) if isinstance(v, list) else str(v) for v in (self.full, self.quick)]
+        return f"{words[0]}, quick {words[1]}"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -90,8 +75,8 @@ def parser(name: str) -> argparse.ArgumentParser:
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     mod.add_args(p)
     p.add_argument("--quick", action="store_true", help="the reduced set the suite's --quick runs")
-    out = getattr(mod, "OUT", f"{name}-<time>")
-    p.add_argument("--out", type=Path, help=f"results directory (default runs/bench/{out})")
+    p.add_argument("--out", type=Path,
+                   help=f"results directory (default runs/bench/{getattr(mod, 'OUT', name + '-<time>')})")
     p.add_argument("--update-docs", action="store_true", help="also refresh this benchmark's docs section")
     p.add_argument("--render", type=Path, metavar="RESULT_JSON",
                    help=f"run nothing: the plots and (with --update-docs) the docs section from a saved {name}.json")
@@ -103,8 +88,7 @@ def execute(name: str, args, out: Path, progress=print, **extra) -> tuple[dict, 
     start, load = time.monotonic(), round(os.getloadavg()[0], 2)
     result = {"benchmark": name, **extra, **module(name).run(args, progress=progress)}
     result.update(date=datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), load_average_start=load,
-                  load_average_end=round(os.getloadavg()[0], 2))
-    result["seconds"] = time.monotonic() - start
+                  load_average_end=round(os.getloadavg()[0], 2), seconds=time.monotonic() - start)
     if result.get("skipped"):
         progress(f"  {name}: skipped ({result['skipped']})")
     pngs = plots(name, result, out, progress)
@@ -113,10 +97,10 @@ def execute(name: str, args, out: Path, progress=print, **extra) -> tuple[dict, 
 
 
 def plots(name: str, result: dict, out: Path, progress=print) -> list[Path]:
-    if not any(r.get("ok", True) for r in result.get("rows", [])):
+    if not hasattr(module(name), "plots") or not any(r.get("ok", True) for r in result.get("rows", [])):
         return []
     try:
-        return module(name).plots(result, out) if hasattr(module(name), "plots") else []
+        return module(name).plots(result, out)
     except ImportError as e:
         result.setdefault("notes", []).append(f"no plots: {e} (pip install -r requirements-bench.txt)")
         progress(f"  no plots: {e}")
@@ -134,22 +118,21 @@ def markdown(name: str, result: dict, images: dict[str, str], stamp: str | None 
 def main_one(name: str, argv: list[str] | None = None) -> int:
     """The CLI of one benchmark (`python scripts/bench/NAME.py ...`)."""
     argv = sys.argv[1:] if argv is None else argv
+    mod = module(name)
     if argv[:1] == ["--worker"]:
-        return module(name).worker(argv[1:])
+        return mod.worker(argv[1:])
     args = parser(name).parse_args(argv)
     if args.render:
-        out = args.render.parent
-        result = json.loads(args.render.read_text())
+        out, result = args.render.parent, json.loads(args.render.read_text())
         pngs = plots(name, result, out)
     else:
-        stem = getattr(module(name), "OUT", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        stem = getattr(mod, "OUT", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
         args.out = out = args.out or ROOT / "runs" / "bench" / stem
         result, pngs = execute(name, args, out, machine=report.machine_info(),
                                command=shlex.join(["python", f"scripts/bench/{name}.py", *argv]))
     print(f"\n{markdown(name, result, {p.stem: str(p) for p in pngs})}")
     print(f"results in {out}/{name}.json, .csv{''.join(f', {p}' for p in pngs)} ({result['seconds']:.0f} s)")
     if args.update_docs:
-        mod = module(name)
         docs = getattr(mod, "DOCS", report.DOCS)
         stamp = report.stamp(result["machine"], result["command"])
         report.update_docs_section(docs, name, markdown(name, result, report.copy_images(pngs), stamp), mod.TITLE)
@@ -161,22 +144,18 @@ def main_one(name: str, argv: list[str] | None = None) -> int:
 # ---------------------------------------------------------------- the summary
 
 
-def _find(rows, **match) -> dict:
-    return next((r for r in rows if r.get("ok") and all(r.get(k) == v for k, v in match.items())), {})
-
-
 ISSUE = "issue 17"
 # what --targets runs: T5 on kernel_bandwidth's 1-thread CPU-time clock (steadier than wall time on a busy machine)
 TARGET_ARGS = {"kernel_bandwidth": ["--sizes", str(16 << 20), "--threads", "1", "--clock", "cpu"],
                "peers": ["--plan", "targets"]}
-
-
-def t_commands() -> list[tuple[str, str]]:
-    """The commands of the T table's measurements: (command, what it gives)."""
-    kernels = " ".join(TARGET_ARGS["kernel_bandwidth"])
-    return [("python scripts/bench/peers.py --plan targets", "T1-T4, T6: the rows above, issue 17's model, 8 steps"),
-            (f"python scripts/bench/kernel_bandwidth.py {kernels}", "T5"),
-            ("python scripts/bench/suite.py --targets --out DIR", "both, and this table (other results in DIR kept)")]
+T_COMMANDS = [  # the commands of the T table's measurements: (command, what it gives)
+    ("python scripts/bench/peers.py --plan targets", "T1-T4, T6: the rows above, issue 17's model, 8 steps"),
+    (f"python scripts/bench/kernel_bandwidth.py {' '.join(TARGET_ARGS['kernel_bandwidth'])}", "T5"),
+    ("python scripts/bench/suite.py --targets --out DIR", "both, and this table (other results in DIR kept)")]
+T_KEYS = ["zeropp", "zero3-bf16", "ddp-bf16", "fsdp2-bf16", "deepspeed-bf16", "zeropp-c32", "zero3-bf16-c32", "ddp",
+          "fsdp2-fp32", "deepspeed-fp32", "zero3-fp32", "zeropp-flat", "zero3-flat", "zero3-keep", "zeropp-keep",
+          "zeropp-nostep"]  # peers rows of the T table
+FAMILIES = {"ddp": "DDP", "fsdp2": "FSDP2", "deepspeed": "DeepSpeed"}  # a peers key's first part -> its name
 
 
 def _row_text(r: dict, value: str = "step") -> str:
@@ -206,114 +185,114 @@ def _kernel_ratio(results: dict, op: str, bits: int = 8) -> tuple[float | None, 
 
 
 def targets(results: dict) -> list[dict]:
-    """Issue 17's T1-T6, each from the rows it divides (None when one is missing). T1-T4 and T6 come from peers
-    (issue 17's model, ZeRO++ and its peers side by side in one run), T5 from kernel_bandwidth; the extra
-    lines without a goal show the node-aware collectives off (the before of T4 / T6), fp32 compute, and the
-    ablation's 10.56M model."""
-    out = []
-    peers = results.get("peers", {})
-    prow, slow = [r for r in peers.get("rows", []) if r.get("ok")], peers.get("plan", {}).get("rate", "100mbit")
-    bf16_mb = (peers.get("model") or {}).get("params", 0) * 2 / 1e6
+    """Issue 17's T1-T6, each from the rows it divides (value None when one is missing). T1-T4 and T6 come from
+    peers (issue 17's model, ZeRO++ and its peers side by side in one run), T5 from kernel_bandwidth; the lines
+    without a goal are the comparisons behind them: node-aware collectives off (the before of T4 / T6), fp32
+    compute, what each overlap option bought, and the ablation's 10.56M model."""
+    out, peers, ablation = [], results.get("peers", {}), results.get("ablation", {})
+    slow = peers.get("plan", {}).get("rate", "100mbit")
+    peer_rows = [r for r in peers.get("rows", []) if r.get("ok")]
+    ablation_rows = [dict(r, key={"zero3": "zero3-bf16"}.get(r["key"], r["key"])) for r in ablation.get("rows", [])
+                     if r.get("ok") and r.get("micro_batch") == 4]
 
-    def row(key, setting=slow, rows=prow):
-        return next((r for r in rows if r["key"] == key and r["setting"] == setting), None)
-
-    def add(tid, what, goal, test, inputs, compute, before=None, step="step"):
-        """inputs: (row or None, what the row is, for "not measured")."""
-        value = None if any(r is None for r, _ in inputs) else compute(*(r for r, _ in inputs))
-        out.append({"id": tid, "what": what, "goal": goal, "before": before, "value": value,
-                    "met": None if value is None or test is None else bool(test(value)),
-                    "from": "; ".join(_row_text(r, step) if r else f"{name}: not measured" for r, name in inputs)})
+    def pick(key: str, setting: str = slow, ablated: bool = False) -> tuple[dict | None, str]:
+        """(the row of `key` at `setting`, or None; its name for "not measured")."""
+        rows = ablation_rows if ablated else peer_rows
+        return (next((r for r in rows if r["key"] == key and r["setting"] == setting), None),
+                f"{'ablation ' * ablated}{key} @ {setting}")
 
     def steps(a, b):
         return a["step_ms"] / b["step_ms"]
 
-    zpp, zpp_loop = row("zeropp"), row("zeropp", "loopback")
+    def per_bf16_model(mb: float):  # physical bytes per node and step / the model's bytes in bf16
+        return lambda r: r["phys_tx_mb_node"] / mb if r.get("phys_tx_mb_node") and mb else None
+
+    def add(tid, what, goal, test, inputs, value=steps, before=None, shown="step"):
+        rows = [r for r, _ in inputs]
+        v = None if None in rows else value(*rows)
+        out.append({"id": tid, "what": what, "goal": goal, "before": before, "value": v,
+                    "met": None if v is None or test is None else bool(test(v)),
+                    "from": "; ".join(_row_text(r, shown) if r else f"{name}: not measured" for r, name in inputs)})
+
+    def where(setting: str) -> str:
+        return "unshaped" if setting == "loopback" else setting
+
+    def at_least(goal: float):
+        return lambda v: v >= goal
+
     add("T1", f"ZeRO++ step at {slow} / the same job unshaped (bf16 compute)", "<= 1.3", lambda v: v <= 1.3,
-        [(zpp, f"ZeRO++ [bf16] @ {slow}"), (zpp_loop, "ZeRO++ [bf16] @ loopback")], steps, before=2.29)
-    for dtype, zkey, keys, before in (("bf16", "zeropp", ("ddp-bf16", "fsdp2-bf16", "deepspeed-bf16"), 3.03),
-                                      ("fp32", "zeropp-c32", ("ddp", "fsdp2-fp32", "deepspeed-fp32"), None)):
-        measured = [r for r in (row(k) for k in keys) if r]
-        fastest = min(measured, key=lambda r: r["step_ms"], default=None)
-        missing = [FAMILIES[k.split("-")[0]] for k in keys if not row(k)]
-        note = f" (not measured: {', '.join(missing)})" if missing and measured else ""
-        add("T2" if dtype == "bf16" else "T2 (fp32)", f"fastest of DDP, FSDP2, DeepSpeed ZeRO-3 / ZeRO++, step at "
-            f"{slow}, {dtype} compute{note}", ">= 4", lambda v: v >= 4,
-            [(fastest, f"DDP, FSDP2, DeepSpeed [{dtype}] @ {slow}"), (row(zkey), f"ZeRO++ [{dtype}] @ {slow}")], steps,
-            before=before)
-        if missing and measured:  # the fastest of some of them: shown, no verdict
-            out[-1]["met"] = None
+        [pick("zeropp"), pick("zeropp", "loopback")], before=2.29)
+    for tid, dtype, zkey, keys, before in (("T2", "bf16", "zeropp", ("ddp-bf16", "fsdp2-bf16", "deepspeed-bf16"), 3.03),
+                                           ("T2 (fp32)", "fp32", "zeropp-c32", ("ddp", "fsdp2-fp32", "deepspeed-fp32"),
+                                            None)):
+        measured = [r for r in (pick(k)[0] for k in keys) if r]
+        missing = [FAMILIES[k.split("-")[0]] for k in keys if not pick(k)[0]]
+        partly = bool(missing and measured)  # the fastest of some of them: shown, no verdict
+        add(tid, f"fastest of DDP, FSDP2, DeepSpeed ZeRO-3 / ZeRO++, step at {slow}, {dtype} compute"
+            + (f" (not measured: {', '.join(missing)})" if partly else ""), ">= 4", None if partly else at_least(4),
+            [(min(measured, key=lambda r: r["step_ms"], default=None), f"fastest of {', '.join(keys)} @ {slow}"),
+             pick(zkey)], before=before)
     for setting, before in ((slow, 1.13), ("loopback", 1.14)):
-        where = "unshaped" if setting == "loopback" else setting
-        add("T3", f"DeepSpeed ZeRO-3 / our ZeRO-3, step, bf16 wire + bf16 compute, {where}", ">= 1.25",
-            lambda v: v >= 1.25, [(row("deepspeed-bf16", setting), f"DeepSpeed ZeRO-3 [bf16] @ {setting}"),
-                                  (row("zero3-bf16", setting), f"our ZeRO-3 [bf16] @ {setting}")], steps, before=before)
-        if row("zero3-keep", setting):  # both keep a model this small gathered from forward to backward
-            add("T3 (kept)", f"the same, ours also kept gathered (DeepSpeed's stage3_max_reuse_distance), {where}",
-                ">= 1.25", lambda v: v >= 1.25, [(row("deepspeed-bf16", setting), ""), (row("zero3-keep", setting), "")],
-                steps)
+        add("T3", f"DeepSpeed ZeRO-3 / our ZeRO-3, step, bf16 wire + bf16 compute, {where(setting)}", ">= 1.25",
+            at_least(1.25), [pick("deepspeed-bf16", setting), pick("zero3-bf16", setting)], before=before)
+        if pick("zero3-keep", setting)[0]:  # both keep a model this small gathered from forward to backward
+            add("T3 (kept)", "the same, ours also kept gathered (DeepSpeed's stage3_max_reuse_distance), "
+                f"{where(setting)}", ">= 1.25", at_least(1.25),
+                [pick("deepspeed-bf16", setting), pick("zero3-keep", setting)])
     for setting in (slow, "loopback"):
-        if row("deepspeed-fp32", setting) and row("zero3-fp32", setting):
-            where = "unshaped" if setting == "loopback" else setting
-            add("T3 (fp32)", f"DeepSpeed ZeRO-3 / our ZeRO-3, step, fp32 wire + fp32 compute, {where}", ">= 1.25",
-                lambda v: v >= 1.25, [(row("deepspeed-fp32", setting), ""), (row("zero3-fp32", setting), "")], steps)
-    phys = lambda r: r["phys_tx_mb_node"] / bf16_mb if r.get("phys_tx_mb_node") and bf16_mb else None  # noqa: E731
+        if pick("deepspeed-fp32", setting)[0] and pick("zero3-fp32", setting)[0]:
+            add("T3 (fp32)", f"DeepSpeed ZeRO-3 / our ZeRO-3, step, fp32 wire + fp32 compute, {where(setting)}",
+                ">= 1.25", at_least(1.25), [pick("deepspeed-fp32", setting), pick("zero3-fp32", setting)])
+    bf16_mb = (peers.get("model") or {}).get("params", 0) * 2 / 1e6
     for key, tid, goal, before in (("zeropp", "T4", "<= 0.40", 0.53), ("zeropp-flat", "T4 before", "–", None)):
-        r = row(key)
         add(tid, "ZeRO++ physical cross-node bytes per node per step / model size in bf16"
-            + (f" ({bf16_mb:.2f} MB)" if bf16_mb else "")
-            + (", node-aware collectives off" if key == "zeropp-flat" else ""), goal,
-            (lambda v: v <= 0.40) if tid == "T4" else None, [(r, f"{key} @ {slow}")], phys, before=before,
-            step="bytes")
+            + (f" ({bf16_mb:.2f} MB)" if bf16_mb else "") + (", node-aware collectives off" if tid != "T4" else ""),
+            goal, (lambda v: v <= 0.40) if tid == "T4" else None, [pick(key)], per_bf16_model(bf16_mb), before,
+            "bytes")
     for op, goal, before in (("quantize", 0.6, 0.41), ("dequantize", 0.85, 0.65)):
         ratio, text = _kernel_ratio(results, op)
         out.append({"id": "T5", "what": f"int8 {op} throughput / copy bandwidth, 1 thread, 16M elements",
                     "goal": f">= {goal}", "before": before, "value": ratio, "from": text,
                     "met": None if ratio is None else ratio >= goal})
     add("T6", f"our ZeRO-3 / ZeRO++, step at {slow} (bf16 compute; paper 2.16x)", "report", None,
-        [(row("zero3-bf16"), f"our ZeRO-3 [bf16] @ {slow}"), (zpp, f"ZeRO++ [bf16] @ {slow}")], steps, before=2.69)
-    if row("zero3-flat") or row("zeropp-flat"):
-        add("T6 before", "the same, node-aware collectives off", "–", None,
-            [(row("zero3-flat"), "zero3-flat"), (row("zeropp-flat"), "zeropp-flat")], steps)
-    if row("zero3-bf16-c32") or row("zeropp-c32"):
-        add("T6 (fp32)", "the same, fp32 compute", "–", None,
-            [(row("zero3-bf16-c32"), "zero3-bf16-c32"), (row("zeropp-c32"), "zeropp-c32")], steps)
+        [pick("zero3-bf16"), pick("zeropp")], before=2.69)
+    for tid, what, z3, zpp in (("T6 before", "node-aware collectives off", "zero3-flat", "zeropp-flat"),
+                               ("T6 (fp32)", "fp32 compute", "zero3-bf16-c32", "zeropp-c32")):
+        if pick(z3)[0] or pick(zpp)[0]:
+            add(tid, f"the same, {what}", "–", None, [pick(z3), pick(zpp)])
     # what each overlap option bought: the step without it / with it
     for key, base, what in (("zeropp-keep", "zeropp", "ZeRO++ default / kept gathered for the backward"),
                             ("zero3-keep", "zero3-bf16", "our ZeRO-3 default / kept gathered for the backward"),
                             ("zeropp", "zeropp-nostep", "ZeRO++ first gathers at the forward / at the optimizer step")):
         for setting in (slow, "loopback"):
-            if row(key, setting) and row(base, setting):
-                where = "unshaped" if setting == "loopback" else setting
-                add("overlap", f"{what}, step, {where}", "–", None, [(row(base, setting), ""), (row(key, setting), "")],
-                    steps)
-    ablation = results.get("ablation", {})
-    arow = [dict(r, key={"zero3": "zero3-bf16"}.get(r["key"], r["key"])) for r in ablation.get("rows", [])
-            if r.get("ok") and r.get("micro_batch") == 4]
-    ab_mb = (ablation.get("model") or {}).get("params", 0) * 2 / 1e6
-    if arow:
-        size = f"{(ablation.get('model') or {}).get('params', 0) / 1e6:.2f}M"
-        a_zpp, a_z3 = row("zeropp", slow, arow), row("zero3-bf16", slow, arow)
-        add("T4 (ablation)", f"T4 on the ablation's {size} model ({ab_mb:.2f} MB in bf16)", "<= 0.40",
-            lambda v: v <= 0.40, [(a_zpp, "ablation ZeRO++")],
-            lambda r: r["phys_tx_mb_node"] / ab_mb if r.get("phys_tx_mb_node") and ab_mb else None, step="bytes")
-        add("T6 (ablation)", f"T6 on the ablation's {size} model", "report", None,
-            [(a_z3, "ablation ZeRO-3"), (a_zpp, "ablation ZeRO++")], steps)
+            if pick(key, setting)[0] and pick(base, setting)[0]:
+                add("overlap", f"{what}, step, {where(setting)}", "–", None,
+                    [pick(base, setting), pick(key, setting)])
+    if ablation_rows:
+        params = (ablation.get("model") or {}).get("params", 0)
+        add("T4 (ablation)", f"T4 on the ablation's {params / 1e6:.2f}M model ({params * 2 / 1e6:.2f} MB in bf16)",
+            "<= 0.40", lambda v: v <= 0.40, [pick("zeropp", ablated=True)], per_bf16_model(params * 2 / 1e6),
+            shown="bytes")
+        add("T6 (ablation)", f"T6 on the ablation's {params / 1e6:.2f}M model", "report", None,
+            [pick("zero3-bf16", ablated=True), pick("zeropp", ablated=True)])
     return out
 
 
-FAMILIES = {"ddp": "DDP", "fsdp2": "FSDP2", "deepspeed": "DeepSpeed"}  # a peers key's first part -> its name
+def _verdict(met: bool | None) -> str:
+    return "–" if met is None else ("yes" if met else "**no**")
 
 
 def targets_markdown(items: list[dict]) -> list[str]:
-    lines = ["| id | ratio | from (rows, compute dtype) | before | goal | measured | met |",
-             "| --- | --- | --- | ---: | ---: | ---: | :---: |"]
-    for it in items:
-        v = it["value"]
-        met = "–" if it["met"] is None else ("yes" if it["met"] else "**no**")
-        lines.append(f"| {it['id']} | {it['what']} | {it['from']} | {report.fmt(it.get('before'), '{:.2f}')} | "
-                     f"{it['goal']} | {'not measured' if v is None else f'{v:.3f}'} | {met} |")
-    return lines
+    return report.md_table(
+        [dict(it, value="not measured" if it["value"] is None else f"{it['value']:.3f}", met=_verdict(it["met"]))
+         for it in items],
+        [("id", "id", "{}"), ("what", "ratio", "{}"), ("from", "from (rows, compute dtype)", "{}"),
+         ("before", "before", "{:.2f}"), ("goal", "goal", "{}"), ("value", "measured", "{}"), ("met", "met", "{}")],
+        "lllrrrc")
+
+
+def _find(rows, **match) -> dict:
+    return next((r for r in rows if r.get("ok") and all(r.get(k) == v for k, v in match.items())), {})
 
 
 def summary(results: dict) -> list[dict]:
@@ -322,7 +301,7 @@ def summary(results: dict) -> list[dict]:
 
     def target(what, target, value, ok, percent=False):
         out.append({"what": what, "target": target, "value": value, "percent": percent,
-                    "met": None if value is None else bool(ok(value))})
+                    "met": None if value is None or ok is None else bool(ok(value))})
 
     zpp = _find(results.get("ablation", {}).get("rows", []), key="zeropp", setting="100mbit", micro_batch=4)
     target("ZeRO++ / our ZeRO-3 throughput, 100 Mbit/s, 4x128 tokens/rank", ">= 3", zpp.get("speedup_vs_zero3"),
@@ -351,30 +330,20 @@ def summary(results: dict) -> list[dict]:
                    "(8-bit qwZ) vs ZeRO-3, relative", "within 1%", r.get("rel_diff"), lambda v: abs(v) <= 0.01,
                    percent=True)
     rlhf = results.get("rlhf", {})
-    rate = rlhf.get("plan", {}).get("rate", "100mbit")
     for what, key, theirs in (("generation tokens/s", "generation", 2.25), ("PPO step time", "step", 1.26)):
         # DeepSpeed's ZeRO++ blog figure is a reference (GPUs, far larger models), not a target: no verdict
-        out.append({"what": f"RLHF: ZeRO++ / ZeRO-3 speedup of the {what}, {rate}", "target": f"DeepSpeed (GPUs): "
-                    f"{theirs}x", "value": (rlhf.get("ratios") or {}).get(key), "percent": False, "met": None})
+        target(f"RLHF: ZeRO++ / ZeRO-3 speedup of the {what}, {rlhf.get('plan', {}).get('rate', '100mbit')}",
+               f"DeepSpeed (GPUs): {theirs}x", (rlhf.get("ratios") or {}).get(key), None)
     return out
 
 
 def summary_markdown(items: list[dict]) -> list[str]:
-    lines = ["| ratio | target | measured | met |", "| --- | ---: | ---: | :---: |"]
-    for it in items:
-        v = it["value"]
-        shown = "not measured" if v is None else (f"{100 * v:+.2f}%" if it.get("percent") else f"{v:.3f}")
-        met = "–" if it["met"] is None else ("yes" if it["met"] else "**no**")
-        lines.append(f"| {it['what']} | {it['target']} | {shown} | {met} |")
-    return lines
-
-
-# ---------------------------------------------------------------- the suite
-
-
-T_KEYS = ["zeropp", "zero3-bf16", "ddp-bf16", "fsdp2-bf16", "deepspeed-bf16", "zeropp-c32", "zero3-bf16-c32", "ddp",
-          "fsdp2-fp32", "deepspeed-fp32", "zero3-fp32", "zeropp-flat", "zero3-flat", "zero3-keep", "zeropp-keep",
-          "zeropp-nostep"]  # peers rows of the T table
+    return report.md_table(
+        [dict(it, value="not measured" if it["value"] is None else
+              (f"{100 * it['value']:+.2f}%" if it.get("percent") else f"{it['value']:.3f}"), met=_verdict(it["met"]))
+         for it in items],
+        [("what", "ratio", "{}"), ("target", "target", "{}"), ("value", "measured", "{}"), ("met", "met", "{}")],
+        "lrrc")
 
 
 def _model_words(result: dict) -> str:
@@ -400,8 +369,7 @@ def summary_section(results: dict, items: list[dict], t_items: list[dict]) -> st
     rows = sorted((r for r in peers.get("rows", []) if r.get("key") in T_KEYS),
                   key=lambda r: (r["setting"] == "loopback", T_KEYS.index(r["key"])))
     lines = [f"## Summary: {ISSUE}'s targets (T1-T6)", ""]
-    if when:
-        lines += ["Measured: " + "; ".join(when) + ".", ""]
+    lines += ["Measured: " + "; ".join(when) + ".", ""] if when else []
     lines += [
         *targets_markdown(t_items), "",
         f"Ratios are of step times measured side by side in one run (peers, section 2: {_model_words(peers)}, "
@@ -410,38 +378,38 @@ def summary_section(results: dict, items: list[dict], t_items: list[dict]) -> st
         "bf16 figures with bf16 autocast). T4 divides the bytes each node's link sent per step (veth counters) by "
         "the model's parameters x 2 bytes. T5 is copy_'s time / the kernel's at 1 thread (section 5; the issue's "
         "before was taken on the wall clock, [performance.md](performance.md) has a before/after pair on one "
-        "clock). Lines "
-        "without a goal are the comparisons behind the targets: node-aware collectives off (`--zero_optimization."
-        "node_aware_collectives false`, the before of T4 and T6), fp32 compute, and the ablation's model. On a "
-        "busy machine the step times are noisy (compare the load column) and the ratios that divide a wire-bound "
-        "step by a compute-bound one (T1, T2, T6) are pulled towards 1: the compute grows with the load, the "
-        "wire time does not. What "
-        "each optimisation bought and what limits the rest: [performance.md](performance.md). Targets are "
-        "measured, not tuned for: a **no** is the honest result on this machine.", ""]
+        "clock). Lines without a goal are the comparisons behind the targets: node-aware collectives off "
+        "(`--zero_optimization.node_aware_collectives false`, the before of T4 and T6), fp32 compute, and the "
+        "ablation's model. On a busy machine the step times are noisy (compare the load column) and the ratios "
+        "that divide a wire-bound step by a compute-bound one (T1, T2, T6) are pulled towards 1: the compute grows "
+        "with the load, the wire time does not. What each optimisation bought and what limits the rest: "
+        "[performance.md](performance.md). Targets are measured, not tuned for: a **no** is the honest result on "
+        "this machine.", ""]
     if rows:
+        table = [{"label": r["label"], "compute": r.get("compute"), "setting": r["setting"],
+                  "step": report.fmt(r.get("step_ms"), "{:.0f}") if r.get("ok") else "failed",
+                  "mb": r.get("phys_tx_mb_node"), "load": r.get("load_start"), "script": r.get("script", "?"),
+                  "args": " ".join(r.get("args") or []) or "–"} for r in rows]
         lines += [f"The rows (each node runs `torchrun ... SCRIPT <common> <its arguments>`, common = "
                   f"`{peers.get('common_args', '?')}`):", "",
-                  "| runtime | compute | link | step ms | physical MB/node/step | load at its start | script | "
-                  "its arguments |", "| --- | --- | --- | ---: | ---: | ---: | --- | --- |"]
-        for r in rows:
-            ok = r.get("ok")
-            lines.append(f"| {r['label']} | {r.get('compute') or '–'} | {r['setting']} | "
-                         f"{report.fmt(r.get('step_ms'), '{:.0f}') if ok else 'failed'} | "
-                         f"{report.fmt(r.get('phys_tx_mb_node'), '{:.2f}')} | "
-                         f"{report.fmt(r.get('load_start'), '{:.1f}')}"
-                         f" | `{r.get('script', '?')}` | "
-                         f"`{' '.join(r.get('args') or []) or '–'}` |")
-        lines.append("")
-    width = max(len(c) for c, _ in t_commands()) + 2
-    lines += ["Commands:", "", "```bash", *[f"{c:<{width}}# {why}" for c, why in t_commands()], "```", "",
+                  *report.md_table(table, [
+                      ("label", "runtime", "{}"), ("compute", "compute", "{}"), ("setting", "link", "{}"),
+                      ("step", "step ms", "{}"), ("mb", "physical MB/node/step", "{:.2f}"),
+                      ("load", "load at its start", "{:.1f}"), ("script", "script", "`{}`"),
+                      ("args", "its arguments", "`{}`")], "lllrrrll"), ""]
+    width = max(len(c) for c, _ in T_COMMANDS) + 2
+    lines += ["Commands:", "", "```bash", *[f"{c:<{width}}# {why}" for c, why in T_COMMANDS], "```", "",
               "### Earlier targets", "",
               "From the same results (\"not measured\": that benchmark's result is not in this run's directory; a "
               "section below may hold an older run's figure).", "", *summary_markdown(items), ""]
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- the suite
+
+
 def write_docs(results: dict, images: dict[str, dict], info: dict, command: str, quick: bool, seconds: float,
-               items: list[dict], t_items: list[dict] | None = None) -> None:
+               items: list[dict], t_items: list[dict]) -> None:
     mode = ("`--quick`: a reduced set (fewer configurations, rates and steps) to check that everything "
             "works; run the suite without `--quick` for the full tables") if quick else "full"
     text = "\n".join([
@@ -467,8 +435,7 @@ def write_docs(results: dict, images: dict[str, dict], info: dict, command: str,
         "python scripts/bench/rlhf.py [--quick]              # PPO, ZeRO++ vs ZeRO-3; needs root + iproute2",
         "python scripts/bench/convergence.py [--quick]       # needs ../shared/data/tinyshakespeare.txt",
         "```", "",
-        report.section("summary", summary_section(results, items, t_items if t_items is not None
-                                                  else targets(results)))])
+        report.section("summary", summary_section(results, items, t_items))])
     for name in DOC_ORDER:
         if name in results:
             text += "\n" + report.section(name, markdown(name, results[name], images.get(name, {})))

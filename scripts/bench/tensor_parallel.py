@@ -1,33 +1,21 @@
-"""Tensor parallelism with AccTFM (seed 004, docs/tensor_parallel.md): plain Megatron TP against AccTFM's
-pipelined and compressed all-reduces, with TP across a shaped link, and their convergence.
+"""Tensor parallelism with AccTFM (docs/tensor_parallel.md): plain Megatron TP against AccTFM's pipelined
+and compressed all-reduces with TP across a shaped link, and their convergence; every run computes in fp32.
 
     python scripts/bench/tensor_parallel.py                 # both parts, into runs/bench/tensor_parallel
     python scripts/bench/tensor_parallel.py --quick         # 100 Mbit/s only, fewer runs and steps (minutes)
-    python scripts/bench/tensor_parallel.py --parts timing --rates 100mbit --runs plain k2 q4 full
     python scripts/bench/tensor_parallel.py --parts convergence --conv-runs single plain full --conv-steps 500
 
-1. timing: `train.py` on 2 emulated nodes x 1 rank (runner.py, cluster.py) with `tensor_parallel.size 2`,
-   so the tensor-parallel group spans the shaped link (AccTFM's setting: TP across Ethernet), data
-   parallelism of size 1 (zero_optimization.stage 0), at each rate of `--rates`. Per run: the median step
-   time after the warm-up, the speedup over plain TP at that rate, the bytes per step from the ledger
-   and from the veth counters, and where the time goes (the trainer's per-step timings, e.g. "waiting for
-   tp all-reduces"; the rest is compute, quantization included, and everything else).
-2. convergence: Tiny Shakespeare (convergence.py's tiny GPT-2 and schedule) on 2 loopback ranks (TP 2,
-   unshaped), the same seed, steps and schedule for every run, plus one process without tensor
-   parallelism as the exactness anchor: final validation loss against plain TP's (target: full AccTFM
-   within 1%) and against the single process (plain TP should match it to ~1e-4).
-Every run computes in fp32 (train.precision fp32), so what plain TP all-reduces is fp32.
+1. timing: `train.py` with `tensor_parallel.size 2` on 2 emulated nodes x 1 rank, so the tensor-parallel
+   group spans the shaped link (AccTFM's setting: TP across Ethernet), at each rate of `--rates`.
+2. convergence: convergence.py's job on 2 loopback ranks (TP 2, unshaped), plus one process without tensor
+   parallelism (`single`) as the exactness anchor.
 
-Run keys: `plain` (partitions 1, no compression: Megatron's synchronous all-reduce), or parts joined by
-"-": `kN` (AccTFM pipelining, N = 1, 2, 4 partitions per sublayer, 0 = planned per sublayer by the
-runtime's dynamic program), `topk` (token top-k at --keep-ratio; `topkNN`: keep NN/100), what the pruned
-rows get (default: TensorParallelConfig's, all-reduced at topk_pruned_bits; `drop`: nothing; `local`: each
-rank's own partial sum x 2; `pN`: all-reduced at N bits, 1 = sign + mean magnitude), `fwd` / `bwd` (top-k
-in that pass only), `qB` (piecewise quantization of the kept rows to B bits); `full` = the fastest pipelining
-run measured at that rate (`--full-partitions` to fix it) + topk + q<--bits>; `k0-topk-q4` is full AccTFM
-with the runtime's planner choosing K per sublayer for the compressed all-reduces. In the convergence part
-`single` is one process without tensor parallelism. Where a key ran in both parts, the report joins them
-in one table (final validation loss and step time at the slowest rate).
+Run keys: `plain` (Megatron's synchronous all-reduce), or parts joined by "-": `kN` (AccTFM pipelining,
+N = 1, 2, 4 partitions per sublayer, 0 = planned per sublayer by the runtime), `topk` (token top-k at
+--keep-ratio; `topkNN`: keep NN/100), what the pruned rows get (default: TensorParallelConfig's; `drop`:
+nothing; `local`: each rank's own partial sum x 2; `pN`: all-reduced at N bits, 1 = sign + mean magnitude),
+`fwd` / `bwd` (top-k in that pass only), `qB` (piecewise quantization of the kept rows to B bits); `full` =
+the fastest pipelining run measured at that rate (`--full-partitions` to fix it) + topk + q<--bits>.
 """
 
 from __future__ import annotations
@@ -37,7 +25,6 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from scripts.bench import convergence, report, runner
@@ -62,23 +49,23 @@ QUICK_CONV_RUNS = ["single", "plain", "full"]
 # ---------------------------------------------------------------- the runs
 
 
+PRUNED = {"drop": "pruned rows dropped", "local": "pruned rows: local partial sum x 2 (ranks differ)"}
+
+
 def default_pruned() -> str:
     """What TensorParallelConfig's defaults give the pruned rows, in words."""
     from zeropp.config import TensorParallelConfig
 
     cfg = TensorParallelConfig()
-    return {"reduce": f"pruned rows {cfg.topk_pruned_bits}-bit", "drop": "pruned rows dropped",
-            "local": "pruned rows: local partial sum x 2 (ranks differ)"}[cfg.topk_pruned]
+    return {"reduce": f"pruned rows {cfg.topk_pruned_bits}-bit", **PRUNED}[cfg.topk_pruned]
 
 
-def parse_key(key: str, plan: dict, best_k: int | None = None) -> tuple[str, dict]:
-    """(label, tensor_parallel keys) of a run key; `full` needs best_k (or plan's full_partitions)."""
+def parse_key(key: str, plan: dict, best_k: int = 1) -> tuple[str, dict]:
+    """(label, tensor_parallel keys) of a run key; `full` pipelines with best_k unless plan's full_partitions."""
     if key == "single":
         return "one process, no tensor parallelism (exactness anchor)", {"size": 1}
     if key == "full":
         k = plan["full_partitions"] if plan["full_partitions"] is not None else best_k
-        if k is None:
-            raise ValueError("run 'full' needs a measured pipelining run before it, or --full-partitions")
         label, keys = parse_key("-".join([f"k{k}", "topk", f"q{plan['bits']}"]), plan)
         what = "K planned per sublayer" if k == 0 else f"K={k}"
         return (f"full AccTFM: {what} + top-k tokens {plan['keep_ratio']:g} ({default_pruned()}) + piecewise "
@@ -97,8 +84,7 @@ def parse_key(key: str, plan: dict, best_k: int | None = None) -> tuple[str, dic
             keys["topk_pruned"] = "reduce" if m.group(1) else part
             if m.group(1):
                 keys["topk_pruned_bits"] = int(m.group(1))
-            words.append({"drop": "pruned rows dropped", "local": "pruned rows: local partial sum x 2 (ranks differ)"}
-                         .get(part, f"pruned rows {part[1:]}-bit"))
+            words.append(PRUNED.get(part, f"pruned rows {part[1:]}-bit"))
         elif part in ("fwd", "bwd"):
             keys["topk_passes"] = {"fwd": "forward", "bwd": "backward"}[part]
             words.append(f"top-k in the {keys['topk_passes']} only")
@@ -171,7 +157,7 @@ def is_plan_line(line: str) -> bool:
     return "partition plan" in line.lower() and not line.startswith("runtime:") and "Warning" not in line
 
 
-def run_timing(key: str, plan: dict, rate: str, cluster, work: Path, best_k: int | None) -> dict:
+def run_timing(key: str, plan: dict, rate: str, cluster, work: Path, best_k: int) -> dict:
     """One timed run on the cluster, one rank per node; a planned (k0) run keeps the partition plan it logged."""
     label, keys = parse_key(key, plan, best_k)
     out = work / f"{rate}-{key}"
@@ -192,26 +178,22 @@ def run_timing(key: str, plan: dict, rate: str, cluster, work: Path, best_k: int
 def run_convergence(key: str, plan: dict, work: Path) -> dict:
     label, keys = parse_key(key, {**plan, "full_partitions": plan["conv_partitions"]})
     out = work / f"conv-{key}"
-    cmd = [sys.executable, ROOT / "train.py", *conv_args(plan), "--train.out_dir", out, *tp_args(keys)]
-    start = time.monotonic()
-    rc, text = runner.launch(cmd, nproc=None if key == "single" else 2, timeout=plan["timeout"])
-    val, steps = runner.validation_curve(out), [m for m in runner.read_metrics(out) if STEP in m]
-    row = {"key": key, "label": label, "part": "convergence", "wall_s": time.monotonic() - start,
-           "runtime": runner.said(text, "runtime")}
-    if rc or not val or len(steps) < plan["conv_steps"]:
-        return {**row, "ok": False, "error": f"exit {rc}: {runner.error_tail(text)}"}
-    return {**row, "ok": True, "final_val_loss": val[-1][1], "val_curve": val,
-            "final_train_loss": steps[-1]["lm loss"], "train_losses": [m["lm loss"] for m in steps],
-            "step_ms": statistics.median(m[STEP] for m in steps[1:] or steps)}
+    row = {"key": key, "label": label, "part": "convergence", **convergence.curve_run(
+        [sys.executable, ROOT / "train.py", *conv_args(plan), "--train.out_dir", out, *tp_args(keys)], out,
+        plan["timeout"], nproc=None if key == "single" else 2)}
+    steps = row.pop("metrics", [])
+    if row["ok"] and len(steps) < plan["conv_steps"]:
+        row.update(ok=False, error=f"{len(steps)} of {plan['conv_steps']} steps logged")
+    elif row["ok"]:
+        row.update(final_train_loss=steps[-1]["lm loss"], train_losses=[m["lm loss"] for m in steps],
+                   step_ms=statistics.median(m[STEP] for m in steps[1:] or steps))
+    return row
 
 
 def run(args, progress=print) -> dict:
     plan = resolve(args)
-    for key in plan["runs"]:
-        if key != "full":
-            parse_key(key, plan)  # an unknown key fails before anything runs
-    for key in plan["conv_runs"]:
-        parse_key(key, {**plan, "full_partitions": plan["conv_partitions"]})
+    for key in plan["runs"] + plan["conv_runs"]:
+        parse_key(key, plan)  # an unknown key fails before anything runs
     result = {"plan": plan, "rows": []}
     with tempfile.TemporaryDirectory(prefix="bench-tensor-parallel-") as tmp:
         if "timing" in plan["parts"]:
@@ -227,9 +209,7 @@ def run(args, progress=print) -> dict:
                         for i, key in enumerate(plan["runs"], 1):
                             done = [r for r in result["rows"] if r["ok"] and r.get("setting") == rate
                                     and r["key"] in ("plain", "k1", "k2", "k4", "k0")]
-                            best_k = min(done, key=lambda r: r["step_ms"])["partitions"] if done else None
-                            if key == "full" and best_k is None and plan["full_partitions"] is None:
-                                best_k = 1
+                            best_k = min(done, key=lambda r: r["step_ms"])["partitions"] if done else 1
                             result["rows"].append(row := run_timing(key, plan, rate, cluster, Path(tmp), best_k))
                             progress(f"  tensor_parallel timing @ {rate} [{i}/{len(plan['runs'])}] {row['label']}: "
                                      + (f"{row['step_ms']:.0f} ms/step, {row.get('phys_tx_mb_node', 0):.2f} MB/step on "
@@ -292,7 +272,7 @@ def markdown(result: dict) -> str:
         lines += [f"Timing part skipped: {result['timing_skipped']}.", ""]
     if timing:
         m, q = result["timing_model"], result["quiet"]
-        from scripts.bench.cluster import parse_rate
+        from scripts.cluster import parse_rate
 
         slow = min(plan["rates"], key=parse_rate)
         by = {(r["setting"], r["key"]): r for r in timing if r["ok"]}
@@ -394,7 +374,7 @@ def joined(result: dict) -> list[str]:
     conv = {r["key"]: r for r in rows if r["part"] == "convergence"}
     if not timing or not conv:
         return []
-    from scripts.bench.cluster import parse_rate
+    from scripts.cluster import parse_rate
 
     slow = min(result["plan"]["rates"], key=parse_rate)
     at = {r["key"]: r for r in timing if r["setting"] == slow}

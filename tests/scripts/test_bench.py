@@ -240,6 +240,8 @@ def test_report_tables_results_plots_and_docs_sections(tmp_path):
     rows = [dict(ok=True, a="x", b=1.23456), dict(ok=False, a="y", b=None, error="boom")]
     lines = report.md_table(rows, [("a", "A", "{}"), ("b", "B", "{:.2f}"), ("c", "C", "{}")])
     assert lines[2] == "| x | 1.23 | – |" and "failed: boom" in lines[3]
+    assert lines[1] == "| --- | ---: | ---: |" and report.md_table(rows, [("a", "A", "{}")] * 2, "lc")[1] == \
+        "| --- | :---: |"
     paths = report.write_results({"rows": rows, "extra": [1, 2]}, tmp_path, "t")
     assert json.loads(paths[0].read_text())["extra"] == [1, 2]
     assert paths[1].read_text().splitlines()[0] == "ok,a,b,error"
@@ -260,6 +262,7 @@ def test_report_tables_results_plots_and_docs_sections(tmp_path):
     fig, ax = report.pyplot().subplots()
     report.bars(ax, ["g1", "g2"], {"s1": [1, None], "s2": [2, 3]}, labels={"s2": ["a", ""]})
     assert report.save(fig, tmp_path, "p").is_file()
+    assert report.bar_chart(tmp_path, "q", ["g1"], {"s1": [1]}, "title", "y", line_at=1.0).is_file()
 
 
 def test_render_rewrites_docs_from_a_saved_suite_json(tmp_path, monkeypatch):

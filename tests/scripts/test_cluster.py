@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.bench.cluster import EmulatedCluster, list_namespaces, parse_rate, tbf_params
+from scripts.cluster import EmulatedCluster, list_namespaces, parse_rate, tbf_params
 
 ROOT = str(Path(__file__).resolve().parents[2])
 

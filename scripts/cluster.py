@@ -5,8 +5,8 @@
         result.returncode, result.wall_s, result.node_outputs[k], result.link_bytes[k]  # {"tx", "rx"}
         cluster.measure_throughput(0, 1)                        # achieved TCP Mbit/s, node 0 -> 1
 
-    python scripts/bench/cluster.py --nodes 2 --nproc-per-node 2 --rate 100mbit -- python train.py ...
-    python scripts/bench/cluster.py --cleanup          # remove leftovers of crashed runs
+    python scripts/cluster.py --nodes 2 --nproc-per-node 2 --rate 100mbit -- python train.py ...
+    python scripts/cluster.py --cleanup          # remove leftovers of crashed runs
 
 Each node is a namespace whose veth to a bridge (in a hub namespace) is shaped with tbf in both
 directions; ranks of one node talk over its loopback, unshaped. Nothing is created in the root
@@ -552,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("no command: put it after `--`")
         cluster = EmulatedCluster(nodes=args.nodes, rate=args.rate, run_dir=args.run_dir)
         if args.run_dir is None:
-            cluster._run_dir_arg = Path(__file__).resolve().parents[2] / "runs" / "cluster" / cluster.prefix
+            cluster._run_dir_arg = Path(__file__).resolve().parents[1] / "runs" / "cluster" / cluster.prefix
         with cluster:
             measured = cluster.measure_throughput(0, 1) if args.measure and args.nodes >= 2 else None
             if measured:
