@@ -365,6 +365,11 @@ def _delta_run(rank, world, ranks_per_node, steps):
             {name: _bound_flat(u) for name, u in engine.units.items()})))
         masters.append(step_masters)
         used.append({k: v for k, v in seen.items() if v is not None})
+    x = batches(1)[0][:2, :-1]
+    with torch.no_grad():
+        logits = engine(x)
+        with engine.inference_weights():  # a rollout's gather of the same weights
+            assert torch.equal(engine(x), logits)
     engine.close()
     return masters, used, losses
 
