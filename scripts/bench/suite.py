@@ -154,7 +154,7 @@ T_COMMANDS = [  # the commands of the T table's measurements: (command, what it 
     ("python scripts/bench/suite.py --targets --out DIR", "both, and this table (other results in DIR kept)")]
 T_KEYS = ["zeropp", "zero3-bf16", "ddp-bf16", "fsdp2-bf16", "deepspeed-bf16", "zeropp-c32", "zero3-bf16-c32", "ddp",
           "fsdp2-fp32", "deepspeed-fp32", "zero3-fp32", "zeropp-flat", "zero3-flat", "zero3-keep", "zeropp-keep",
-          "zeropp-nostep"]  # peers rows of the T table
+          "zeropp-nostep", "zeropp-delta"]  # peers rows of the T table
 FAMILIES = {"ddp": "DDP", "fsdp2": "FSDP2", "deepspeed": "DeepSpeed"}  # a peers key's first part -> its name
 
 
@@ -222,13 +222,21 @@ def targets(results: dict) -> list[dict]:
 
     add("T1", f"ZeRO++ step at {slow} / the same job unshaped (bf16 compute)", "<= 1.3", lambda v: v <= 1.3,
         [pick("zeropp"), pick("zeropp", "loopback")], before=2.29)
+    if pick("zeropp-delta")[0]:  # ours beyond the paper: the T1/T2/T4 ratios of ZeRO++ with qwZ int4 deltas
+        add("T1 (deltas)", "the same, ZeRO++ with qwZ int4 deltas", "<= 1.3", lambda v: v <= 1.3,
+            [pick("zeropp-delta"), pick("zeropp-delta", "loopback")])
     for tid, dtype, zkey, keys, before in (("T2", "bf16", "zeropp", ("ddp-bf16", "fsdp2-bf16", "deepspeed-bf16"), 3.03),
+                                           ("T2 (deltas)", "bf16", "zeropp-delta",
+                                            ("ddp-bf16", "fsdp2-bf16", "deepspeed-bf16"), None),
                                            ("T2 (fp32)", "fp32", "zeropp-c32", ("ddp", "fsdp2-fp32", "deepspeed-fp32"),
                                             None)):
+        if tid != "T2" and not pick(zkey)[0]:
+            continue
         measured = [r for r in (pick(k)[0] for k in keys) if r]
         missing = [FAMILIES[k.split("-")[0]] for k in keys if not pick(k)[0]]
         partly = bool(missing and measured)  # the fastest of some of them: shown, no verdict
-        add(tid, f"fastest of DDP, FSDP2, DeepSpeed ZeRO-3 / ZeRO++, step at {slow}, {dtype} compute"
+        add(tid, f"fastest of DDP, FSDP2, DeepSpeed ZeRO-3 / ZeRO++{' with qwZ int4 deltas' * (zkey == 'zeropp-delta')}"
+            f", step at {slow}, {dtype} compute"
             + (f" (not measured: {', '.join(missing)})" if partly else ""), ">= 4", None if partly else at_least(4),
             [(min(measured, key=lambda r: r["step_ms"], default=None), f"fastest of {', '.join(keys)} @ {slow}"),
              pick(zkey)], before=before)
@@ -244,11 +252,14 @@ def targets(results: dict) -> list[dict]:
             add("T3 (fp32)", f"DeepSpeed ZeRO-3 / our ZeRO-3, step, fp32 wire + fp32 compute, {where(setting)}",
                 ">= 1.25", at_least(1.25), [pick("deepspeed-fp32", setting), pick("zero3-fp32", setting)])
     bf16_mb = (peers.get("model") or {}).get("params", 0) * 2 / 1e6
-    for key, tid, goal, before in (("zeropp", "T4", "<= 0.40", 0.53), ("zeropp-flat", "T4 before", "–", None)):
+    for key, tid, goal, before, how in (("zeropp", "T4", "<= 0.40", 0.53, ""),
+                                        ("zeropp-delta", "T4 (deltas)", "<= 0.40", None, ", with qwZ int4 deltas"),
+                                        ("zeropp-flat", "T4 before", "–", None, ", node-aware collectives off")):
+        if key != "zeropp" and not pick(key)[0]:
+            continue
         add(tid, "ZeRO++ physical cross-node bytes per node per step / model size in bf16"
-            + (f" ({bf16_mb:.2f} MB)" if bf16_mb else "") + (", node-aware collectives off" if tid != "T4" else ""),
-            goal, (lambda v: v <= 0.40) if tid == "T4" else None, [pick(key)], per_bf16_model(bf16_mb), before,
-            "bytes")
+            + (f" ({bf16_mb:.2f} MB)" if bf16_mb else "") + how, goal, (lambda v: v <= 0.40) if goal != "–" else None,
+            [pick(key)], per_bf16_model(bf16_mb), before, "bytes")
     for op, goal, before in (("quantize", 0.6, 0.41), ("dequantize", 0.85, 0.65)):
         ratio, text = _kernel_ratio(results, op)
         out.append({"id": "T5", "what": f"int8 {op} throughput / copy bandwidth, 1 thread, 16M elements",

@@ -48,7 +48,7 @@ def test_quick_plans_are_reduced_and_full_plans_cover_the_issue():
     assert {"zeropp-c32", "zero3-bf16-c32", "ddp", "ddp-bf16", "zero3-flat", "zeropp-flat"} <= full_slow
     assert not {"zero3-flat", "zeropp-flat"} & set(p_quick["settings"]["100mbit"])
     targets = peers.resolve(_args("peers", "--plan", "targets"))["settings"]
-    assert set(targets["loopback"]) == {"zeropp", "zero3-bf16", "deepspeed-bf16", "zero3-keep", "zeropp-keep"}
+    assert set(targets["loopback"]) == {"zeropp", "zero3-bf16", "deepspeed-bf16", "zero3-keep", "zeropp-keep", "zeropp-delta"}
     assert set(targets["100mbit"]) < full_slow
     assert convergence.resolve(_args("convergence"))["bits"] == [8, 6, 4]
     assert convergence.resolve(_args("convergence", "--quick"))["bits"] == [8]
