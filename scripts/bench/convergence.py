@@ -1,6 +1,6 @@
 """Convergence of ZeRO++ against ZeRO-3 (the ZeRO++ paper's Table 5 / Fig. 9) on Tiny Shakespeare.
 
-    python scripts/bench/convergence.py                   # ZeRO-3, ZeRO++ with 8-, 6-, 4-bit qwZ; 250 steps
+    python scripts/bench/convergence.py                   # ZeRO-3; ZeRO++ 8-, 6-, 4-bit qwZ, 4-bit deltas; 250 steps
     python scripts/bench/convergence.py --quick           # ZeRO-3 and ZeRO++ 8-bit, 60 steps
 
 `train.py` on 4 local ranks laid out as 2 nodes x 2 (the layout only decides which collectives are
@@ -32,6 +32,8 @@ def add_args(p) -> None:
     p.add_argument("--steps", type=int, default=Quick(250, 60), help="training steps (default %(default)s)")
     p.add_argument("--bits", type=int, nargs="+", default=Quick([8, 6, 4], [8]),
                    help="qwZ bit widths (default %(default)s)")
+    p.add_argument("--delta-bits", type=int, nargs="*", default=Quick([4], []),
+                   help="qwZ delta bit widths (zero_quantized_weights_delta; default %(default)s)")
     p.add_argument("--eval-interval", type=int, help="default: steps / 10 (quick: steps / 4)")
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--micro-batch", type=int, default=4)
@@ -94,6 +96,9 @@ def run(args, progress=print) -> dict:
     for b in plan["bits"]:
         runs[f"zeropp-w{b}"] = (f"ZeRO++ {b}-bit qwZ, hpZ, 4-bit qgZ",
                                 runner.zero_args(**ZPP, zero_quantized_weights_bits=b))
+    for b in plan["delta_bits"]:
+        runs[f"zeropp-d{b}"] = (f"ZeRO++ {b}-bit qwZ deltas, hpZ, 4-bit qgZ", runner.zero_args(
+            **ZPP, zero_quantized_weights_bits=b, zero_quantized_weights_delta=True))
     with tempfile.TemporaryDirectory(prefix="bench-convergence-") as tmp:
         for i, (key, (label, zargs)) in enumerate(runs.items(), 1):
             out = Path(tmp) / key

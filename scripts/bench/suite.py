@@ -51,7 +51,7 @@ class Quick:
     quick: object
 
     def __str__(self) -> str:
-        words = [" ".join(map(str, v)) if isinstance(v, list) else str(v) for v in (self.full, self.quick)]
+        words = [(" ".join(map(str, v)) or "none") if isinstance(v, list) else str(v) for v in (self.full, self.quick)]
         return f"{words[0]}, quick {words[1]}"
 
 
