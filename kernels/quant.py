@@ -322,8 +322,9 @@ def _quantize_piece(rows, bits, codes, scales, scratch):
     + magic, narrowing to uint8. `_requantize_clamped` redoes the blocks that need the clamp.
 
     16-bit input is widened to fp32 first (one pass): torch reduces fp32 rows 5x faster than bf16
-    ones. Values are the same; only the sign of an all-zero block's scale (+-0.0) can differ from
-    reducing in 16 bits, as it already differs between torch's vectorised and scalar loops.
+    ones. An all-zero block's max(amax, -amin) can be -0.0 (e.g. fp16 values that flushed to signed
+    zeros; torch's vectorised and scalar loops differ there): the scales' abs_() makes it the spec's
+    +0.0, as the Triton kernels give on CUDA (one pass over the scales only).
     """
     qmax = 2 ** (bits - 1) - 1
     q = scratch.get("q", rows.numel(), torch.float32).view(rows.shape)
@@ -331,9 +332,9 @@ def _quantize_piece(rows, bits, codes, scales, scratch):
         rows = q.copy_(rows)
     stored = scales.view(rows.shape[:-1])
     if scales.dtype == torch.float32:  # the scale computed in place
-        s = torch.maximum(rows.amax(-1), rows.amin(-1).neg_(), out=stored).div_(qmax)
+        s = torch.maximum(rows.amax(-1), rows.amin(-1).neg_(), out=stored).div_(qmax).abs_()
     else:
-        scale = torch.maximum(rows.amax(-1), rows.amin(-1).neg_()).div_(qmax).clamp_(max=FP16_MAX)
+        scale = torch.maximum(rows.amax(-1), rows.amin(-1).neg_()).div_(qmax).abs_().clamp_(max=FP16_MAX)
         s = stored.copy_(scale).float()  # rounds to fp16 and reads it back
     # The spec divides by inf where s = 0 (so q = 0). s = 0 means absmax < qmax * 2**-150 (fp32) or
     # <= qmax * 2**-25 (fp16), so x / tiny < 1/2 rounds to 0 as well, with one op instead of two;

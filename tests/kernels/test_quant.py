@@ -99,6 +99,16 @@ def test_quantize_matches_reference(bits, dtype, scale_dtype):
     assert torch.equal(q.dequantize(dtype=torch.bfloat16).view(torch.int16), as_bf16.view(torch.int16))
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
+def test_an_all_zero_block_has_the_scale_plus_zero(scale_dtype):
+    """The spec's absmax of signed zeros is +0.0, bit for bit (the Triton kernels on CUDA give +0.0;
+    torch's max(amax, -amin) can give -0.0): fp16 values flushed to -0.0, a block of -0.0."""
+    x = torch.cat([torch.full((64,), -1e-30).half(), -torch.zeros(64), torch.ones(64)])
+    q = K.quantize(x, 8, 64, scale_dtype=scale_dtype)
+    assert q.scales[:2].view(torch.uint8).eq(0).all(), q.scales
+    assert q.dequantize()[:128].view(torch.int32).eq(0).all()  # +0.0 out as well
+
+
 def test_ties_round_to_even():
     # scale = 31.75 / 127 = 0.25 exactly, so x / s lands on .5 ties
     x = torch.tensor([0.125, 0.375, 0.625, 0.875, -0.125, -0.375, -0.625, 31.75])
