@@ -448,3 +448,42 @@ def test_qwz_deltas_resume_bit_exact(tmp_path):
     assert any(current.values()) and not all(current.values())
     assert resumed == losses[3:]
     assert all(torch.equal(state[k], resumed_state[k]) for k in state)
+
+
+
+def _delta_save(rank, world, directory):
+    engine, optimizer = make_engine(make_model("gpt2-tiny"), ZeroConfig(stage=3, **DELTA), ranks_per_node=2)
+    for sample in batches(3):
+        train_step(engine, optimizer, sample, rank, world)
+    if rank == 0:
+        directory.mkdir()
+    dist.barrier()
+    engine.save(directory, optimizer)
+    engine.close()
+
+
+def _delta_load_elsewhere(rank, world, directory):
+    """Load, then the first forward's weights next to the loaded masters (gathered whole) in bf16."""
+    engine, optimizer = make_engine(make_model("gpt2-tiny"), ZeroConfig(stage=3, **DELTA), ranks_per_node=1)
+    train_step(engine, optimizer, batches(1)[0], rank, world)  # references of its own, now stale
+    engine.load(directory, optimizer)
+    loaded = {}
+    for name, u in engine.units.items():
+        loaded[name] = torch.empty(u.padded_numel)
+        dist.all_gather_into_tensor(loaded[name], u.master_shard())
+    seen = {}
+    train_step(engine, optimizer, batches(4)[3], rank, world,
+               lambda: seen.update({name: _bound_flat(u) for name, u in engine.units.items()}))
+    engine.close()
+    return {n: (w, loaded[n].bfloat16().float()) for n, w in seen.items() if w is not None}
+
+
+def test_qwz_deltas_on_another_layout_send_the_weights_whole_once(tmp_path):
+    """References belong to a layout: a checkpoint of 2 nodes x 2 loaded on 2 nodes x 1 (by an engine
+    that had trained, so it held references) starts them afresh, so the first forward computes
+    with exactly the loaded weights in bf16."""
+    run_ranks(_delta_save, 4, args=(tmp_path / "c",), ranks_per_node=2)
+    for rank_result in run_ranks(_delta_load_elsewhere, 2, args=(tmp_path / "c",), ranks_per_node=1):
+        assert rank_result  # the embeddings at least
+        for name, (used, expected) in rank_result.items():
+            assert torch.equal(used, expected), name
