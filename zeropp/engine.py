@@ -238,12 +238,11 @@ class Zero3Engine(Runtime):
         self.resident = [self.units[n] for base in ("embedding", "norms") for n in (base, base + FROZEN_SUFFIX)
                          if n in self.units]
         self._slots = self._buffer_count()
-        if cfg.hpz and self.mesh.secondary_size > 1:
-            for u in self.blocks:  # resident units are not re-gathered for the backward
-                u.enable_secondary(self.mesh.secondary_size)
         for u in self.units.values():
             if u.delta_codec is not None:  # every unit (resident ones too) keeps its references
                 u.enable_secondary(self.mesh.ranks_per_node, self.mesh.node)
+            elif cfg.hpz and self.mesh.secondary_size > 1 and u in self.blocks:
+                u.enable_secondary(self.mesh.secondary_size)  # resident units are not re-gathered for the backward
         self._allocate_buffers()
 
         # The block order of the first forward: prefetch follows it, and a block's position

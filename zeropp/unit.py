@@ -220,7 +220,7 @@ class Unit:
             if self.pending_gather is not None:  # it may still be updating the references
                 self.pending_gather.wait()
             own = self.secondary[self.reference_at:self.reference_at + self.shard_numel]
-            self.delta_codec.encode(self.master - own.float(), self.wire)
+            self.delta_codec.encode(self.master - own, self.wire)  # computed in fp32
         self._encoded_master_version = self.master._version
         self.version += 1
         return True
