@@ -24,7 +24,6 @@ CONFIGS = {  # key -> (label, zero_optimization keys)
     "zero3": ("ZeRO-3", ZERO3), "qwz": ("ZeRO-3 + qwZ", {**ZERO3, **QWZ}), "hpz": ("ZeRO-3 + hpZ", {**ZERO3, **HPZ}),
     "qgz": ("ZeRO-3 + qgZ", {**ZERO3, **QGZ}), "zeropp": ("ZeRO++", {**ZERO3, **QWZ, **HPZ, **QGZ}),
 }
-COMPUTE = {"bf16": "bf16 (autocast, fp32 master weights)", "fp32": "fp32"}  # --precision, in the docs' words
 
 
 def add_args(p) -> None:
@@ -34,11 +33,9 @@ def add_args(p) -> None:
                    help=f"micro-batch sizes x {SEQ} tokens per rank (default %(default)s)")
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=Quick(list(CONFIGS), ["zero3", "zeropp"]))
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
-                   help="compute dtype of every run: --train.precision (bf16 = autocast, fp32 master weights; "
-                        "default %(default)s)")
+                   help="every run's --train.precision (default %(default)s)")
     p.add_argument("--shape", choices=list(runner.SHAPES), default="suite",
-                   help="the model: suite (10.56M, 12 layers, d_model 256) or issue (issue 17's 10.29M: 4 layers, "
-                        "d_model 384, vocabulary 8192); default %(default)s")
+                   help="the model, runner.SHAPES (default %(default)s)")
     p.add_argument("--steps", type=int, default=Quick(5, 4), help="steps per run (default %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="steps not timed")
     p.add_argument("--timeout", type=float, default=900)
@@ -52,15 +49,14 @@ def run(args, progress=print) -> dict:
     if why:
         result["skipped"] = f"emulated cluster unavailable: {why}"
         return result
-    compute, how = plan["precision"], "autocast" if plan["precision"] == "bf16" else None
-    jobs = [Job(key, CONFIGS[key][0], runner.zero_args(**CONFIGS[key][1]) + runner.precision_args(compute), mb, rate,
-                shape=plan["shape"], compute=compute, compute_how=how)
+    compute = plan["precision"]
+    jobs = [Job(key, CONFIGS[key][0], runner.zero_args(**CONFIGS[key][1]) + ["--train.precision", compute], mb, rate,
+                shape=plan["shape"], compute=compute)
             for rate in plan["rates"] for mb in plan["micro_batches"] for key in plan["configs"]]
     result["rows"] = runner.run_jobs("ablation", jobs, plan["steps"], plan["warmup"], plan["timeout"], progress)
     base = {(r["setting"], r["micro_batch"]): r for r in result["rows"] if r["key"] == "zero3" and r["ok"]}
     for r in result["rows"]:
-        b = base.get((r["setting"], r["micro_batch"]))
-        if b and r["ok"]:
+        if r["ok"] and (b := base.get((r["setting"], r["micro_batch"]))):
             r["speedup_vs_zero3"] = b["step_ms"] / r["step_ms"]
             if r.get("phys_tx_mb_node") and b.get("phys_tx_mb_node"):
                 r["phys_ratio_vs_zero3"] = r["phys_tx_mb_node"] / b["phys_tx_mb_node"]
@@ -91,20 +87,10 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
 
 
 def markdown(result: dict) -> str:
-    m, plan = result["model"], result["plan"]
-    compute = COMPUTE.get(plan.get("precision"), "the machine's default precision (not recorded)")
-    lines = [f"`train.py` on {result['nodes']} emulated nodes x {result['ranks_per_node']} ranks (network namespaces, "
-             f"tbf-shaped links), model {m['preset']} with {m['n_layer']} layers: **{m['params'] / 1e6:.2f}M "
-             f"parameters** (d_model {m['d_model']}, vocabulary {m['vocab_size']}, {m['seq_len']} tokens per "
-             f"sample), default corpus, AdamW, every run computing in {compute} (`--train.precision "
-             f"{plan.get('precision', '?')}`). {plan['steps']} steps per run, the first "
-             f"{plan['warmup']} not timed, step time = their median. "
-             "TFLOP/s are model FLOPs: 6·N per token (N without the position table, tied head counted) plus "
-             "12·n_layer·d_model·seq for attention. Physical bytes: what each node's link sent per step "
-             "(veth counters at step boundaries, frame bytes); wire time = the busier direction's bytes at the "
-             "tbf rate, i.e. the least time the step can take on that link.", "",
-             *report.md_table(result["rows"], COLUMNS), ""]
-    rows = [r for r in result["rows"] if r["ok"]]
+    plan, rows = result["plan"], [r for r in result["rows"] if r["ok"]]
+    lines = [f"Setup: {runner.model_words(result['model'])}, {result['model']['seq_len']} tokens per sample; every "
+             f"run computing in {plan['precision']} (`--train.precision {plan['precision']}`); {plan['steps']} steps "
+             f"per run, the first {plan['warmup']} not timed.", "", *report.md_table(result["rows"], COLUMNS), ""]
     rates = sorted({r["setting"] for r in rows}, key=parse_rate)
     find = {(r["key"], r["setting"], r["micro_batch"]): r for r in rows}.get
     for mb in sorted({r["micro_batch"] for r in rows}):
@@ -120,13 +106,9 @@ def markdown(result: dict) -> str:
                      f"ZeRO++ could be at most {z3['step_ms'] / zf['step_ms']:.2f}x faster than ZeRO-3 at {slow} "
                      "here, however few bytes it sent")
         lines += [text + ".", ""]
-    kinds = sorted({k for r in rows for k in r.get("timing_kinds", [])})
-    if kinds:
+    if kinds := sorted({k for r in rows for k in r.get("timing_kinds", [])}):
         cols = COLUMNS[:5] + [("wire_ms", "wire time ms", "{:.0f}"), *report.time_columns(kinds)]
-        lines += ["Where the time goes, per step on rank 0 (the runtime's timings as train.py logs them, mean over "
-                  "the timed steps): time the training thread waited for gathers and for reductions, and spent "
-                  "encoding (quantizing, once per step) and decoding weights; the rest is compute and everything "
-                  "else.", "", *report.md_table(rows, cols)]
+        lines += ["Where the time goes, per step on rank 0:", "", *report.md_table(rows, cols)]
     return "\n".join(lines)
 
 

@@ -1,13 +1,10 @@
-"""Communication volume per collective, ZeRO-3 vs ZeRO++ (the ZeRO++ paper's Table 4), from one step.
+"""Communication volume per collective, ZeRO-3 vs ZeRO++ (the ZeRO++ paper's Table 4), from one training step on
+4 local gloo ranks laid out as 2 nodes x 2: the ledger's logical bytes (zeropp.comm.CommLedger) and, with
+`--physical`, the bytes each node's link sent during each collective on the emulated cluster.
 
     python scripts/bench/comm_volume.py                      # the 10.56M reference GPT-2, + physical bytes
     python scripts/bench/comm_volume.py --quick              # ledger only (what the suite's --quick runs)
     python scripts/bench/comm_volume.py --tiny               # a tiny model, seconds (what the test runs)
-
-One training step on 4 local gloo ranks laid out as 2 nodes x 2: the ledger (zeropp.comm.CommLedger)
-counts the logical bytes of each collective and the topology says which cross a node boundary, so no
-namespaces are needed. `--physical` runs the step again on the emulated cluster, every collective fenced
-by barriers, and reads the node's link counters around each one.
 """
 
 from __future__ import annotations
@@ -21,9 +18,19 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
+from models.config import ModelConfig
+from models.transformer import Transformer, lm_loss
 from scripts.bench import report, runner
 from scripts.bench.runner import NODES, RANKS_PER_NODE
 from scripts.bench.suite import main_one
+from trainer.config import OptimSection
+from trainer.optim import build_optimizer
+from trainer.spawn import run_ranks
+from zeropp import build_runtime
+from zeropp.config import ZeroConfig
 
 TITLE = "## 3. Communication volume per collective (paper Table 4)"
 TAGS = ["forward gather", "backward gather", "gradient reduce", "grad norm"]
@@ -31,18 +38,11 @@ PAPER = {"forward gather": 0.5, "backward gather": 0.0, "gradient reduce": 0.25,
 RANKS = NODES * RANKS_PER_NODE
 REFERENCE = dict(preset="gpt2-small-cpu", n_layer=12, d_model=256, n_head=8, vocab=4096, seq=128, micro_batch=4)
 TINY = dict(preset="gpt2-tiny", n_layer=2, d_model=64, n_head=4, vocab=512, seq=32, micro_batch=2)
+ZPP = {"zero_quantized_weights": True, "zero_quantized_weights_bits": 8, "zero_hpz_partition_size": 0,
+       "zero_quantized_gradients": True, "zero_quantized_gradients_bits": 4}
 
 
-def zero_configs(block_size: int) -> dict[str, dict]:
-    return {"ZeRO-3": {},
-            "ZeRO++": {"zero_quantized_weights": True, "zero_quantized_weights_bits": 8, "zero_hpz_partition_size": 0,
-                       "zero_quantized_gradients": True, "zero_quantized_gradients_bits": 4,
-                       "zero_quantization_block_size": block_size}}
-
-
-def model_config(m: dict):
-    from models.config import ModelConfig
-
+def model_config(m: dict) -> ModelConfig:
     return ModelConfig.from_preset(m["preset"], n_layer=m["n_layer"], d_model=m["d_model"], n_head=m["n_head"],
                                    d_ff=4 * m["d_model"], vocab_size=m["vocab"], max_seq_len=m["seq"])
 
@@ -54,10 +54,7 @@ def _fenced(comm, ifname: str) -> dict:
     """Make comm's collectives synchronous, fenced by barriers, and count the bytes this node's link sent
     during each: tag -> bytes. Every rank calls the same collectives in the same order, so the barriers
     match up; the bytes of an empty fenced window (the barriers themselves) are subtracted."""
-    import torch.distributed as dist
-
-    sent = defaultdict(float)
-    tx_bytes = Path(f"/sys/class/net/{ifname}/statistics/tx_bytes")
+    sent, tx_bytes = defaultdict(float), Path(f"/sys/class/net/{ifname}/statistics/tx_bytes")
 
     def window(fn=lambda: None) -> int:
         dist.barrier()
@@ -69,8 +66,7 @@ def _fenced(comm, ifname: str) -> dict:
 
     fence = sum(window() for _ in range(20)) / 20
 
-    def wrap(name):
-        fn = getattr(comm, name)
+    def wrap(fn):
         default_tag = inspect.signature(fn).parameters["tag"].default
 
         def fenced(*args, **kwargs):
@@ -84,25 +80,17 @@ def _fenced(comm, ifname: str) -> dict:
             sent[kwargs.get("tag", default_tag)] += window(call) - fence
             return work[0]
 
-        setattr(comm, name, fenced)
+        return fenced
 
     for name in ("all_gather", "reduce_scatter", "quantized_reduce_scatter", "all_reduce", "all_to_all"):
         if hasattr(comm, name):
-            wrap(name)
+            setattr(comm, name, wrap(getattr(comm, name)))
     return sent
 
 
 def one_step(rank: int, world: int, zero_kwargs: dict, m: dict, physical_if: str | None = None) -> dict:
     """One training step on this rank: the ledger's totals (and, on the cluster, the bytes the node's link
     sent per tag)."""
-    import torch
-
-    from models.transformer import Transformer, lm_loss
-    from trainer.config import OptimSection
-    from trainer.optim import build_optimizer
-    from zeropp import build_runtime
-    from zeropp.config import ZeroConfig
-
     torch.manual_seed(0)
     zero = ZeroConfig(stage=3, ranks_per_node=RANKS_PER_NODE, **zero_kwargs)
     runtime = build_runtime(Transformer(model_config(m)), zero, torch.device("cpu"))
@@ -122,9 +110,6 @@ def one_step(rank: int, world: int, zero_kwargs: dict, m: dict, physical_if: str
 
 def worker(argv: list[str]) -> int:
     """`--worker SPEC RESULT`: one rank under torchrun on the emulated cluster."""
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(1)
     spec = json.loads(Path(argv[0]).read_text())
     dist.init_process_group("gloo")
@@ -153,8 +138,7 @@ def summarize(per_rank: list[dict]) -> dict:
     for tag in tags:
         es = [r["ledger"].get(tag, {}) for r in per_rank]
         out[tag] = {"calls": es[0].get("calls", 0), "dtypes": es[0].get("dtypes", []),
-                    "sent": sum(e.get("sent", 0) for e in es) / len(es),
-                    "cross_node_sent": sum(e.get("cross_node_sent", 0) for e in es) / len(es)}
+                    **{k: sum(e.get(k, 0) for e in es) / len(es) for k in ("sent", "cross_node_sent")}}
         if "physical" in per_rank[0]:
             per_node = [r["physical"].get(tag, 0) for r in per_rank if r["rank"] % RANKS_PER_NODE == 0]
             out[tag]["physical_tx_node"] = max(0.0, sum(per_node) / len(per_node))
@@ -165,31 +149,26 @@ def add_args(p) -> None:
     p.add_argument("--tiny", action="store_true", help="a tiny GPT (2 layers, d 64, vocab 512): seconds")
     p.add_argument("--block-size", type=int, default=256, help="zero_quantization_block_size (default 256)")
     p.add_argument("--physical", action="store_true", default=None,
-                   help="also measure physical bytes per collective on the emulated cluster (root; the default "
-                        "without --quick and --tiny)")
+                   help="also physical bytes on the emulated cluster (root; default without --quick and --tiny)")
     p.add_argument("--rate", default="1gbit", help="link rate for --physical (bytes do not depend on it)")
 
 
 def run(args, progress=print) -> dict:
-    from trainer.spawn import run_ranks
-    from zeropp.config import ZeroConfig
-
     m = TINY if args.tiny else REFERENCE
     mc = model_config(m)
     facts = runner.model_facts(mc, m["preset"], m["seq"])
+    configs, t0 = {"ZeRO-3": {}, "ZeRO++": {**ZPP, "zero_quantization_block_size": args.block_size}}, time.monotonic()
+    per_rank = run_ranks(_steps, RANKS, args=(configs, m), ranks_per_node=RANKS_PER_NODE, timeout=900)
     result = {"model": {**facts, "micro_batch": m["micro_batch"],
                         "embedding_share": mc.vocab_size * mc.d_model / facts["params"]},
-              "block_size": args.block_size, "ranks": RANKS, "ranks_per_node": RANKS_PER_NODE, "configs": {},
+              "block_size": args.block_size, "ranks": RANKS, "ranks_per_node": RANKS_PER_NODE,
+              "configs": {name: {"zero": zero, "tags": summarize([r[name] for r in per_rank])}
+                          for name, zero in configs.items()},
               "node_aware_collectives": ZeroConfig().node_aware_collectives}
-    configs, t0 = zero_configs(args.block_size), time.monotonic()
-    per_rank = run_ranks(_steps, RANKS, args=(configs, m), ranks_per_node=RANKS_PER_NODE, timeout=900)
-    for name, zero in configs.items():
-        result["configs"][name] = {"zero": zero, "tags": summarize([r[name] for r in per_rank])}
     progress(f"  comm_volume: ledger of one step on {RANKS} ranks, {' and '.join(configs)} "
              f"({time.monotonic() - t0:.0f} s)")
     physical = args.physical if args.physical is not None else not (args.quick or args.tiny)
-    why = physical and runner.cluster_unavailable()
-    if why:
+    if physical and (why := runner.cluster_unavailable()):
         result["physical_skipped"] = f"emulated cluster unavailable: {why}"
         progress(f"  comm_volume: physical bytes skipped ({why})")
     elif physical:
@@ -207,30 +186,27 @@ def run(args, progress=print) -> dict:
         result["physical_rate"] = args.rate
     result["rows"] = table_rows(result)
     result["total_ratio"] = result["rows"][-1].get("ratio")
-    result["physical_total_ratio"] = result["rows"][-1].get("physical_ratio")
     return result
 
 
 def table_rows(result: dict) -> list[dict]:
     z3, zpp = result["configs"]["ZeRO-3"]["tags"], result["configs"]["ZeRO++"]["tags"]
     phys = any("physical_tx_node" in v for v in z3.values())
-    keys = ("sent", "cross_node_sent", "physical_tx_node")
+    total = [{k: sum(v.get(k) or 0 for v in side.values()) for k in ("sent", "cross_node_sent", "physical_tx_node")}
+             for side in (z3, zpp)]
     rows = []
     for tag in [t for t in TAGS if t in z3 or t in zpp] + [t for t in z3 if t not in TAGS] + ["total"]:
-        if tag == "total":
-            a, b = ({k: sum(v.get(k) or 0 for v in side.values()) for k in keys} for side in (z3, zpp))
-        else:
-            a, b = z3.get(tag, {}), zpp.get(tag, {})
-        row = {"collective": tag, "ok": True, "zero3_dtypes": "/".join(a.get("dtypes", [])),
-               "zeropp_dtypes": "/".join(b.get("dtypes", [])), "zero3_sent_mb": a.get("sent", 0) / 1e6,
-               "zero3_cross_mb": a.get("cross_node_sent", 0) / 1e6, "zeropp_sent_mb": b.get("sent", 0) / 1e6,
-               "zeropp_cross_mb": b.get("cross_node_sent", 0) / 1e6, "paper_ratio": PAPER.get(tag)}
+        a, b = total if tag == "total" else (z3.get(tag, {}), zpp.get(tag, {}))
+        row = {"collective": tag, "ok": True, "paper_ratio": PAPER.get(tag)}
+        for side, v in (("zero3", a), ("zeropp", b)):
+            row.update({f"{side}_dtypes": "/".join(v.get("dtypes", [])), f"{side}_sent_mb": v.get("sent", 0) / 1e6,
+                        f"{side}_cross_mb": v.get("cross_node_sent", 0) / 1e6})
+            if phys:
+                row[f"{side}_phys_mb"] = (v.get("physical_tx_node") or 0) / 1e6
         if a.get("cross_node_sent"):
             row["ratio"] = b.get("cross_node_sent", 0) / a["cross_node_sent"]
-        if phys:
-            row["zero3_phys_mb"], row["zeropp_phys_mb"] = ((v.get("physical_tx_node") or 0) / 1e6 for v in (a, b))
-            if row["zero3_phys_mb"] > 0.01:
-                row["physical_ratio"] = row["zeropp_phys_mb"] / row["zero3_phys_mb"]
+        if phys and row["zero3_phys_mb"] > 0.01:
+            row["physical_ratio"] = row["zeropp_phys_mb"] / row["zero3_phys_mb"]
         rows.append(row)
     return rows
 
@@ -253,31 +229,14 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
 
 
 def markdown(result: dict) -> str:
-    m = result["model"]
-    lines = [f"One training step of a {m['preset']}-shaped GPT-2 with {m['n_layer']} layers, d_model {m['d_model']}, "
-             f"vocabulary {m['vocab_size']}: **{m['params'] / 1e6:.2f}M parameters** (embedding "
-             f"{100 * m['embedding_share']:.0f}% of them), {m['micro_batch']}x{m['seq_len']} tokens per rank, on "
-             f"{result['ranks']} ranks as 2 nodes x {result['ranks_per_node']}. ZeRO-3 communicates bf16; ZeRO++ = "
-             f"8-bit qwZ + hpZ (one node) + 4-bit qgZ (2 hops), block size {result['block_size']}, scales "
-             "included. Ledger = logical bytes this rank sends across the node boundary (mean over ranks), as in the "
-             "paper's analysis. The embeddings and norms are gathered once per step (forward), so the backward "
-             "gather covers the blocks only (and only those whose buffer no longer holds them when the backward "
-             "starts).", "",
-             *report.md_table(result["rows"], COLUMNS if result.get("physical_rate") else COLUMNS[:7]), "",
-             "\"paper\" = Table 4 of the ZeRO++ paper in units of ZeRO-3's volume. Its 0.25 for the gradients is "
-             "int4 over fp16; with 2 hops each rank sends across nodes only the share it reduced inside its node "
-             "(1/L of its gradients, L = ranks per node), int4. ZeRO-3's collectives are node-aware (each shard "
-             "crosses once per remote node: a rank sends (N-1)/W of the model across, N nodes, W ranks), so on 2 "
-             "nodes x 2 the ledger sees 1/4 of ZeRO-3's bf16 reduce-scatter, as the paper, plus the fp32 scales "
-             "(4 bytes per block)."]
-    if result.get("physical_rate"):
-        lines += ["", f"Physical: bytes each node's link sent during each collective on the emulated cluster "
-                  f"({result['physical_rate']}), every collective made synchronous and fenced by barriers whose own "
-                  "bytes are subtracted. Node-aware collectives (`node_aware_collectives`, the default): the "
-                  "all-gather and the exact reduce-scatter go across nodes among same-local-rank peers, then inside "
-                  "the node, so each shard crosses the node boundary once per remote node (gloo's flat ring, with "
-                  "them off, crosses it with 3 of the 4 logical shards per node on 2 x 2); TCP/IP headers add ~4%."]
-    elif result.get("physical_skipped"):
+    m, rate = result["model"], result.get("physical_rate")
+    lines = [f"Setup: a {m['preset']}-shaped GPT-2, {m['n_layer']} layers, d_model {m['d_model']}, vocabulary "
+             f"{m['vocab_size']}: **{m['params'] / 1e6:.2f}M parameters** (embedding {100 * m['embedding_share']:.0f}%"
+             f"); {m['micro_batch']}x{m['seq_len']} tokens per rank, {result['ranks']} ranks as 2 nodes x "
+             f"{result['ranks_per_node']}; ZeRO++ block size {result['block_size']}"
+             + (f"; physical bytes on the emulated cluster at {rate}." if rate else "."), "",
+             *report.md_table(result["rows"], COLUMNS if rate else COLUMNS[:7])]
+    if result.get("physical_skipped"):
         lines += ["", f"Physical bytes per collective: {result['physical_skipped']}."]
     return "\n".join(lines)
 

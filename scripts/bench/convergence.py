@@ -1,14 +1,13 @@
-"""Convergence of ZeRO++ against ZeRO-3 (the ZeRO++ paper's Table 5 / Fig. 9) on Tiny Shakespeare.
+"""Convergence of ZeRO++ against ZeRO-3 (the ZeRO++ paper's Table 5 / Fig. 9): `train.py` on Tiny Shakespeare,
+4 local ranks laid out as 2 nodes x 2, the same seed for every run.
 
     python scripts/bench/convergence.py                   # ZeRO-3; ZeRO++ 8-, 6-, 4-bit qwZ, 4-bit deltas; 250 steps
     python scripts/bench/convergence.py --quick           # ZeRO-3 and ZeRO++ 8-bit, 60 steps
-
-`train.py` on 4 local ranks laid out as 2 nodes x 2 (the layout only decides which collectives are
-intra-node, so no namespaces are needed), a tiny GPT-2, the same seed (weights, batches) for every run.
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 import tempfile
 import time
@@ -35,12 +34,9 @@ def add_args(p) -> None:
     p.add_argument("--delta-bits", type=int, nargs="*", default=Quick([4], []),
                    help="qwZ delta bit widths (zero_quantized_weights_delta; default %(default)s)")
     p.add_argument("--eval-interval", type=int, help="default: steps / 10 (quick: steps / 4)")
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--data", type=Path, default=DATA)
-    p.add_argument("--timeout", type=float, default=1200)
+    for name, default in [("eval-batches", 8), ("micro-batch", 4), ("seq", 128), ("lr", 2e-3), ("data", DATA),
+                          ("timeout", 1200.0)]:
+        p.add_argument(f"--{name}", type=type(default), default=default)
 
 
 def resolve(args) -> dict:
@@ -68,9 +64,7 @@ def fp32_curve_args(plan: dict, **zero) -> list[str]:
 
 def data_missing(path) -> str | None:
     """Why a benchmark on Tiny Shakespeare cannot run (None when it can)."""
-    if Path(path).is_file():
-        return None
-    return f"{path} not found (Tiny Shakespeare lives in ../shared/data beside the project)"
+    return None if Path(path).is_file() else f"{path} not found (Tiny Shakespeare lives in ../shared/data beside it)"
 
 
 def curve_run(cmd: list, out: Path, timeout: float, nproc: int | None = 4) -> dict:
@@ -109,15 +103,13 @@ def run(args, progress=print) -> dict:
                 steps = row.pop("metrics")
                 times = [m[runner.STEP_KEY] for m in steps]
                 row.update(train_curve=[(m["step"], m["lm loss"]) for m in steps],
-                           final_train_loss=steps[-1]["lm loss"],
-                           step_ms=sum(times[1:]) / (len(times) - 1) if len(times) > 1 else times[0])
+                           final_train_loss=steps[-1]["lm loss"], step_ms=statistics.mean(times[1:] or times))
             result["rows"].append(row)
             progress(f"  convergence [{i}/{len(runs)}] {label}: "
                      + (f"final validation loss {row['final_val_loss']:.4f}" if row["ok"] else row["error"])
                      + f" ({row['wall_s']:.0f} s)")
-    base = next((r for r in result["rows"] if r["key"] == "zero3" and r["ok"]), None)
-    for r in result["rows"]:
-        if base and r["ok"]:
+    if base := next((r for r in result["rows"] if r["key"] == "zero3" and r["ok"]), None):
+        for r in (r for r in result["rows"] if r["ok"]):
             r["rel_diff"] = (r["final_val_loss"] - base["final_val_loss"]) / base["final_val_loss"]
     return result
 
@@ -138,17 +130,12 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
 
 def markdown(result: dict) -> str:
     plan, m = result["plan"], result["model"]
-    lines = [f"`train.py` on 4 local ranks as 2 nodes x 2, Tiny Shakespeare (SentencePiece vocabulary "
-             f"{m['vocab_size']}), a tiny GPT-2 ({m['n_layer']} layers, d_model {m['d_model']}, {m['n_head']} heads: "
-             f"{m['params'] / 1e6:.2f}M parameters), {plan['micro_batch']}x{plan['seq']} tokens per rank, "
-             f"{plan['steps']} steps, lr {plan['lr']:g} with warm-up and cosine decay, the same seed (initial "
-             f"weights, batches) for every run. Validation loss every {plan['eval_interval']} steps on "
-             f"{plan['eval_batches']} batches per rank. ZeRO++ = hpZ + 4-bit qgZ + the given qwZ bits, block size "
-             "256.", "", *report.md_table(result["rows"], COLUMNS)]
-    if plan["steps"] < 200:
-        lines += ["", f"Only {plan['steps']} steps (`--quick`): the curves are still steep, so a small lag shows as a "
-                  "larger relative difference than at the end of a longer run; judge the 1% target on the full run."]
-    return "\n".join(lines)
+    return "\n".join([
+        f"Setup: Tiny Shakespeare (SentencePiece vocabulary {m['vocab_size']}); GPT-2 {m['n_layer']} layers, d_model "
+        f"{m['d_model']}, {m['n_head']} heads, {m['params'] / 1e6:.2f}M parameters; {plan['micro_batch']}x"
+        f"{plan['seq']} tokens per rank, {plan['steps']} steps, lr {plan['lr']:g}; validation every "
+        f"{plan['eval_interval']} steps on {plan['eval_batches']} batches per rank.", "",
+        *report.md_table(result["rows"], COLUMNS)])
 
 
 if __name__ == "__main__":

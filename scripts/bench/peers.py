@@ -1,12 +1,10 @@
-"""Our ZeRO-3 / ZeRO++ against DDP, PyTorch FSDP2 and DeepSpeed ZeRO-3 on the same emulated cluster.
+"""Our ZeRO-3 / ZeRO++ against DDP, PyTorch FSDP2 and DeepSpeed ZeRO-3 on the same emulated cluster, every
+runtime training through the same loop (trainer.loop.Trainer): ours and DDP as `train.py`, FSDP2 and
+DeepSpeed as this script's `--worker`, which hands the Trainer the Runtime subclasses below.
 
     python scripts/bench/peers.py                 # 100mbit (2 nodes x 2) and unshaped loopback, issue 17's model
     python scripts/bench/peers.py --plan targets  # only the rows of issue 17's T1-T4 and T6 (suite.py's summary)
     python scripts/bench/peers.py --runtimes zero3-fp32 deepspeed-fp32 --settings loopback
-
-Every runtime trains the same model, data and schedule through the same training loop
-(trainer.loop.Trainer): ours and DDP as `train.py`, FSDP2 and DeepSpeed as this script's `--worker`,
-which hands the Trainer the Runtime subclasses below. markdown() says what the rows compare.
 """
 
 from __future__ import annotations
@@ -33,12 +31,13 @@ _REGATHER = {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0}
 _ZPP, _FLAT = CONFIGS["zeropp"][1], {"node_aware_collectives": False}
 _KEEP = {"stage3_max_reuse_distance": 10**9}  # DeepSpeed's default: a model this small stays gathered
 AUTOCAST = "autocast, fp32 master weights"
+NOT_INSTALLED = "not installed (pip install -r requirements-bench.txt)"
 
 
 def _ours(label: str, compute: str, family: str = "ours", **zero) -> tuple:
     """A train.py row: these zero_optimization keys, computing in `compute` (--train.precision)."""
-    return label, family, runner.zero_args(**zero) + runner.precision_args(compute), compute, (
-        AUTOCAST if compute == "bf16" else None)
+    return (label, family, runner.zero_args(**zero) + ["--train.precision", compute], compute,
+            AUTOCAST if compute == "bf16" else None)
 
 
 # key -> (label, family, train.py arguments | the peer runtime's options, compute dtype, how it computes in it).
@@ -252,16 +251,12 @@ def deepspeed_installed() -> bool:
 def add_args(p) -> None:
     p.add_argument("--rate", default="100mbit", help="the slow link (default 100mbit)")
     p.add_argument("--plan", choices=list(PLANS), default=Quick("full", "quick"),
-                   help="which runtimes run in each setting (default %(default)s; targets: the rows of issue "
-                        "17's T1-T4 and T6 only)")
+                   help="the runtimes of each setting (default %(default)s; targets: issue 17's T1-T4 and T6 rows)")
     p.add_argument("--settings", nargs="+", choices=["slow", "loopback"], default=["slow", "loopback"],
-                   help="slow: the emulated cluster at --rate; loopback: 4 local ranks, unshaped (default %(default)s)")
-    p.add_argument("--runtimes", nargs="+", choices=list(RUNTIMES),
-                   help="run these in every setting instead of the plan's")
+                   help="slow: the emulated cluster at --rate; loopback: 4 local ranks, unshaped (default both)")
+    p.add_argument("--runtimes", nargs="+", choices=list(RUNTIMES), help="these in every setting, not the plan's")
     p.add_argument("--shape", choices=list(runner.SHAPES), default=Quick("issue", "suite"),
-                   help="the model: issue (issue 17's reference: 4 layers, d_model 384, d_ff 1536, vocabulary 8192) "
-                        "or suite (the ablation's 10.56M: under --quick the suite reuses the ablation's ZeRO-3 and "
-                        "ZeRO++ runs); default %(default)s")
+                   help="the model, runner.SHAPES (default %(default)s: the ablation's, whose runs the suite reuses)")
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=Quick(8, 4), help="steps per run (default %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="steps not timed (default %(default)s)")
@@ -270,12 +265,9 @@ def add_args(p) -> None:
 
 def resolve(args) -> dict:
     """The plan: the runtimes to run in each setting (a link rate, or loopback)."""
-    table, settings = PLANS[args.plan], {}
-    for s in args.settings:  # slow: the cluster at --rate, whose runtimes the tables list under 100mbit
-        keys = args.runtimes or table.get("100mbit" if s == "slow" else s, [])
-        if keys:
-            settings[args.rate if s == "slow" else s] = keys
-    return {**options(args), "settings": settings}
+    table = PLANS[args.plan]  # its "100mbit" stands for the slow link, --rate
+    keys = {s: args.runtimes or table["100mbit" if s == "slow" else s] for s in args.settings}
+    return {**options(args), "settings": {args.rate if s == "slow" else s: k for s, k in keys.items()}}
 
 
 # an ablation row's (configuration, compute dtype) -> the peers runtime of the very same job
@@ -287,19 +279,19 @@ def _reusable(reuse: dict | None, key: str, setting: str, plan: dict) -> dict | 
     """A row of the ablation run in the same suite with the very same job (our ZeRO-3 bf16 wire / ZeRO++, the
     same model and compute dtype), timed the same way (steps, warm-up)."""
     return next((r for r in (reuse or {}).get("rows", []) if r["ok"]
-                 and _FROM_ABLATION.get((r["key"], r.get("compute"))) == key
-                 and r.get("shape", "suite") == plan.get("shape", "issue")
-                 and (r["setting"], r["micro_batch"], r["steps"], r["warmup"])
-                 == (setting, plan["micro_batch"], plan["steps"], plan["warmup"])), None)
+                 and _FROM_ABLATION.get((r["key"], r["compute"])) == key
+                 and (r["setting"], r["shape"], r["micro_batch"], r["steps"], r["warmup"])
+                 == (setting, plan["shape"], plan["micro_batch"], plan["steps"], plan["warmup"])), None)
 
 
 def run(args, progress=print) -> dict:
     plan = resolve(args)
-    result = {"plan": plan, "model": runner.model_summary(shape=plan["shape"]), "nodes": runner.NODES,
+    mb, shape = plan["micro_batch"], plan["shape"]
+    result = {"plan": plan, "model": runner.model_summary(shape=shape), "nodes": runner.NODES,
               "ranks_per_node": RANKS_PER_NODE, "rows": [], "notes": [],
-              "common_args": runner.shown(runner.train_args(plan["micro_batch"], plan["steps"], plan["shape"]))}
+              "common_args": runner.shown(runner.train_args(mb, plan["steps"], shape))}
     if not deepspeed_installed():
-        result["notes"].append("DeepSpeed: not installed (pip install -r requirements-bench.txt)")
+        result["notes"].append(f"DeepSpeed: {NOT_INSTALLED}")
     why, rows, jobs = runner.cluster_unavailable(), [], []
     for setting, keys in plan["settings"].items():
         if setting != "loopback" and why:
@@ -307,43 +299,33 @@ def run(args, progress=print) -> dict:
             continue
         for key in keys:
             label, family, runtime_args, compute, how = RUNTIMES[key]
-            row = {"key": key, "label": label, "family": family, "setting": setting, "micro_batch": plan["micro_batch"],
-                   "compute": compute, "compute_how": how, "shape": plan["shape"]}
-            prior = _reusable(getattr(args, "reuse", None), key, setting, plan)
-            if prior:
+            row = {"key": key, "label": label, "family": family, "setting": setting, "micro_batch": mb,
+                   "compute": compute, "compute_how": how, "shape": shape}
+            if prior := _reusable(getattr(args, "reuse", None), key, setting, plan):
                 row = {**prior, **row, "reused_from": "ablation"}
+                progress(f"  peers: {label} @ {setting}: from the ablation run")
             elif family == "deepspeed" and not deepspeed_installed():
-                row.update(ok=False, error="not installed (pip install -r requirements-bench.txt)")
+                row.update(ok=False, error=NOT_INSTALLED)
             elif family in ("ours", "ddp"):  # measured below, as train.py
-                jobs.append(Job(key, label, runtime_args, plan["micro_batch"], setting, shape=plan["shape"],
-                                compute=compute, compute_how=how))
+                jobs.append(Job(key, label, runtime_args, mb, setting, shape=shape, compute=compute))
             else:  # measured below, through this script's --worker (no autocast from the Trainer: see RUNTIMES)
-                jobs.append(Job(key, label, runner.precision_args("fp32"), plan["micro_batch"], setting,
-                                script=[__file__, "--worker", key], shape=plan["shape"], compute=compute,
-                                compute_how=how))
+                jobs.append(Job(key, label, ["--train.precision", "fp32"], mb, setting,
+                                script=[__file__, "--worker", key], shape=shape, compute=compute))
             rows.append(row)
-            if "ok" in row:
-                progress(f"  peers: {label} @ {setting}: " + ("from the ablation run" if prior else row["error"]))
     measured = iter(runner.run_jobs("peers", jobs, plan["steps"], plan["warmup"], plan["timeout"], progress))
     result["rows"] = [row if "ok" in row else {**next(measured), **row} for row in rows]
-    bf16_bytes = result["model"]["params"] * 2 / 1e6  # the model in bf16, MB
+    bf16_mb = result["model"]["params"] * 2 / 1e6  # the model in bf16
     for setting in plan["settings"]:
         same = {r["key"]: r for r in result["rows"] if r["setting"] == setting and r["ok"]}
         for r in same.values():
-            zpp = same.get("zeropp" if r["compute"] == "bf16" else "zeropp-c32")
-            if zpp:  # like for like: against ZeRO++ computing in the same dtype
+            if zpp := same.get("zeropp" if r["compute"] == "bf16" else "zeropp-c32"):  # ZeRO++, same compute dtype
                 r["zeropp_speedup"] = r["step_ms"] / zpp["step_ms"]
             if r.get("phys_tx_mb_node"):
-                r["phys_per_model_bf16"] = r["phys_tx_mb_node"] / bf16_bytes
+                r["phys_per_model_bf16"] = r["phys_tx_mb_node"] / bf16_mb
         for dtype in ("fp32", "bf16"):  # the same wire AND compute dtype
-            ours, ds = same.get(f"zero3-{dtype}"), same.get(f"deepspeed-{dtype}")
-            if ours and ds:
+            if (ours := same.get(f"zero3-{dtype}")) and (ds := same.get(f"deepspeed-{dtype}")):
                 ours["vs_deepspeed_same_dtype"] = ds["step_ms"] / ours["step_ms"]
     return result
-
-
-def _compute_cell(r: dict) -> str:
-    return f"{r['compute']} ({r['compute_how']})" if r.get("compute_how") else (r.get("compute") or "–")
 
 
 COLUMNS = [("label", "runtime", "{}"), ("compute_cell", "compute", "{}"), ("setting", "link", "{}"),
@@ -354,15 +336,16 @@ COLUMNS = [("label", "runtime", "{}"), ("compute_cell", "compute", "{}"), ("sett
            ("phys_tx_mb_node", "physical MB/node/step (tx)", "{:.2f}"),
            ("phys_per_model_bf16", "physical / model bf16 bytes", "{:.3f}"), ("wire_ms", "wire time ms", "{:.0f}"),
            ("final_loss", "loss at last step", "{:.4f}")]
+SCRIPT_COLUMNS = [("label", "runtime", "{}"), ("compute", "compute", "{}"), ("script", "script", "`{}`"),
+                  ("args", "its arguments", "`{}`")]
 
 
 def plots(result: dict, out_dir: Path) -> list[Path]:
-    rows = [r for r in result["rows"] if r["ok"]]
-    settings = [s for s in result["plan"]["settings"] if any(r["setting"] == s for r in rows)]
     tokens = {}  # (label [compute], setting) -> tokens/s of its first row
-    for r in rows:
-        tokens.setdefault((f"{r['label']} [{r.get('compute') or '?'}]", r["setting"]), r["tokens_per_s"])
+    for r in (r for r in result["rows"] if r["ok"]):
+        tokens.setdefault((f"{r['label']} [{r['compute']}]", r["setting"]), r["tokens_per_s"])
     labels = list(dict.fromkeys(label for label, _ in tokens))
+    settings = list(dict.fromkeys(setting for _, setting in tokens))
     return [report.bar_chart(
         out_dir, "peers_throughput", labels,
         {("unshaped loopback" if s == "loopback" else f"{s} links, 2 nodes x 2 ranks"):
@@ -372,54 +355,19 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
 
 
 def markdown(result: dict) -> str:
-    m, plan = result["model"], result["plan"]
-    rows = [dict(r, label=r["label"] + (" (ablation)" if r.get("reused_from") else ""), compute_cell=_compute_cell(r))
+    plan = result["plan"]
+    rows = [dict(r, label=r["label"] + " (ablation)" * ("reused_from" in r),
+                 compute_cell=f"{r['compute']} ({r['compute_how']})" if r["compute_how"] else r["compute"])
             for r in result["rows"]]
-    shape = (f"issue 17's reference shape, GPT-2 of {m['n_layer']} layers, d_model {m['d_model']}, d_ff "
-             f"{m.get('d_ff', 4 * m['d_model'])}, vocabulary {m['vocab_size']}: {m['params'] / 1e6:.2f}M parameters"
-             if plan.get("shape") == "issue" else f"{m['params'] / 1e6:.2f}M-parameter GPT-2")
-    stat = "median" if plan.get("shape") else "mean"  # results from before the median (no shape in the plan)
-    lines = [
-        f"Same model ({shape}), data, AdamW and {plan['micro_batch']}x{SEQ} tokens per rank on {result['nodes']} "
-        f"nodes x {result['ranks_per_node']} ranks; {plan['steps']} steps per run, the first {plan['warmup']} not "
-        f"timed, step time = the {stat} of the others. Every runtime trains through the same training loop "
-        "(`trainer.loop.Trainer`): ours and DDP as `train.py`, FSDP2 and DeepSpeed as runtimes that "
-        "`scripts/bench/peers.py` hands it (our model wrapped with `fully_shard` / `deepspeed.initialize`); their "
-        "loss at the last step equals train.py's, i.e. they train the same thing. Rows marked (ablation) are the "
-        "ablation's runs of the same job in this suite run.", "",
-        "Compute dtype (the \"compute\" column): every train.py row passes `--train.precision` (bf16 = autocast "
-        "with fp32 master weights, optimizer states and gradient accumulation; fp32 = none), so no label depends "
-        "on the machine's `auto`. FSDP2 and DeepSpeed run without the Trainer's autocast (`--train.precision "
-        "fp32`) and compute in the dtype they gather in: their bf16 rows hold bf16 weights (FSDP2's "
-        "MixedPrecisionPolicy, DeepSpeed's bf16 mode with fp32 master weights). Like-for-like pairs: ZeRO++'s "
-        "speedup column divides by ZeRO++ of the same compute dtype; \"DeepSpeed's step / ours\" pairs our ZeRO-3 "
-        "and DeepSpeed ZeRO-3 of the same wire and compute dtype (bf16/bf16, fp32/fp32). Node-aware collectives "
-        "off (`--zero_optimization.node_aware_collectives false`): yesterday's flat gloo ring collectives, for "
-        "the before/after of [performance.md](performance.md).", "",
-        "Bytes: at the same wire dtype our ZeRO-3 (forward gather, backward gather, reduce-scatter) and "
-        "DeepSpeed ZeRO-3 with its defaults (see below) move about the same logical bytes, but our node-aware "
-        "collectives send each shard across the node boundary once per remote node where gloo's ring crosses "
-        "it with 3 of 4 shards on 2 x 2; FSDP2 moves more on gloo because gloo's reduce-scatter costs about an "
-        "all-reduce (see [zero3.md](zero3.md)); DDP all-reduces fp32 gradients once (1.5x the model's fp32 bytes "
-        "per node through gloo's ring). DeepSpeed with its defaults (stage3_max_live_parameters = "
-        "stage3_max_reuse_distance = 1e9) keeps a model this small gathered from the forward to the backward, so "
-        "it gathers once per step where ZeRO-3 proper gathers twice, but its gradient reduce on gloo costs about "
-        "an all-reduce. hpZ only acts on a backward re-gather, so the hpZ row sets both limits to 0 (re-gather, as "
-        "ZeRO-3 proper). DeepSpeed's ZeRO++ quantization (zero_quantized_weights / zero_quantized_gradients) "
-        "needs its CUDA quantizer kernels and fails on CPU (the row shows its error).", "",
-        *report.md_table(rows, COLUMNS)]
-    if result.get("common_args"):
-        scripts = {}  # each runtime once, as it first appears
-        for r in (r for r in result["rows"] if r.get("script")):
-            scripts.setdefault(r["key"], {"label": r["label"], "compute": r.get("compute"), "script": r["script"],
-                                          "args": " ".join(r.get("args") or []) or "–"})
-        lines += ["", "Every row runs `torchrun` on each node with `python SCRIPT <common> <its arguments>`, "
-                  f"common = `{result['common_args']}` (train.py: `--train.out_dir` added; loopback: "
-                  "`--zero_optimization.ranks_per_node 2` added). Each row's script and arguments:", "",
-                  *report.md_table(scripts.values(), [("label", "runtime", "{}"), ("compute", "compute", "{}"),
-                                                      ("script", "script", "`{}`"), ("args", "its arguments", "`{}`")],
-                                   "llll")]
-    return "\n".join(lines)
+    scripts = {}  # each runtime once, as it first appears
+    for r in (r for r in result["rows"] if "script" in r):
+        scripts.setdefault(r["key"], dict(r, args=" ".join(r["args"]) or "–"))
+    return "\n".join([
+        f"Setup: {runner.model_words(result['model'])} (`--shape {plan['shape']}`); {plan['micro_batch']}x{SEQ} "
+        f"tokens per rank on {result['nodes']} nodes x {result['ranks_per_node']} ranks; {plan['steps']} steps per "
+        f"run, the first {plan['warmup']} not timed.", "", *report.md_table(rows, COLUMNS), "",
+        f"Common arguments: `{result['common_args']}`. Each runtime's script and arguments:", "",
+        *report.md_table(scripts.values(), SCRIPT_COLUMNS, "llll")])
 
 
 if __name__ == "__main__":

@@ -1,18 +1,12 @@
-"""Perplexity of quantized exports: qwZ-fine-tuned export vs the fp model vs RTN (issue 6, paper Table 2).
+"""Perplexity of quantized exports: qwZ-fine-tuned export vs the fp model vs RTN (issue 6, paper Table 2); the
+setup: docs/export.md, section "Perplexity of quantized exports".
 
     python scripts/bench/quantized_perplexity.py                       # full run, ~10-15 min on 2 cores
     python scripts/bench/quantized_perplexity.py --quick               # smoke run, ~2 min
-    python scripts/bench/quantized_perplexity.py --update-docs         # also write its section of docs/export.md
-
-On Tiny Shakespeare: pretrain a small LLaMA in fp32 (train.py, ZeRO-3, one process), fine-tune it once
-without qwZ and once per bit width with qwZ, export (each qwZ run at its own bits, exact; the fp run by
-RTN at every width) and evaluate each export over the whole validation split train.py uses. Each qwZ
-export's loss over train.py's own evaluation batches is checked against the loss train.py logged.
 """
 
 from __future__ import annotations
 
-import datetime
 import math
 import sys
 import time
@@ -28,23 +22,16 @@ DOCS = ROOT / "docs" / "export.md"
 
 
 def add_args(p) -> None:
-    p.add_argument("--steps", type=int, default=Quick(500, 30),
-                   help="pretraining steps of the base model (default %(default)s)")
-    p.add_argument("--finetune-steps", type=int, default=Quick(150, 10),
-                   help="fine-tuning steps per run (default %(default)s)")
+    p.add_argument("--steps", type=int, default=Quick(500, 30), help="pretraining steps (default %(default)s)")
+    p.add_argument("--finetune-steps", type=int, default=Quick(150, 10), help="fine-tuning steps (default %(default)s)")
     p.add_argument("--bits", type=int, nargs="+", default=[8, 6, 4, 3, 2], help="bit widths (8, 6, 4, 3, 2)")
-    p.add_argument("--block-size", type=int, default=64, help="qwZ / export block size (a multiple of 32)")
-    p.add_argument("--lr", type=float, default=3e-3, help="pretraining peak lr (cosine to lr/10)")
-    p.add_argument("--finetune-lr", type=float, default=3e-4,
-                   help="fine-tuning lr (constant; the pretraining schedule ends at --lr / 10)")
-    p.add_argument("--preset", default="llama-tiny")
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--d-ff", type=int, default=352)
-    p.add_argument("--vocab-size", type=int, default=2048, help="SentencePiece vocabulary trained on the data")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--micro-batch-size", type=int, default=16)
-    p.add_argument("--data", type=Path, default=DATA)
+    for name, default, what in [
+            ("block-size", 64, "qwZ / export block size (a multiple of 32)"), ("lr", 3e-3, "pretraining peak lr"),
+            ("finetune-lr", 3e-4, "fine-tuning lr (constant)"), ("preset", "llama-tiny", "model preset"),
+            ("d-model", 128, "model width"), ("n-layer", 4, "layers"), ("d-ff", 352, "MLP width"),
+            ("vocab-size", 2048, "SentencePiece vocabulary trained on the data"), ("seq-len", 128, "tokens"),
+            ("micro-batch-size", 16, "sequences per step"), ("data", DATA, "Tiny Shakespeare")]:
+        p.add_argument(f"--{name}", type=type(default), default=default, help=f"{what} (default %(default)s)")
 
 
 def _run(cmd: list, log: Path, progress) -> str:
@@ -92,7 +79,7 @@ def run(args, progress=print) -> dict:
         raise ValueError("--block-size must be a multiple of 32 (GGUF-exact blocks)")
     if not Path(args.data).is_file():
         return {"skipped": f"{args.data} not found (the shared data sets live in ../shared/data beside the project)"}
-    t_start, out = time.monotonic(), args.out / "quantized_perplexity"
+    out = args.out / "quantized_perplexity"
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     # 1. the fp32 base model; 2. fine-tunes: the fp reference and qwZ at each width. A run's checkpoints/
@@ -135,13 +122,11 @@ def run(args, progress=print) -> dict:
         return evaluate(model, data, args.micro_batch_size, trainer_batches)
 
     base_model = load_source(base).model
-    result = {"date": datetime.date.today().isoformat(), "block_size": args.block_size,
-              "settings": options(args),
+    result = {"block_size": args.block_size, "settings": options(args),
               "model": {"preset": args.preset, "n_params": sum(p.numel() for p in base_model.parameters()),
                         "config": base_model.config.__dict__},
-              "eval_split": "train.py's validation split (data.valid_fraction 0.05, seed 1234), every sample",
-              "base": ev(base_model), "fp": {**ev(load_source(runs["fp"]).model),
-                                             "train_py_val_loss": logged["fp"]}, "rows": []}
+              "base": ev(base_model), "fp": {**ev(load_source(runs["fp"]).model), "train_py_val_loss": logged["fp"]},
+              "rows": []}
     fp = result["fp"]["ppl"]
     for b in args.bits:
         rtn, qwz = ev(load_lowbit(exports["rtn", b])[0]), ev(load_lowbit(exports["qwz", b])[0])
@@ -151,7 +136,6 @@ def run(args, progress=print) -> dict:
             "qwz_train_py_val_loss": logged[b], "exactness_diff": qwz["trainer_subset_nll"] - logged[b]})
         progress(f"  {b} bits: fp {fp:.3f} | RTN {rtn['ppl']:.3f} | qwZ {qwz['ppl']:.3f} "
                  f"(qwZ export vs train.py's logged loss: {result['rows'][-1]['exactness_diff']:+.2e})")
-    result["wall_s"] = time.monotonic() - t_start
     return result
 
 
@@ -175,57 +159,41 @@ def _pct(x: float, ref: float) -> str:
     return f"{100 * (x / ref - 1):+.2f}%"
 
 
-def findings(result: dict) -> str:
+def findings(result: dict) -> list[str]:
+    """The verdicts: where qwZ beats RTN; 4 bits against the paper's "within 0.4%"; 2 bits."""
     fp, rows = result["fp"]["ppl"], result["rows"]
     better = [r["bits"] for r in rows if r["qwz_ppl"] <= r["rtn_ppl"]]
-    out = [f"qwZ fine-tuning beats RTN at {', '.join(map(str, better)) or 'no'} bits"
-           + (f"; RTN is better or equal at {', '.join(str(r['bits']) for r in rows if r['bits'] not in better)}"
-              if len(better) < len(rows) else "") + "."]
+    worse = [r["bits"] for r in rows if r["bits"] not in better]
+    out = [f"- qwZ fine-tuning beats RTN at {', '.join(map(str, better)) or 'no'} bits"
+           + (f"; RTN is better or equal at {', '.join(map(str, worse))}" if worse else "") + "."]
     by_bits = {r["bits"]: r for r in rows}
-    if 4 in by_bits:
-        r4 = by_bits[4]
-        out.append(f"At 4 bits: qwZ {_pct(r4['qwz_ppl'], fp)}, RTN {_pct(r4['rtn_ppl'], fp)} vs fp; the paper's "
-                   f"'within 0.4%' is {'met' if r4['qwz_rel'] <= 0.004 else 'not met'} here.")
-    if 2 in by_bits:
-        r2 = by_bits[2]
-        out.append(f"At 2 bits: qwZ {_pct(r2['qwz_ppl'], fp)}, RTN {_pct(r2['rtn_ppl'], fp)} vs fp"
-                   + (" (qwZ far ahead of post-training quantization, as in the paper)."
-                      if r2["rtn_ppl"] - fp > 2 * (r2["qwz_ppl"] - fp) else "."))
-    out.append("Each qwZ row is a different fine-tuned model (trained with its own quantized forward), the RTN rows "
-               "one fp model rounded, so differences below about 0.1% (8 and 6 bits) are the noise of the "
-               "fine-tuning trajectory, not quantization error.")
-    return " ".join(out)
+    if r := by_bits.get(4):
+        out.append(f"- At 4 bits: qwZ {_pct(r['qwz_ppl'], fp)}, RTN {_pct(r['rtn_ppl'], fp)} vs fp; the paper's "
+                   f"'within 0.4%' is {'met' if r['qwz_rel'] <= 0.004 else 'not met'} here.")
+    if r := by_bits.get(2):
+        far_ahead = r["rtn_ppl"] - fp > 2 * (r["qwz_ppl"] - fp)
+        out.append(f"- At 2 bits: qwZ {_pct(r['qwz_ppl'], fp)}, RTN {_pct(r['rtn_ppl'], fp)} vs fp"
+                   + (" (qwZ far ahead of post-training quantization, as in the paper)." if far_ahead else "."))
+    return out
 
 
 def markdown(result: dict) -> str:
-    a, rows, cfg = result["settings"], result["rows"], result["model"]["config"]
-    fp = result["fp"]["ppl"]
+    a, rows, cfg, fp = result["settings"], result["rows"], result["model"]["config"], result["fp"]["ppl"]
     table = [dict(r, rtn=f"{r['rtn_ppl']:.3f} ({_pct(r['rtn_ppl'], fp)})",
                   qwz=f"{r['qwz_ppl']:.3f} ({_pct(r['qwz_ppl'], fp)})") for r in rows]
     return "\n".join([
-        f"`scripts/bench/quantized_perplexity.py` (issue 6, the paper's Table 2); the whole run took "
-        f"{result['wall_s'] / 60:.1f} min.", "",
-        f"Setup. A LLaMA-architecture model (preset `{a['preset']}` widened: d_model {a['d_model']}, {a['n_layer']} "
-        f"layers, d_ff {a['d_ff']}, {cfg['n_head']} heads / {cfg['n_kv_head']} KV heads, RMSNorm, SwiGLU, RoPE, untied "
-        f"head; {result['model']['n_params'] / 1e6:.2f}M parameters; SentencePiece vocabulary {a['vocab_size']} "
-        f"trained on the data, seq_len {a['seq_len']}) is pretrained in fp32 on Tiny Shakespeare for {a['steps']} "
-        f"steps (batch {a['micro_batch_size']}, lr {a['lr']:g} cosine to {a['lr'] / 10:g}) with `train.py` under "
-        f"ZeRO-3 on one process (sharded checkpoint). From that base, {a['finetune_steps']} more steps (`--resume "
-        f"<base step dir> --train.steps {a['steps'] + a['finetune_steps']}`, constant lr {a['finetune_lr']:g}) are "
-        "run once without qwZ (the fp reference) and once per bit width with qwZ at that width "
-        f"(`zero_quantization_block_size` {result['block_size']} for all; the checkpoint is resharded from the "
-        "ZeRO-3 layout to qwZ's aligned one on resume). Each qwZ run is exported at its own bits (exact: the "
-        "weights its forward used), the fp run by RTN at every width, all with `scripts/export_quantized.py`, and "
-        "each export is loaded back with `load_lowbit`. Perplexity is exp of the mean token NLL over the whole "
-        f"validation split `train.py` uses ({rows[0]['tokens']} target tokens: the random `data.valid_fraction` = "
-        "0.05 of the 128-token samples fixed by `train.seed` 1234), the same tokens for every model. The base "
-        f"model before fine-tuning: {result['base']['ppl']:.3f}. Relative increase vs the fp model in parentheses.",
-        "", *report.md_table(table, [("bits", "bits", "{}"), ("fp_ppl", "fp ppl", "{:.3f}"),
-                                     ("rtn", "RTN ppl (vs fp)", "{}"), ("qwz", "qwZ fine-tuned ppl (vs fp)", "{}")]),
-        "", "Exactness check: over the batches `train.py`'s own final evaluation used, each qwZ export's loss equals "
-        "the validation loss its qwZ run logged (the qwZ forward's) within "
-        f"{max(abs(r['exactness_diff']) for r in rows):.1e}.", "",
-        findings(result)])
+        f"Setup: preset `{a['preset']}`, d_model {a['d_model']}, {a['n_layer']} layers, d_ff {a['d_ff']}, "
+        f"{cfg['n_head']} heads / {cfg['n_kv_head']} KV heads, {result['model']['n_params'] / 1e6:.2f}M parameters; "
+        f"vocabulary {a['vocab_size']}, seq_len {a['seq_len']}, batch {a['micro_batch_size']}; pretraining "
+        f"{a['steps']} steps, lr {a['lr']:g} cosine to {a['lr'] / 10:g}; fine-tuning {a['finetune_steps']} steps, "
+        f"constant lr {a['finetune_lr']:g}; block size {result['block_size']}; {rows[0]['tokens']} validation "
+        f"tokens. The base model before fine-tuning: perplexity {result['base']['ppl']:.3f}. The whole run took "
+        f"{result['seconds'] / 60:.1f} min.", "",
+        *report.md_table(table, [("bits", "bits", "{}"), ("fp_ppl", "fp ppl", "{:.3f}"),
+                                 ("rtn", "RTN ppl (vs fp)", "{}"), ("qwz", "qwZ fine-tuned ppl (vs fp)", "{}")]), "",
+        f"- Exactness: each qwZ export's loss over `train.py`'s final evaluation batches is within "
+        f"{max(abs(r['exactness_diff']) for r in rows):.1e} of the validation loss its qwZ run logged.",
+        *findings(result)])
 
 
 if __name__ == "__main__":

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import datetime
 import json
 import os
 import platform
@@ -189,23 +188,16 @@ def copy_images(pngs: list[Path]) -> dict[str, str]:
     return {p.stem: f"benchmarks/{p.name}" for p in pngs}
 
 
-def stamp(info: dict, command: str, date: str | None = None) -> str:
-    """When (default today), where and how a docs section alone was made."""
-    return f"_{date or datetime.date.today().isoformat()}, {machine_line(info)}. Command: `{command}`._"
+def stamp(result: dict, machine: dict | None = None) -> str:
+    """When, where and how a result was made (`machine`: for results saved without theirs, e.g. a suite's)."""
+    return (f"_{result['date'][:10]}, {machine_line(result.get('machine') or machine)}. "
+            f"Command: `{result['command']}`._")
 
 
-def update_docs_section(docs: Path, name: str, body: str, heading: str | None = None) -> None:
-    """Replace (or append) one benchmark's section of a docs page: the marked block, else the text from
-    `heading` to the next "## " heading."""
+def update_docs_section(docs: Path, name: str, body: str, heading: str) -> None:
+    """Replace one benchmark's section of a docs page (the marked block), or append it under `heading`."""
     new = section(name, body)
     text = docs.read_text() if docs.is_file() else f"{TITLE}\n\n"
     marked = re.compile(rf"<!-- section:{name} -->.*?<!-- /section:{name} -->\n?", re.S)
-    if marked.search(text):
-        text = marked.sub(lambda _: new, text)
-    elif heading and heading in text:
-        start = text.index(heading)
-        end = text.find("\n## ", start + len(heading))
-        text = text[:start] + new + ("\n" + text[end + 1:] if end != -1 else "")
-    else:
-        text = text.rstrip() + "\n\n" + new
+    text = marked.sub(lambda _: new, text) if marked.search(text) else f"{text.rstrip()}\n\n{heading}\n\n{new}"
     docs.write_text(text)

@@ -1,11 +1,8 @@
-"""RLHF on the emulated cluster: PPO generation and step time, ZeRO++ against ZeRO-3 (DeepSpeed's
-ZeRO++ blog reports 2.25x faster generation and 1.26x faster training in RLHF).
+"""RLHF on the emulated cluster: `rlhf.py ppo` under ZeRO-3 and under ZeRO++ on 2 nodes x 2 ranks, the runs
+interleaved on one cluster, from SFT and reward models made once beforehand (so only PPO is timed).
 
     python scripts/bench/rlhf.py                  # 6-layer model, 2 x (ZeRO-3, ZeRO++) x 6 PPO steps
     python scripts/bench/rlhf.py --quick          # 3-layer model, 1 x (ZeRO-3, ZeRO++) x 4 PPO steps
-
-`rlhf.py ppo` on 2 emulated nodes x 2 ranks under each configuration, the runs interleaved on one
-cluster. The SFT and reward models are made once beforehand in one process, so only PPO is timed.
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ ZERO3 = {"stage": 3, "communication_data_type": "bf16", "zero_quantized_weights"
          "zero_quantized_nontrainable_weights": False}
 ZEROPP = {**ZERO3, "zero_quantized_weights": True, "zero_hpz_partition_size": 0, "zero_quantized_gradients": True,
           "zero_quantized_nontrainable_weights": True}
-PREP = {**ZERO3, "stage": 0, "zero_quantized_weights": False}  # one process: no sharding
+PREP = {**ZERO3, "stage": 0}  # one process: no sharding
 CONFIGS = {"zero3": ("ZeRO-3 (bf16 wire)", ZERO3),
            "zeropp": ("ZeRO++ (qwZ int8, hpZ, qgZ int4, frozen int8)", ZEROPP)}
 BASE_CONFIG = ROOT / "configs" / "rlhf_tiny.yaml"
@@ -48,19 +45,17 @@ MIB = {"cross_gen_mb", "cross_exp_mb", "cross_train_mb", "inference_copy_mb"}  #
 
 
 def add_args(p) -> None:
-    p.add_argument("--rate", default="100mbit", help="link rate of each node, tc units (default 100mbit)")
-    p.add_argument("--n-layer", type=int, default=Quick(6, 3),
-                   help=f"layers of the {PRESET} model (default %(default)s)")
-    p.add_argument("--d-model", type=int, help="its width (default the preset's, 256)")
+    p.add_argument("--rate", default="100mbit", help="link rate of each node (default 100mbit)")
+    p.add_argument("--n-layer", type=int, default=Quick(6, 3), help=f"{PRESET} layers (default %(default)s)")
+    p.add_argument("--d-model", type=int, help="its width (default the preset's)")
     p.add_argument("--steps", type=int, default=Quick(6, 4), help="PPO steps per run (default %(default)s)")
     p.add_argument("--warmup", type=int, default=Quick(2, 1), help="steps of each run not timed (default %(default)s)")
-    p.add_argument("--repeats", type=int, default=Quick(2, 1),
-                   help="runs per configuration, interleaved (default %(default)s)")
-    p.add_argument("--micro-batch", type=int, default=8, help="prompts per rank and PPO step (default 8)")
-    p.add_argument("--max-new-tokens", type=int, default=8, help="response length limit (default 8)")
-    p.add_argument("--epochs", type=int, default=1, help="PPO epochs per rollout (default 1, as DeepSpeed-Chat)")
+    p.add_argument("--repeats", type=int, default=Quick(2, 1), help="runs per configuration (default %(default)s)")
+    p.add_argument("--micro-batch", type=int, default=8, help="prompts per rank and PPO step")
+    p.add_argument("--max-new-tokens", type=int, default=8, help="response length limit")
+    p.add_argument("--epochs", type=int, default=1, help="PPO epochs per rollout (1, as DeepSpeed-Chat)")
     p.add_argument("--prep-steps", type=int, default=6, help="sft and reward steps of the prepared models")
-    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), help="default both")
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     p.add_argument("--timeout", type=float, default=600, help="seconds per PPO run")
 
 
@@ -89,8 +84,7 @@ def prepare(plan: dict, work: Path) -> tuple[dict, str | None]:
 
 
 def model_info(sft_dir: Path) -> dict:
-    """The actor (the reference is the same model; the critic and reward model differ only by their
-    1-output score head)."""
+    """The actor (the reference is the same model; the critic and reward model add a 1-output score head)."""
     from models.hf import config_from_hf
 
     mc = config_from_hf(json.loads((sft_dir / "config.json").read_text()), str(sft_dir / "config.json"))
@@ -122,12 +116,10 @@ def _median(values: list) -> float | None:
 
 def aggregate(key: str, runs: list[dict], plan: dict) -> dict:
     """One row per configuration: medians over the timed steps of all its runs."""
-    label = CONFIGS[key][0]
     ok = [r for r in runs if r["key"] == key and r["ok"]]
-    failed = [r for r in runs if r["key"] == key and not r["ok"]]
-    row = {"key": key, "label": label, "setting": plan["rate"], "runs": len(ok)}
+    row = {"key": key, "label": CONFIGS[key][0], "setting": plan["rate"], "runs": len(ok)}
     if not ok:
-        return {**row, "ok": False, "error": failed[0]["error"] if failed else "not run"}
+        return {**row, "ok": False, "error": next((r["error"] for r in runs if r["key"] == key), "not run")}
     steps = [s for r in ok for s in r["steps"]]
     row.update(ok=True, timed_steps=len(steps))
     for k in METRICS:
@@ -165,7 +157,7 @@ def ratios(rows: list[dict]) -> dict:
 
 def run(args, progress=print) -> dict:
     plan = {**options(args), "preset": PRESET}
-    result = {"plan": plan, "nodes": NODES, "ranks_per_node": RANKS_PER_NODE, "rows": [], "runs": [], "notes": []}
+    result = {"plan": plan, "nodes": NODES, "ranks_per_node": RANKS_PER_NODE, "rows": [], "runs": []}
     why = runner.cluster_unavailable()
     if why:
         result["skipped"] = f"emulated cluster unavailable: {why}"
@@ -187,21 +179,13 @@ def run(args, progress=print) -> dict:
             for i, key in enumerate(order):
                 r = ppo_run(key, i // len(plan["configs"]), plan, models, work, cluster)
                 result["runs"].append(r)
-                if r["ok"]:
-                    med = _median([s["step_ms"] for s in r["steps"]])
-                    gen = _median([s["gen_tokens_per_s"] for s in r["steps"]])
-                    text = f"{med:.0f} ms/step, {gen:.0f} generated tokens/s"
-                else:
-                    text = f"FAILED: {r['error']}"
-                progress(f"  rlhf [{i + 1}/{len(order)}] {r['label']} @ {plan['rate']}: {text} "
-                         f"({r['wall_s']:.0f} s)")
+                text = (f"{_median([s['step_ms'] for s in r['steps']]):.0f} ms/step" if r["ok"]
+                        else f"FAILED: {r['error']}")
+                progress(f"  rlhf [{i + 1}/{len(order)}] {r['label']} @ {plan['rate']}: {text} ({r['wall_s']:.0f} s)")
     result["rows"] = [aggregate(key, result["runs"], plan) for key in plan["configs"]]
     result["ratios"] = ratios(result["rows"])
-    for r in result["runs"]:
-        if not r["ok"]:
-            result["notes"].append(f"{r['label']}, run {r['repeat'] + 1}: failed: {r['error']}")
-    if not result["notes"]:
-        del result["notes"]
+    if notes := [f"{r['label']}, run {r['repeat'] + 1}: failed: {r['error']}" for r in result["runs"] if not r["ok"]]:
+        result["notes"] = notes
     return result
 
 
@@ -236,26 +220,14 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
 
 
 def markdown(result: dict) -> str:
-    plan, m = result["plan"], result.get("model", {})
-    params = f"{m['params'] / 1e6:.2f}M" if m.get("params") else "?"
+    plan, rat = result["plan"], result["ratios"]
     lines = [
-        f"`rlhf.py ppo` on {result['nodes']} emulated nodes x {result['ranks_per_node']} ranks at {plan['rate']} "
-        f"(network namespaces, tbf-shaped links; [cluster.md](cluster.md)): actor and critic trained, reference and "
-        f"reward model frozen, each of the four under the runtime. Models: {m.get('preset', PRESET)} with "
-        f"{m.get('n_layer')} layers, d_model {m.get('d_model')}, the built-in \"word\" task's vocabulary of "
-        f"{m.get('vocab_size')}: **{params} parameters** each (critic and reward model: a 1-output score head). "
-        f"{plan['micro_batch']} prompts per rank and step ({plan['micro_batch'] * NODES * RANKS_PER_NODE} "
-        f"rollouts), responses of at most {plan['max_new_tokens']} tokens, {plan['epochs']} PPO epoch(s) per "
-        f"rollout. The SFT and reward models were made once ({plan['prep_steps']} steps each, one process, "
-        f"{result.get('prep_seconds', 0):.0f} s) and both configurations' runs start from them; "
-        f"{plan['repeats']} run(s) per configuration, interleaved on one cluster, {plan['steps']} PPO steps each, "
-        f"the first {plan['warmup']} of each not timed. Every figure is the median over the timed steps "
-        "of what rlhf/ppo.py logs per step; generation s/step = the step's generated tokens / generation "
-        "tokens/s (the weight gather included). Cross-node MB are rank 0's ledger per phase (MB = 10^6 bytes); "
-        "physical MB what each node's link carried per timed step (veth counters, frame bytes); wire time = "
-        "the busier direction's bytes at the tbf rate.", "",
-        *report.md_table(result["rows"], COLUMNS), ""]
-    rat = result.get("ratios")
+        f"Setup: {runner.model_words(result['model'])} each; {result['nodes']} nodes x {result['ranks_per_node']} "
+        f"ranks at {plan['rate']}; {plan['micro_batch']} prompts per rank and step "
+        f"({plan['micro_batch'] * NODES * RANKS_PER_NODE} rollouts), responses of at most {plan['max_new_tokens']} "
+        f"tokens, {plan['epochs']} PPO epoch(s) per rollout; SFT and reward models made once ({plan['prep_steps']} "
+        f"steps each, {result['prep_seconds']:.0f} s); {plan['repeats']} run(s) per configuration, {plan['steps']} "
+        f"PPO steps each, the first {plan['warmup']} not timed.", "", *report.md_table(result["rows"], COLUMNS)]
     if rat:
         ds_gen, ds_train = (f"{DEEPSPEED[k]:.2f}x" for k in ("generation", "training"))
         table = [("generation throughput (tokens/s)", "generation", "{:.2f}x", ds_gen),
@@ -263,16 +235,10 @@ def markdown(result: dict) -> str:
                  ("PPO step (1 / step time)", "step", "{:.2f}x", f"{ds_train} (their training figure)"),
                  ("training phase (training tokens/s)", "training", "{:.2f}x", f"{ds_train} (the same figure)"),
                  ("cross-node bytes per step (ledger, rank 0)", "cross_node_bytes", "{:.3f}", None)]
-        lines += [*report.md_table([{"what": what, "ours": report.fmt(rat.get(key), spec), "theirs": theirs}
-                                    for what, key, spec, theirs in table],
-                                   [("what", "ZeRO++ / ZeRO-3", "{}"), ("ours", "ours (CPU emulation)", "{}"),
-                                    ("theirs", "DeepSpeed's ZeRO++ blog (GPUs)", "{}")]), "",
-                  "DeepSpeed's figures are from its ZeRO++ blog (RLHF training with DeepSpeed-Chat on GPU clusters, "
-                  "with models far larger than ours); ours are a CPU emulation with models of a few million "
-                  "parameters, where every rank of both 'nodes' shares the same few cores. Only the ratios, measured "
-                  "in one session, compare; the absolute numbers do not. The generation speedup depends on how many "
-                  "tokens a rollout decodes per weight gather (the rollout gathers the actor once, qwZ halves those "
-                  "bytes): the word task's responses are a few tokens, so its generation time is mostly that gather."]
+        lines += ["", *report.md_table([{"what": what, "ours": report.fmt(rat.get(key), spec), "theirs": theirs}
+                                        for what, key, spec, theirs in table],
+                                       [("what", "ZeRO++ / ZeRO-3", "{}"), ("ours", "ours (CPU emulation)", "{}"),
+                                        ("theirs", "DeepSpeed's ZeRO++ blog (GPUs)", "{}")])]
     return "\n".join(lines)
 
 

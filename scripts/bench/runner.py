@@ -1,12 +1,7 @@
-"""The one runner of the benchmarks' training jobs: the reference workload, launched with torchrun on the
-emulated cluster (or on 4 loopback ranks laid out as 2 nodes x 2), and what each job measured.
-
-A job is `train.py` or a peer runtime (`peers.py --worker KEY`: the same Trainer with FSDP2 or DeepSpeed
-underneath) with the same config arguments. Its step time is the MEDIAN of the "elapsed time per iteration
-(ms)" the Trainer logs after the warm-up (issue 17's protocol; the mean is kept as step_ms_mean). On the
-cluster a sampler reads each node's veth counters at those step boundaries, so the physical bytes per step
-leave out start-up, the final evaluation and the checkpoint. Every job passes `--train.precision`, so what
-a row computes in never depends on the machine's `auto`.
+"""The one runner of the benchmarks' training jobs: `train.py` or a peer runtime (`peers.py --worker KEY`)
+launched with torchrun on the emulated cluster (or on 4 loopback ranks laid out as 2 nodes x 2), and what
+each job measured: the median logged step time after the warm-up (issue 17's protocol) and, on the cluster,
+each node's veth bytes between those step boundaries (start-up, evaluation and checkpoint left out).
 """
 
 from __future__ import annotations
@@ -22,8 +17,8 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from scripts.cluster import ClusterRequirementError, EmulatedCluster, check_requirements
@@ -52,11 +47,6 @@ def train_args(micro_batch: int, steps: int, shape: str = "suite", model: list[s
             "--train.micro_batch_size", str(micro_batch), "--train.steps", str(steps), *TIMED]
 
 
-def precision_args(compute: str) -> list[str]:
-    """train.py arguments of a compute dtype: "bf16" (autocast, fp32 master weights) or "fp32"."""
-    return ["--train.precision", compute]
-
-
 def zero_args(**keys) -> list[str]:
     """train.py arguments setting these zero_optimization keys."""
     return [a for k, v in keys.items()
@@ -69,8 +59,7 @@ def model_summary(config_args: list[str] | None = None, shape: str = "suite") ->
     from trainer.loop import build_model_config
 
     cfg = parse_args(config_args or train_args(1, 1, shape))
-    facts = model_facts(build_model_config(cfg, cfg.data.vocab_size), cfg.model.preset, cfg.data.seq_len)
-    return {**facts, "shape": None if config_args else shape}
+    return model_facts(build_model_config(cfg, cfg.data.vocab_size), cfg.model.preset, cfg.data.seq_len)
 
 
 def model_facts(mc, preset: str, seq_len: int) -> dict:
@@ -81,6 +70,12 @@ def model_facts(mc, preset: str, seq_len: int) -> dict:
             "vocab_size": mc.vocab_size, "seq_len": seq_len, "params": num_params(mc),
             "params_non_embedding": num_params(mc, include_embeddings=False),
             "flops_per_token": flops_per_token(mc, seq_len)}
+
+
+def model_words(m: dict) -> str:
+    """A model (model_facts) as the docs' setup lines state it."""
+    return (f"{m['preset']}, {m['n_layer']} layers, d_model {m['d_model']}, vocabulary {m['vocab_size']}: "
+            f"{m['params'] / 1e6:.2f}M parameters")
 
 
 # ---------------------------------------------------------------- the cluster
@@ -95,14 +90,9 @@ def cluster_unavailable() -> str | None:
     return None
 
 
-@contextmanager
 def cluster_at(rate: str | None):
-    """The emulated cluster at this link rate, torn down on every exit path (None: loopback)."""
-    if not rate:
-        yield None
-        return
-    with EmulatedCluster(nodes=NODES, rate=rate) as cluster:
-        yield cluster
+    """The emulated cluster at this link rate, as a context torn down on every exit path (None: loopback)."""
+    return EmulatedCluster(nodes=NODES, rate=rate) if rate else nullcontext()
 
 
 class LinkSampler(threading.Thread):
@@ -125,13 +115,16 @@ class LinkSampler(threading.Thread):
                 pass
             self._halt.wait(self.interval)
 
-    def stop(self) -> None:
+    def __enter__(self) -> LinkSampler:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
         self._halt.set()
         self.join(timeout=5)
 
     def window(self, first: int, last: int) -> dict | None:
-        a = next((s for s in self.samples if s[1] >= first), None)
-        b = next((s for s in self.samples if s[1] >= last), None)
+        a, b = (next((s for s in self.samples if s[1] >= steps), None) for steps in (first, last))
         if a is None or b is None or b[0] <= a[0]:
             return None
         return {"seconds": b[0] - a[0], "tx": [bb[0] - aa[0] for aa, bb in zip(a[2], b[2])],
@@ -224,7 +217,7 @@ def quiet_words(q: dict) -> str:
 class Job:
     """One training run: `script` (train.py, or the peers' worker) with its runtime's arguments, at a
     micro-batch size, on the emulated cluster at link rate `setting` (or on "loopback"), training the
-    model SHAPES[shape]; `compute` = what its matmuls run in ("bf16" or "fp32"), `compute_how` how."""
+    model SHAPES[shape]; `compute` = what its matmuls run in ("bf16" or "fp32")."""
     key: str
     label: str
     args: list[str]
@@ -233,7 +226,6 @@ class Job:
     script: list[str] = field(default_factory=lambda: [str(ROOT / "train.py")])
     shape: str = "suite"
     compute: str | None = None
-    compute_how: str | None = None
 
 
 def run_jobs(name: str, jobs: list[Job], steps: int, warmup: int, timeout: float, progress=print) -> list[dict]:
@@ -253,16 +245,12 @@ def run_jobs(name: str, jobs: list[Job], steps: int, warmup: int, timeout: float
 
 def run_job(job: Job, steps: int, warmup: int, work: Path, cluster=None, timeout: float = 900) -> dict:
     """Run `job` for `steps` steps (on `cluster`, or 4 loopback ranks as 2 nodes x 2) and measure it."""
-    micro_batch = job.micro_batch
-    out_dir = work / f"{job.key}-mb{micro_batch}-{time.time_ns() % 10**10}"
-    cmd = [sys.executable, *job.script, *train_args(micro_batch, steps, job.shape), "--train.out_dir", str(out_dir),
-           *job.args]
-    if cluster is None:  # 4 loopback ranks laid out as 2 nodes x 2
-        cmd += zero_args(ranks_per_node=RANKS_PER_NODE)
-    row = {"key": job.key, "label": job.label, "setting": job.setting, "micro_batch": micro_batch,
-           "tokens_per_rank": micro_batch * SEQ, "steps": steps, "warmup": warmup, "shape": job.shape,
-           "compute": job.compute, "compute_how": job.compute_how, "args": [str(a) for a in job.args],
-           "script": shown(job.script), "load_start": round(os.getloadavg()[0], 2),
+    out_dir = work / f"{job.key}-mb{job.micro_batch}-{time.time_ns() % 10**10}"
+    cmd = [sys.executable, *job.script, *train_args(job.micro_batch, steps, job.shape), "--train.out_dir",
+           str(out_dir), *job.args] + ([] if cluster else zero_args(ranks_per_node=RANKS_PER_NODE))  # loopback: 2 x 2
+    row = {**asdict(job), "args": [str(a) for a in job.args], "script": shown(job.script),
+           "tokens_per_rank": job.micro_batch * SEQ, "steps": steps, "warmup": warmup,
+           "load_start": round(os.getloadavg()[0], 2),
            **measured_launch(cmd, out_dir / "metrics.jsonl", cluster, steps, warmup, timeout)}
     shutil.rmtree(out_dir, ignore_errors=True)
     if not row["ok"]:
@@ -271,7 +259,7 @@ def run_job(job: Job, steps: int, warmup: int, work: Path, cluster=None, timeout
     last = metrics[-1]
     row.update(step_stats(metrics, warmup))
     step_s = row["step_ms"] / 1e3
-    row.update(tokens_per_s=micro_batch * SEQ * NODES * RANKS_PER_NODE / step_s,
+    row.update(tokens_per_s=row["tokens_per_rank"] * NODES * RANKS_PER_NODE / step_s,
                # every step does the same FLOPs: the last logged step's rate at the median step time
                tflops_per_rank=last["TFLOP/s per rank"] * last[STEP_KEY] / 1e3 / step_s,
                final_loss=last["lm loss"], losses=[m["lm loss"] for m in metrics])
@@ -305,15 +293,9 @@ def measured_launch(cmd: list, metrics: Path, cluster, steps: int, warmup: int, 
     logged steps), "runtime" and, on the cluster, what each node's link carried per step over `segments` (step
     windows; default: after the warm-up to the end): MB sent and received (mean over nodes) and the wire
     time, the busier direction's bytes at the tbf rate}; "log": the distinct output lines `keep_lines` keeps."""
-    start = time.monotonic()
-    sampler = LinkSampler(cluster, metrics) if cluster else None
-    if sampler:
-        sampler.start()
-    try:
+    start, sampler = time.monotonic(), LinkSampler(cluster, metrics) if cluster else None
+    with sampler or nullcontext():
         rc, output = launch(cmd, cluster, timeout=timeout, per_node=per_node)
-    finally:
-        if sampler:
-            sampler.stop()
     out = {"wall_s": time.monotonic() - start, "runtime": said(output, "runtime"),  # what the Trainer ran,
            "compute_logged": said(output, "compute")}  # and what it computed in (trainer/precision.py)
     if keep_lines:
@@ -335,7 +317,7 @@ def shown(args) -> str:
 
 
 def describe_row(row: dict) -> str:
-    if not row.get("ok"):
-        return f"FAILED: {row.get('error', '?')}"
+    if not row["ok"]:
+        return f"FAILED: {row['error']}"
     return f"{row['step_ms']:.0f} ms/step, {row['tokens_per_s']:.0f} tokens/s" + (
         f", {row['phys_tx_mb_node']:.1f} MB/step/node on the link" if "phys_tx_mb_node" in row else "")

@@ -1,17 +1,11 @@
-"""SEPARATE gradient compression (docs/separate.md) against uncompressed ZeRO-3, ZeRO++ and torch's
-PowerSGD under DDP: convergence, and wall-clock to a target validation loss.
+"""SEPARATE gradient compression against uncompressed ZeRO-3, ZeRO++ and torch's PowerSGD under DDP: convergence,
+and wall-clock to a target validation loss (the setup and the run keys: docs/separate.md, section "Measured").
 
     python scripts/bench/separate.py                      # both parts, 300 steps, into runs/bench/separate
     python scripts/bench/separate.py --quick              # both parts, 50 steps, fewer runs (a few minutes)
     python scripts/bench/separate.py --parts wallclock --wall-runs zero3 sep16 zeropp --target 5.5
 
-Both parts train convergence.py's job in fp32, evaluating at step 0 and every `eval_interval` steps:
-convergence on 4 loopback ranks laid out as 2 nodes x 2, wallclock on 2 emulated nodes x 2 ranks at
-`rate` once the machine is quiet (training seconds = the sum of the logged step times).
-Run keys: zero3, zeropp (qwZ int8 + hpZ + qgZ int4), ddp, powersgd (DDP + PowerSGD), sepN (ZeRO-3 +
-SEPARATE CR N), zpp-sepN (ZeRO++ with qgZ carrying SEPARATE's projections), qh-sepN (qwZ + hpZ +
-SEPARATE's bf16 reduce-scatter), ddp-sepN; suffix g (sep16g) projects on Gaussian directions (block
-256), ef (sep16ef) turns on error feedback (beta 0.95, contractive reconstruction).
+Run keys: zero3, zeropp, ddp, powersgd, or [zpp-|qh-|ddp-]sepN[g][ef] (SEPARATE at CR N, e.g. sep16, zpp-sep16).
 """
 
 from __future__ import annotations
@@ -69,10 +63,10 @@ def add_args(p) -> None:
     p.add_argument("--wall-runs", nargs="+", default=Quick(WALL_RUNS, QUICK_WALL_RUNS),
                    help="wall-clock runs (default %(default)s)")
     p.add_argument("--rate", default="100mbit", help="link rate of the wall-clock part (default %(default)s)")
-    p.add_argument("--target", type=float, help="target validation loss (default: the highest best one of the runs)")
+    p.add_argument("--target", type=float, help="target validation loss (default: the highest of the runs' best)")
     p.add_argument("--block-size", type=int, help="SEPARATE block size (default 1024, gaussian 256)")
     p.add_argument("--sep-set", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="more gradient_compression keys for every SEPARATE run, e.g. beta=0.01")
+                   help="more gradient_compression keys of every SEPARATE run")
     p.add_argument("--eval-interval", type=int, help="default: steps / 20 (quick: steps / 5)")
     for name, typ, default, what in [("eval-batches", int, 8, "per rank"), ("micro-batch", int, 4, "per rank"),
                                      ("seq", int, 128, "tokens"), ("lr", float, 2e-3, "peak"),
@@ -160,8 +154,8 @@ def analyse(result: dict) -> None:
     find = {(r["part"], r["key"]): r for r in ok}.get
     for r in ok:
         for base in ("zero3", "ddp"):
-            if find((r["part"], base)):
-                r[f"vs_{base}"] = r["final_val_loss"] / find((r["part"], base))["final_val_loss"] - 1
+            if b := find((r["part"], base)):
+                r[f"vs_{base}"] = r["final_val_loss"] / b["final_val_loss"] - 1
     wall, z3 = [r for r in ok if r["part"] == "wallclock"], find(("wallclock", "zero3"))
     if wall:  # the default target: a loss every run reaches
         result["target"] = target = plan["target"] or max(min(v for _, v in r["val_curve"]) for r in wall)
@@ -185,20 +179,20 @@ WALL_COLUMNS = [("label", "run", "{}"), ("final_val_loss", "final validation los
                 ("phys_ratio_vs_zero3", "physical / ZeRO-3", "{:.3f}"), ("wire_ms", "wire time ms", "{:.0f}")]
 
 
+def kinds(rows: list[dict]) -> list[str]:
+    """The runtime's timings any of these rows has."""
+    return [k for k in KINDS if any(f"{k} ms" in r for r in rows)]
+
+
 def markdown(result: dict) -> str:
     plan, m, rows = result["plan"], result["model"], result["rows"]
-    sep = next((r["runtime"] for r in rows if "sep" in r["key"] and r.get("ok")), "")
-    lines = [f"convergence.py's tiny GPT-2 ({m['n_layer']} layers, d_model {m['d_model']}, {m['n_head']} heads, "
-             f"vocabulary {m['vocab_size']}: {m['params'] / 1e6:.2f}M parameters) on Tiny Shakespeare, "
-             f"{plan['micro_batch']}x{plan['seq']} tokens per rank on 4 ranks as 2 nodes x 2, {plan['steps']} steps, "
-             f"AdamW, lr {plan['lr']:g} with warm-up and cosine decay, the same seed (initial weights, batches) for "
-             f"every run; validation loss at step 0 and every {plan['eval_interval']} steps on {plan['eval_batches']} "
-             "batches per rank. Every run computes in fp32 (train.precision fp32, param_dtype fp32, fp32 AdamW). "
-             "Wire: ZeRO-3 gathers and reduce-scatters bf16; SEPARATE sends its projections in the runtime's "
-             "communication dtype (bf16 under ZeRO-3, fp32 under DDP); ZeRO++ int8 weights, int4 gradients; DDP "
-             f"and PowerSGD fp32. SEPARATE: Hadamard, block size {plan['block_size'] or 1024} unless the label says "
-             "otherwise" + (f"; as the runtime describes it: `{sep}`" if sep else "") + "."]
+    sep = next((r["runtime"] for r in rows if "sep" in r["key"] and r["ok"]), None)
     conv, wall = ([r for r in rows if r["part"] == part] for part in ("convergence", "wallclock"))
+    lines = [f"Setup: GPT-2 {m['n_layer']} layers, d_model {m['d_model']}, {m['n_head']} heads, vocabulary "
+             f"{m['vocab_size']}, {m['params'] / 1e6:.2f}M parameters; {plan['micro_batch']}x{plan['seq']} tokens per "
+             f"rank, {plan['steps']} steps, lr {plan['lr']:g}; validation every {plan['eval_interval']} steps on "
+             f"{plan['eval_batches']} batches per rank; SEPARATE block size {plan['block_size'] or 1024} unless the "
+             "label says otherwise" + (f"; runtime: `{sep}`" if sep else "") + "."]
     if conv:
         lines += ["", "### Convergence (4 loopback ranks)", "", *report.md_table(conv, CONV_COLUMNS), ""]
         lines += [f"- {r['label']} ends {r['vs_zero3']:+.2%} from uncompressed ZeRO-3 (target: within 3%): "
@@ -207,25 +201,18 @@ def markdown(result: dict) -> str:
     if result.get("wallclock_skipped"):
         lines += ["", f"Wall-clock part skipped: {result['wallclock_skipped']}."]
     if wall:
-        q = result["quiet"]
         lines += ["", f"### Wall-clock to a target loss (2 emulated nodes x 2 ranks, {plan['rate']})", "",
-                  f"Target: validation loss {result.get('target', float('nan')):.4f}" + (
-                      " (given)" if plan["target"] else ", the highest of the runs' best validation losses: one every "
-                      "run reaches") + ". Seconds: training time, the sum of the logged step times (start-up and "
-                  "evaluations left out), linear between evaluations. Bytes per step: the ledger's cross-node bytes "
-                  "(PowerSGD's hook is not in it) and each node link's veth counters between evaluations; wire time "
-                  "= the busier direction's bytes at the tbf rate. " + runner.quiet_words(q) + ".", "",
-                  *report.md_table(wall, WALL_COLUMNS), ""]
+                  f"Target: validation loss {result.get('target', float('nan')):.4f}"
+                  + (" (given). " if plan["target"] else " (the highest of the runs' best). ")
+                  + runner.quiet_words(result["quiet"]) + ".", "", *report.md_table(wall, WALL_COLUMNS), ""]
         lines += [f"- {r['label']} / ZeRO-3, time to the target: {r['time_ratio_vs_zero3']:.2f} (goal <= 0.6): "
                   f"{'met' if r['time_ratio_vs_zero3'] <= 0.6 else '**not met**'}; its step takes "
-                  f"{r['step_ratio_vs_zero3']:.2f} of ZeRO-3's (the ratio it would reach converging per step like "
-                  f"ZeRO-3), with {r.get('phys_ratio_vs_zero3', float('nan')):.2f} of its physical bytes." for r in wall
+                  f"{r['step_ratio_vs_zero3']:.2f} of ZeRO-3's, with {r.get('phys_ratio_vs_zero3', float('nan')):.2f} "
+                  "of its physical bytes." for r in wall
                   if r["ok"] and "sep" in r["key"] and r.get("time_ratio_vs_zero3") is not None]
         cols = [("label", "run", "{}"), ("step_ms", "step ms", "{:.0f}"), ("wire_ms", "wire time ms", "{:.0f}"),
-                *report.time_columns([k for k in KINDS if any(f"{k} ms" in r for r in wall)])]
-        lines += ["", f"Where a step's time goes (rank 0, mean over the steps after the first {plan['warmup']}): the "
-                  "trainer's timings; the rest is compute and everything else (DDP waits for its all-reduce inside "
-                  "the backward, so there the waiting is in the rest).", "",
+                *report.time_columns(kinds(wall))]
+        lines += ["", f"Where a step's time goes (rank 0, mean over the steps after the first {plan['warmup']}):", "",
                   *report.md_table([r for r in wall if r["ok"]], cols)]
     return "\n".join(lines)
 
@@ -251,7 +238,7 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
         draw(ax, {r["label"]: r["val_time"][1:] for r in wall}, "training seconds")
         ax.axhline(result["target"], color="grey", ls="--", lw=1)
         ax.set_title(f"2 emulated nodes x 2 ranks at {result['plan']['rate']}; dashed: target")
-        report.time_bars(ax2, wall, [k for k in KINDS if any(f"{k} ms" in r for r in wall)],
+        report.time_bars(ax2, wall, kinds(wall),
                          [textwrap.fill(r["label"], 32) for r in wall],
                          "ms per step (rank 0); rest = compute and other", fontsize=7)
         paths.append(report.save(fig, out_dir, "separate_wallclock"))

@@ -1,21 +1,13 @@
-"""Tensor parallelism with AccTFM (docs/tensor_parallel.md): plain Megatron TP against AccTFM's pipelined
-and compressed all-reduces with TP across a shaped link, and their convergence; every run computes in fp32.
+"""Tensor parallelism with AccTFM: plain Megatron TP against AccTFM's pipelined and compressed all-reduces, TP 2
+across a shaped link (timing) and on 2 loopback ranks (convergence); the setup and the run keys are in
+docs/tensor_parallel.md, section "Measured".
 
     python scripts/bench/tensor_parallel.py                 # both parts, into runs/bench/tensor_parallel
     python scripts/bench/tensor_parallel.py --quick         # 100 Mbit/s only, fewer runs and steps (minutes)
     python scripts/bench/tensor_parallel.py --parts convergence --conv-runs single plain full --conv-steps 500
 
-1. timing: `train.py` with `tensor_parallel.size 2` on 2 emulated nodes x 1 rank, so the tensor-parallel
-   group spans the shaped link (AccTFM's setting: TP across Ethernet), at each rate of `--rates`.
-2. convergence: convergence.py's job on 2 loopback ranks (TP 2, unshaped), plus one process without tensor
-   parallelism (`single`) as the exactness anchor.
-
-Run keys: `plain` (Megatron's synchronous all-reduce), or parts joined by "-": `kN` (AccTFM pipelining,
-N = 1, 2, 4 partitions per sublayer, 0 = planned per sublayer by the runtime), `topk` (token top-k at
---keep-ratio; `topkNN`: keep NN/100), what the pruned rows get (default: TensorParallelConfig's; `drop`:
-nothing; `local`: each rank's own partial sum x 2; `pN`: all-reduced at N bits, 1 = sign + mean magnitude),
-`fwd` / `bwd` (top-k in that pass only), `qB` (piecewise quantization of the kept rows to B bits); `full` =
-the fastest pipelining run measured at that rate (`--full-partitions` to fix it) + topk + q<--bits>.
+Run keys: plain, single (no tensor parallelism), full, or kN / topk[NN] / drop / local / pN / fwd / bwd / qB
+joined by "-" (e.g. k2-topk-p1-q4).
 """
 
 from __future__ import annotations
@@ -34,10 +26,7 @@ from scripts.bench.suite import Quick, main_one, options
 TITLE = "## Measured"
 DOCS = ROOT / "docs" / "tensor_parallel.md"
 OUT = "tensor_parallel"  # the results directory under runs/bench/ (default: no time stamp)
-STEP = runner.STEP_KEY
 TP_WAIT = "waiting for tp all-reduces"
-# topk-q4 and full use the default handling of pruned rows (TensorParallelConfig.topk_pruned*); the
-# -drop, -local and -pN runs are the alternatives it was chosen from (docs/tensor_parallel.md).
 RUNS = ["plain", "k2", "k4", "k0", "topk", "q4", "topk-drop-q4", "topk-p1-q4", "topk-local-q4", "topk-q4", "full",
         "k0-topk-q4"]
 QUICK_RUNS = ["plain", "k2", "q4", "full"]
@@ -65,11 +54,10 @@ def parse_key(key: str, plan: dict, best_k: int = 1) -> tuple[str, dict]:
     if key == "single":
         return "one process, no tensor parallelism (exactness anchor)", {"size": 1}
     if key == "full":
-        k = plan["full_partitions"] if plan["full_partitions"] is not None else best_k
-        label, keys = parse_key("-".join([f"k{k}", "topk", f"q{plan['bits']}"]), plan)
-        what = "K planned per sublayer" if k == 0 else f"K={k}"
-        return (f"full AccTFM: {what} + top-k tokens {plan['keep_ratio']:g} ({default_pruned()}) + piecewise "
-                f"int{plan['bits']}"), keys
+        k = best_k if plan["full_partitions"] is None else plan["full_partitions"]
+        return (f"full AccTFM: {'K planned per sublayer' if k == 0 else f'K={k}'} + top-k tokens "
+                f"{plan['keep_ratio']:g} ({default_pruned()}) + piecewise int{plan['bits']}",
+                parse_key(f"k{k}-topk-q{plan['bits']}", plan)[1])
     keys, words, topk_at = {"size": 2}, [], None
     for part in ([] if key == "plain" else key.split("-")):
         if m := re.fullmatch(r"k([0124])", part):
@@ -107,19 +95,16 @@ def add_args(p) -> None:
     p.add_argument("--parts", nargs="+", choices=["timing", "convergence"], default=["timing", "convergence"])
     p.add_argument("--rates", nargs="+", default=Quick(["1gbit", "100mbit"], ["100mbit"]),
                    help="link rates of the timing part (default %(default)s)")
-    p.add_argument("--runs", nargs="+", default=Quick(RUNS, QUICK_RUNS),
-                   help="timing runs, in order (default %(default)s)")
+    p.add_argument("--runs", nargs="+", default=Quick(RUNS, QUICK_RUNS), help="timing runs (default %(default)s)")
     p.add_argument("--conv-runs", nargs="+", default=Quick(CONV_RUNS, QUICK_CONV_RUNS),
                    help="convergence runs (default %(default)s)")
-    p.add_argument("--steps", type=int, default=Quick(12, 5), help="steps of a timing run (default %(default)s)")
-    p.add_argument("--warmup", type=int, default=2, help="timing steps left out of the medians (default %(default)s)")
-    p.add_argument("--keep-ratio", type=float, default=0.5, help="top-k keep ratio of topk and full (default %(default)s)")
-    p.add_argument("--bits", type=int, default=4, help="quantization bits of full (default %(default)s)")
     p.add_argument("--full-partitions", type=int, choices=[0, 1, 2, 4],
-                   help="partitions of the full run (default: the fastest pipelining run at that rate)")
+                   help="partitions of the timed full run (default: the fastest pipelining run at that rate)")
     p.add_argument("--conv-partitions", type=int, default=2, choices=[1, 2, 4],
-                   help="partitions of the full convergence run (pipelining is exact; default %(default)s)")
+                   help="partitions of the full convergence run (default %(default)s)")
     for name, typ, default, what in [
+            ("steps", int, Quick(12, 5), "steps of a timing run"), ("warmup", int, 2, "untimed timing steps"),
+            ("keep-ratio", float, 0.5, "top-k keep ratio of topk and full"), ("bits", int, 4, "bits of full"),
             ("layers", int, 4, "timing model: GPT-2 layers"), ("d-model", int, 256, "timing model width"),
             ("heads", int, 8, "timing model heads"), ("micro-batch", int, 4, "timing sequences per step"),
             ("seq", int, 128, "tokens per sequence (both parts)"),
@@ -137,8 +122,8 @@ def resolve(args) -> dict:
 
 
 def timing_args(plan: dict) -> list[str]:
-    """train.py arguments of a timed job: the default corpus (4096-token vocabulary), a GPT-2 of the plan's
-    size, every step logged and nothing else in the steps, fp32 compute, DDP over a DP group of one."""
+    """train.py arguments of a timed job: the default corpus, a GPT-2 of the plan's size, every step logged and
+    nothing else in the steps, fp32 compute, DDP over a DP group of one."""
     d, seq = plan["d_model"], plan["seq"]
     model = ["--model.preset", "gpt2-small-cpu", "--model.n_layer", str(plan["layers"]), "--model.d_model", str(d),
              "--model.n_head", str(plan["heads"]), "--model.d_ff", str(4 * d), "--model.max_seq_len", str(seq)]
@@ -186,7 +171,7 @@ def run_convergence(key: str, plan: dict, work: Path) -> dict:
         row.update(ok=False, error=f"{len(steps)} of {plan['conv_steps']} steps logged")
     elif row["ok"]:
         row.update(final_train_loss=steps[-1]["lm loss"], train_losses=[m["lm loss"] for m in steps],
-                   step_ms=statistics.median(m[STEP] for m in steps[1:] or steps))
+                   step_ms=statistics.median(m[runner.STEP_KEY] for m in steps[1:] or steps))
     return row
 
 
@@ -198,12 +183,11 @@ def run(args, progress=print) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-tensor-parallel-") as tmp:
         if "timing" in plan["parts"]:
             result["timing_model"] = runner.model_summary(config_args=timing_args(plan))
-            why = runner.cluster_unavailable()
-            if why:
+            if why := runner.cluster_unavailable():
                 result["timing_skipped"] = f"emulated cluster unavailable: {why}"
             else:
-                result["quiet"] = runner.wait_quiet(plan["quiet_wait"], plan["quiet_load"], progress)
-                progress(f"  timing part starts at load {result['quiet']['load_1min']} (quiet: {result['quiet']['quiet']})")
+                result["quiet"] = q = runner.wait_quiet(plan["quiet_wait"], plan["quiet_load"], progress)
+                progress(f"  timing part starts at load {q['load_1min']} (quiet: {q['quiet']})")
                 for rate in plan["rates"]:
                     with runner.cluster_at(rate) as cluster:
                         for i, key in enumerate(plan["runs"], 1):
@@ -229,23 +213,19 @@ def run(args, progress=print) -> dict:
 
 
 def analyse(result: dict) -> None:
+    """Speedups over plain TP at the same rate; final validation losses against plain TP and one process."""
     ok = [r for r in result["rows"] if r["ok"]]
+    plain = {r.get("setting"): r for r in ok if r["key"] == "plain"}  # convergence rows: setting None
+    single = next((r for r in ok if r["key"] == "single"), None)
     for r in ok:
-        if r["part"] == "timing":
-            base = next((b for b in ok if b["part"] == "timing" and b["setting"] == r["setting"] and b["key"] == "plain"),
-                        None)
-            if base:
-                r["speedup"] = base["step_ms"] / r["step_ms"]
-                if r.get("phys_tx_mb_node") and base.get("phys_tx_mb_node"):
-                    r["link_ratio"] = r["phys_tx_mb_node"] / base["phys_tx_mb_node"]
-            if "wire_ms" in r:
-                r["link_busy_pct"] = 100 * r["wire_ms"] / r["step_ms"]
-        else:
-            for base in ("plain", "single"):
-                b = next((b for b in ok if b["part"] == "convergence" and b["key"] == base), None)
-                if b and b is not r:
-                    r[f"vs_{base}"] = r["final_val_loss"] / b["final_val_loss"] - 1
-                    r[f"abs_vs_{base}"] = r["final_val_loss"] - b["final_val_loss"]
+        base = plain.get(r.get("setting"))
+        if r["part"] == "timing" and base:
+            r["speedup"] = base["step_ms"] / r["step_ms"]
+        elif r["part"] == "convergence":
+            if base and base is not r:
+                r["vs_plain"] = r["final_val_loss"] / base["final_val_loss"] - 1
+            if single and single is not r:
+                r["abs_vs_single"] = r["final_val_loss"] - single["final_val_loss"]
 
 
 # ---------------------------------------------------------------- the report
@@ -254,161 +234,114 @@ def analyse(result: dict) -> None:
 CONV_COLUMNS = [("label", "run", "{}"), ("final_val_loss", "final validation loss", "{:.4f}"),
                 ("vs_plain", "vs plain TP", "{:+.2%}"), ("abs_vs_single", "minus one process", "{:+.2e}"),
                 ("final_train_loss", "final training loss", "{:.4f}"), ("step_ms", "ms/step (loopback)", "{:.0f}")]
+TIMING_COLUMNS = [("label", "run", "{}"), ("step_ms", "step ms (median)", "{:.0f}"),
+                  ("speedup", "speedup vs plain TP", "{:.2f}"),
+                  ("ledger_cross_mb_rank", "ledger MB/step/rank", "{:.2f}"),
+                  ("phys_tx_mb_node", "link MB/step/node (tx)", "{:.2f}"),
+                  ("phys_rx_mb_node", "link MB/step/node (rx)", "{:.2f}"), ("wire_ms", "wire ms", "{:.0f}")]
 
 
-def timing_columns(rows: list[dict]) -> list[tuple[str, str, str]]:
-    kinds = sorted({k for r in rows for k in r.get("timing_kinds", [])}, key=lambda k: (k != TP_WAIT, k))
-    return ([("label", "run", "{}"), ("step_ms", "step ms (median)", "{:.0f}"), ("speedup", "speedup vs plain TP", "{:.2f}"),
-             ("ledger_cross_mb_rank", "ledger MB/step/rank", "{:.2f}"), ("phys_tx_mb_node", "link MB/step/node (tx)", "{:.2f}"),
-             ("phys_rx_mb_node", "link MB/step/node (rx)", "{:.2f}"), ("wire_ms", "wire ms", "{:.0f}")]
-            + report.time_columns(kinds) + [("load_at_start", "load", "{:.1f}")])
+def timing_kinds(rows: list[dict]) -> list[str]:
+    return sorted({k for r in rows for k in r.get("timing_kinds", [])}, key=lambda k: (k != TP_WAIT, k))
 
 
-def markdown(result: dict) -> str:
-    plan, rows, lines = result["plan"], result["rows"], []
-    timing = [r for r in rows if r["part"] == "timing"]
-    conv = [r for r in rows if r["part"] == "convergence"]
-    if result.get("timing_skipped"):
-        lines += [f"Timing part skipped: {result['timing_skipped']}.", ""]
-    if timing:
-        m, q = result["timing_model"], result["quiet"]
-        from scripts.cluster import parse_rate
+def model_words(m: dict) -> str:
+    return (f"GPT-2 {m['n_layer']} layers, d_model {m['d_model']}, {m['n_head']} heads, vocabulary {m['vocab_size']}, "
+            f"{m['params'] / 1e6:.2f}M parameters")
 
-        slow = min(plan["rates"], key=parse_rate)
-        by = {(r["setting"], r["key"]): r for r in timing if r["ok"]}
-        tokens = plan["micro_batch"] * plan["seq"]
-        allreduce_mb = 4 * tokens * m["d_model"] / 1e6
-        lines += [f"### Step time, TP 2 across the shaped link ({', '.join(plan['rates'])})", "",
-                  f"`train.py` on 2 emulated nodes x 1 rank ([cluster.md](cluster.md)), `--tensor_parallel.size 2`: the "
-                  "tensor-parallel group spans the node link, data parallelism of size 1 (`zero_optimization.stage 0`). "
-                  f"Model: GPT-2, {m['n_layer']} layers, d_model {m['d_model']}, {m['n_head']} heads, d_ff "
-                  f"{4 * m['d_model']}, vocabulary {m['vocab_size']} (the default corpus): {m['params'] / 1e6:.2f}M "
-                  f"parameters; {plan['micro_batch']}x{plan['seq']} tokens per step (both TP ranks see the same "
-                  f"batch). Compute in fp32 everywhere (`train.precision fp32`), so plain TP all-reduces fp32: each "
-                  f"sublayer's all-reduce is a [{tokens}, {m['d_model']}] tensor = {allreduce_mb:.2f} MB, "
-                  f"{4 * m['n_layer'] + 2} of them per step (forward and backward of every attention and MLP, the "
-                  "embedding's forward and the LM head input's backward), and a ring all-reduce over 2 ranks sends "
-                  "the whole tensor once. The size is chosen so that plain TP at 100 Mbit/s spends most of its step "
-                  "on the link while a step stays under a second: the all-reduces matter, as in AccTFM's setting, "
-                  "and every run takes seconds" + (
-                      f" (measured: plain TP at {slow} waits {base[TP_WAIT + ' ms']:.0f} of its {base['step_ms']:.0f} "
-                      f"ms on the all-reduces; compute and the rest take {base['rest ms']:.0f} ms)"
-                      if (base := by.get((slow, "plain"))) and TP_WAIT + " ms" in base else "") + ".", "",
-                  f"{plan['steps']} steps per run; the step time is the median of the logged "
-                  f"\"{STEP}\" after the first {plan['warmup']}; the timings (rank 0) are means over the same steps; "
-                  "\"rest\" = mean step time minus them: compute (quantization and top-k scoring included) and "
-                  "everything else. Ledger MB: what the runtime's ledger records as sent across nodes by one rank per "
-                  "step (the TP all-reduces; the vocabulary-parallel loss' and grad-norm's few bytes are not in it). "
-                  "Link MB: the node veth counters between those steps, mean over the 2 nodes; wire ms = the busier "
-                  "direction's bytes at the tbf rate. \"full\" uses the partitions of the fastest pipelining run at "
-                  "that rate" + (f" (fixed: {plan['full_partitions']})" if plan["full_partitions"] is not None else "")
-                  + ". " + runner.quiet_words(q) + "; the load column "
-                  "is the 1-minute load when each run started (2 cores: above ~1 the runs share them with others).", ""]
-        cols = timing_columns(timing)
-        for rate in plan["rates"]:
-            at = [r for r in timing if r["setting"] == rate]
-            if at:
-                lines += [f"**{rate}**", "", *report.md_table(at, cols), ""]
-        for rate in plan["rates"]:
-            full, pipe = by.get((rate, "full")), [r for r in timing if r["ok"] and r["setting"] == rate
-                                                  and r["key"] in ("k2", "k4", "k0")]
-            comp = [r for r in timing if r["ok"] and r["setting"] == rate and r["key"] in ("topk", "q4", "topk-q4")]
-            bits = []
-            if pipe:
-                bits.append("pipelining " + ", ".join(f"{r['speedup']:.2f}x ({r['key']})" for r in pipe if "speedup" in r))
-            if comp:
-                bits.append("compression " + ", ".join(f"{r['speedup']:.2f}x ({r['key']})" for r in comp if "speedup" in r))
-            if full and "speedup" in full:
-                bits.append(f"full AccTFM {full['speedup']:.2f}x (K={full['partitions']})")
-            if (planned := by.get((rate, "k0-topk-q4"))) and "speedup" in planned:
-                bits.append(f"full AccTFM with planned K {planned['speedup']:.2f}x")
-            if bits:
-                lines.append(f"- {rate}: " + "; ".join(bits) + " over plain TP (paper, 10 Gbit/s Ethernet: 1.11-1.32x "
-                             "from pipelining, 1.21-1.89x from compression, up to 2.08x together).")
-        for key in ("full", "k0-topk-q4"):
-            full = by.get((slow, key))
-            if full and "speedup" in full:
-                lines.append(f"- Goal: full AccTFM >= 1.8x plain TP at {slow}: {full['label']} "
-                             f"{full['speedup']:.2f}x, {'met' if full['speedup'] >= 1.8 else '**not met**'}.")
-        planned = [r for r in timing if r.get("plan_log")]
-        if planned:
-            lines += ["", "The partition plans the planned runs logged (K per sublayer, as the runtime prints them):", "", "```"]
-            for r in planned:
-                lines += [f"# {r['key']} @ {r['setting']}", *r["plan_log"]]
-            lines += ["```"]
-        lines.append("")
-    if result.get("convergence_skipped"):
-        lines += [f"Convergence part skipped: {result['convergence_skipped']}.", ""]
-    if conv:
-        m = result["conv_model"]
-        lines += ["### Convergence on Tiny Shakespeare (2 loopback ranks, TP 2)", "",
-                  f"convergence.py's tiny GPT-2 ({m['n_layer']} layers, d_model {m['d_model']}, {m['n_head']} heads, "
-                  f"vocabulary {m['vocab_size']}: {m['params'] / 1e6:.2f}M parameters), {plan['conv_micro_batch']}x"
-                  f"{plan['seq']} tokens per step, {plan['conv_steps']} steps, AdamW, lr {plan['lr']:g} with warm-up "
-                  f"and cosine decay, the same seed (initial weights, batches) for every run; validation loss at step "
-                  f"0 and every {plan['eval_interval']} steps on {plan['eval_batches']} batches. TP 2 on 2 loopback "
-                  "ranks (no shaping), fp32 compute; \"one process\" is the same job without tensor parallelism, "
-                  f"the exactness anchor. The full run uses K = {plan['conv_partitions']} (pipelining only reorders "
-                  "work).", "", *report.md_table(conv, CONV_COLUMNS), ""]
-        by = {r["key"]: r for r in conv if r["ok"]}
-        if "plain" in by and "abs_vs_single" in by["plain"]:
-            d = by["plain"]["abs_vs_single"]
-            lines.append(f"- Plain TP vs one process, final validation loss: {d:+.2e} (expected ~1e-4 or less: "
-                         f"{'met' if abs(d) <= 1e-4 else '**not met**'}).")
-        for key, r in by.items():
-            if key not in ("plain", "single") and "vs_plain" in r:
-                v = r["vs_plain"]
-                lines.append(f"- {r['label']}: {v:+.2%} from plain TP" + (
-                    f" (target: within 1%: {'met' if abs(v) <= 0.01 else '**not met**'})." if key == "full" else "."))
-        if plan["conv_steps"] < 200:
-            lines.append(f"- Only {plan['conv_steps']} steps (`--quick`): judge the 1% target on the full run.")
-        lines.append("")
-    lines += joined(result)
-    return "\n".join(lines).rstrip()
+
+def slowest(plan: dict) -> str:
+    from scripts.cluster import parse_rate
+
+    return min(plan["rates"], key=parse_rate)
+
+
+def timing_markdown(result: dict, timing: list[dict]) -> list[str]:
+    plan, m, slow = result["plan"], result["timing_model"], slowest(result["plan"])
+    by = {(r["setting"], r["key"]): r for r in timing if r["ok"]}
+    tokens, base = plan["micro_batch"] * plan["seq"], by.get((slow, "plain"), {})
+    lines = [f"### Step time, TP 2 across the shaped link ({', '.join(plan['rates'])})", "",
+             f"Setup: {model_words(m)}; {plan['micro_batch']}x{plan['seq']} tokens per step: {4 * m['n_layer'] + 2} "
+             f"all-reduces of [{tokens}, {m['d_model']}] fp32 ({4 * tokens * m['d_model'] / 1e6:.2f} MB) per step; "
+             f"{plan['steps']} steps, the first {plan['warmup']} untimed"
+             + (f"; full: K = {plan['full_partitions']}" if plan["full_partitions"] is not None else "") + ". "
+             + (f"Plain TP at {slow} waits {base[TP_WAIT + ' ms']:.0f} of its {base['step_ms']:.0f} ms on the "
+                f"all-reduces (rest: {base['rest ms']:.0f} ms). " if TP_WAIT + " ms" in base else "")
+             + runner.quiet_words(result["quiet"]) + ".", ""]
+    columns = [*TIMING_COLUMNS, *report.time_columns(timing_kinds(timing)), ("load_at_start", "load", "{:.1f}")]
+    for rate in plan["rates"]:
+        if at := [r for r in timing if r["setting"] == rate]:
+            lines += [f"**{rate}**", "", *report.md_table(at, columns), ""]
+    for key in ("full", "k0-topk-q4"):
+        if "speedup" in (full := by.get((slow, key), {})):
+            lines.append(f"- Goal: full AccTFM >= 1.8x plain TP at {slow}: {full['label']} "
+                         f"{full['speedup']:.2f}x, {'met' if full['speedup'] >= 1.8 else '**not met**'}.")
+    if planned := [r for r in timing if r.get("plan_log")]:
+        lines += ["", "Partition plans the planned runs logged:", "", "```"]
+        for r in planned:
+            lines += [f"# {r['key']} @ {r['setting']}", *filter(is_plan_line, r["plan_log"])]
+        lines += ["```"]
+    return lines + [""]
+
+
+def conv_markdown(result: dict, conv: list[dict]) -> list[str]:
+    plan, m = result["plan"], result["conv_model"]
+    by = {r["key"]: r for r in conv if r["ok"]}
+    lines = ["### Convergence on Tiny Shakespeare (2 loopback ranks, TP 2)", "",
+             f"Setup: {model_words(m)}; {plan['conv_micro_batch']}x{plan['seq']} tokens per step, {plan['conv_steps']} "
+             f"steps, lr {plan['lr']:g}; validation every {plan['eval_interval']} steps on {plan['eval_batches']} "
+             f"batches; full: K = {plan['conv_partitions']}.", "", *report.md_table(conv, CONV_COLUMNS), ""]
+    if "abs_vs_single" in by.get("plain", {}):
+        d = by["plain"]["abs_vs_single"]
+        lines.append(f"- Plain TP vs one process, final validation loss: {d:+.2e} (expected ~1e-4 or less: "
+                     f"{'met' if abs(d) <= 1e-4 else '**not met**'}).")
+    if "vs_plain" in by.get("full", {}):
+        v = by["full"]["vs_plain"]
+        lines.append(f"- {by['full']['label']}: {v:+.2%} from plain TP (target: within 1%: "
+                     f"{'met' if abs(v) <= 0.01 else '**not met**'}).")
+    if plan["conv_steps"] < 200:
+        lines.append(f"- Only {plan['conv_steps']} steps (`--quick`): judge the 1% target on the full run.")
+    return lines + [""]
 
 
 def joined(result: dict) -> list[str]:
     """One table of the runs measured in both parts: final validation loss and step time at the slowest rate."""
-    rows = [r for r in result["rows"] if r["ok"]]
-    timing = [r for r in rows if r["part"] == "timing"]
-    conv = {r["key"]: r for r in rows if r["part"] == "convergence"}
-    if not timing or not conv:
+    slow = slowest(result["plan"])
+    at = {r["key"]: r for r in result["rows"] if r["ok"] and r["part"] == "timing" and r["setting"] == slow}
+    conv = {r["key"]: r for r in result["rows"] if r["ok"] and r["part"] == "convergence"}
+    if len(keys := [k for k in at if k in conv]) < 2:
         return []
-    from scripts.cluster import parse_rate
+    rows = [{**at[k], "final_val_loss": conv[k]["final_val_loss"], "vs_plain": (vs := conv[k].get("vs_plain")),
+             "both": "–" if k == "plain" or vs is None or "speedup" not in at[k] else
+             ("both" if abs(vs) <= 0.01 and at[k]["speedup"] >= 1.8 else "no")} for k in keys]
+    columns = [("label", "run", "{}"), ("final_val_loss", "final validation loss", "{:.4f}"),
+               ("vs_plain", "vs plain TP", "{:+.2%}"), ("step_ms", f"step ms at {slow}", "{:.0f}"),
+               ("speedup", "speedup vs plain TP", "{:.2f}"), ("both", "1% and 1.8x", "{}")]
+    return [f"### Both parts: validation loss and step time at {slow}", "",
+            f"\"full\": K = {result['plan']['conv_partitions']} in the convergence part, K = "
+            f"{at['full']['partitions'] if 'full' in at else '?'} in the timing part.", "",
+            *report.md_table(rows, columns, align="lrrrrl"), ""]
 
-    slow = min(result["plan"]["rates"], key=parse_rate)
-    at = {r["key"]: r for r in timing if r["setting"] == slow}
-    keys = [k for k in at if k in conv]
-    if len(keys) < 2:
-        return []
-    out = [f"### Both parts: validation loss and step time at {slow}", "",
-           f"The runs measured in both parts (same keys; \"full\" is K = {result['plan']['conv_partitions']} in the "
-           f"convergence part and K = {at['full']['partitions'] if 'full' in at else '?'} in the timing part; "
-           "pipelining only reorders work).", "",
-           f"| run | final validation loss | vs plain TP | step ms at {slow} | speedup vs plain TP | 1% and 1.8x |",
-           "| --- | ---: | ---: | ---: | ---: | --- |"]
-    for k in keys:
-        c, t = conv[k], at[k]
-        vs = c.get("vs_plain")
-        both = "–" if k == "plain" or vs is None or "speedup" not in t else \
-            ("both" if abs(vs) <= 0.01 and t["speedup"] >= 1.8 else "no")
-        speedup = f"{t['speedup']:.2f}" if "speedup" in t else "–"
-        out.append(f"| {t['label']} | {c['final_val_loss']:.4f} | " + ("–" if vs is None else f"{vs:+.2%}")
-                   + f" | {t['step_ms']:.0f} | {speedup} | {both} |")
-    return out + [""]
+
+def markdown(result: dict) -> str:
+    timing, conv = ([r for r in result["rows"] if r["part"] == part] for part in ("timing", "convergence"))
+    lines = [f"Timing part skipped: {result['timing_skipped']}.", ""] if result.get("timing_skipped") else []
+    lines += timing_markdown(result, timing) if timing else []
+    if result.get("convergence_skipped"):
+        lines += [f"Convergence part skipped: {result['convergence_skipped']}.", ""]
+    lines += conv_markdown(result, conv) if conv else []
+    return "\n".join(lines + joined(result)).rstrip()
 
 
 def plots(result: dict, out_dir: Path) -> list[Path]:
     plt, paths = report.pyplot(), []
-    timing = [r for r in result["rows"] if r["ok"] and r["part"] == "timing"]
-    conv = [r for r in result["rows"] if r["ok"] and r["part"] == "convergence"]
+    timing, conv = ([r for r in result["rows"] if r["ok"] and r["part"] == p] for p in ("timing", "convergence"))
     if timing:
         rates = [rate for rate in result["plan"]["rates"] if any(r["setting"] == rate for r in timing)]
         fig, axes = plt.subplots(1, len(rates), figsize=(6.5 * len(rates), 4.5), squeeze=False)
-        kinds = sorted({k for r in timing for k in r.get("timing_kinds", [])}, key=lambda k: (k != TP_WAIT, k))
         for ax, rate in zip(axes[0], rates):
             at = [r for r in timing if r["setting"] == rate]
-            report.time_bars(ax, at, kinds, [r["key"] for r in at],
+            report.time_bars(ax, at, timing_kinds(timing), [r["key"] for r in at],
                              "ms per step (rank 0, mean after warm-up); rest = compute and other")
             ax.set_title(f"TP 2 across {rate}")
         paths.append(report.save(fig, out_dir, "tensor_parallel_step_time"))

@@ -1,7 +1,7 @@
 """The benchmark suite (scripts/bench/): what can be checked in seconds without the emulated cluster.
 
 The cluster benchmarks themselves (ablation, peers) take minutes and run in
-`python scripts/bench/suite.py --quick`; here: the registry's CLI and plans, the summary's ratios,
+`python scripts/bench/suite.py --quick`; here: the registry's CLI and plans, the T table's ratios,
 the report writer (tables, results, docs sections, plots), the skip paths (no root, no DeepSpeed,
 no data), the link sampler's step window, the kernel benchmark on tiny sizes, one real run of
 comm_volume on a tiny model checked against the ledger's bounds, and the peer runtimes training
@@ -140,10 +140,10 @@ def test_targets_t1_to_t6_from_the_rows(monkeypatch):
     monkeypatch.setattr(peers, "deepspeed_installed", lambda: True)
     result = peers.run(_args("peers", "--plan", "targets"), progress=lambda s: None)
     bf16_mb = result["model"]["params"] * 2 / 1e6
-    kernels = {"rows": [dict(op="copy_", numel=16 << 20, bits=None, threads=1, seconds=0.006, vs_copy=1.0),
-                        dict(op="quantize", numel=16 << 20, bits=8, threads=1, seconds=0.010, vs_copy=10 / 6),
-                        dict(op="dequantize", numel=16 << 20, bits=8, threads=1, seconds=0.007, vs_copy=7 / 6),
-                        dict(op="quantize", numel=16 << 20, bits=8, threads=2, seconds=0.001, vs_copy=0.5)]}
+    kernels = {"clock": "cpu", "rows": [
+        dict(op=op, numel=16 << 20, bits=bits, threads=threads, seconds=seconds, version="current")
+        for op, bits, threads, seconds in (("copy_", None, 1, 0.006), ("quantize", 8, 1, 0.010),
+                                           ("dequantize", 8, 1, 0.007), ("quantize", 8, 2, 0.001))]}
     items = suite.targets({"peers": result, "kernel_bandwidth": kernels})
     by = {}
     for it in items:
@@ -169,60 +169,30 @@ def test_targets_t1_to_t6_from_the_rows(monkeypatch):
     nothing = suite.targets({})  # nothing measured: every line says so, no verdicts
     assert all(it["value"] is None and it["met"] is None for it in nothing)
     assert "not measured" in "\n".join(suite.targets_markdown(nothing))
-    section = suite.summary_section({"peers": result}, suite.summary({"peers": result}), items)
-    assert "## Summary: issue 17's targets" in section and "--train.precision bf16" in section
-    assert "suite.py --targets" in section and "### Earlier targets" in section
-
-
-def test_summary_ratios_and_missing_values(monkeypatch):
-    """The earlier targets come from the benchmarks' own rows, here as ablation and peers compute them from (fake)
-    runs."""
-    _fake_runs(monkeypatch, {"zero3": 1000.0, "zeropp": 1e5 / 350, "ddp": 1e5 / 70, "fsdp2-fp32": 2000.0,
-                             "zero3-fp32": 1e5 / 120, "deepspeed-fp32": 1000.0, "zeropp-c32": 1e5 / 350},
-               {"zero3": 40.0, "zeropp": 10.0})
-    monkeypatch.setattr(peers, "deepspeed_installed", lambda: False)
-    ablation_result = ablation.run(_args("ablation", "--quick"), progress=lambda s: None)
-    peers_result = peers.run(_args("peers", "--quick", "--settings", "slow", "--runtimes", "zeropp-c32", "ddp",
-                                   "fsdp2-fp32", "deepspeed-fp32"), progress=lambda s: None)
-    monkeypatch.setattr(peers, "deepspeed_installed", lambda: True)
-    loopback = peers.run(_args("peers", "--settings", "loopback", "--runtimes", "zero3-fp32", "deepspeed-fp32"),
-                         progress=lambda s: None)
-    peers_result["rows"] += loopback["rows"]
-    items = suite.summary({"ablation": ablation_result, "comm_volume": {"total_ratio": 0.22}, "peers": peers_result,
-                           "convergence": {"rows": [dict(ok=True, key="zeropp-w8", rel_diff=0.004)]}})
-    by = {it["what"].split(",")[0]: it for it in items}
-    assert by["ZeRO++ / our ZeRO-3 throughput"]["value"] == pytest.approx(3.5)
-    assert by["ZeRO++ / our ZeRO-3 throughput"]["met"] is True
-    assert by["physical cross-node bytes per step"]["value"] == pytest.approx(0.25)
-    fastest = next(it for it in items if it["what"].startswith("ZeRO++ / fastest"))
-    assert fastest["value"] == pytest.approx(5.0) and "DDP" in fastest["what"]
-    same = [it for it in items if it["what"].startswith("our ZeRO-3 / DeepSpeed")]
-    assert [it["value"] for it in same if it["value"] is not None] == [pytest.approx(1.2)]
-    assert any(it["value"] is None and it["met"] is None for it in same)  # not measured: no verdict
-    assert next(it for it in items if it["what"].startswith("convergence"))["met"] is True
-    text = "\n".join(suite.summary_markdown(items))
-    assert "not measured" in text and "+0.40%" in text
+    section = suite.summary_markdown({"peers": dict(result, date="2026-11-25 10:00", load_average_start=1.0)}, items)
+    assert "| T1 |" in section and "--train.precision bf16" in section and "peers 2026-11-25 10:00" in section
 
 
 def test_a_partial_suite_run_keeps_the_other_results_and_refreshes_the_summary(tmp_path, monkeypatch):
     """--only / --targets: the results already in --out are kept (suite.json), the summary is refreshed in
     place and the other sections are left alone."""
     docs = tmp_path / "benchmarks.md"
-    docs.write_text(f"{report.TITLE}\n\nintro\n\n" + report.section("summary", "## Summary: the targets\n\n| old |")
-                    + report.section("ablation", "## 1. Ablation\n\nold ablation")
-                    + report.section("kernel_bandwidth", "## 5. Kernels\n\nold kernels"))
+    docs.write_text(f"{report.TITLE}\n\nintro\n\n## Summary\n\nhand-written\n\n" + report.section("summary", "| old |")
+                    + "\n## 1. Ablation\n\n" + report.section("ablation", "old ablation")
+                    + "\n## 5. Kernels\n\nabout kernels\n\n" + report.section("kernel_bandwidth", "old kernels"))
     monkeypatch.setattr(report, "DOCS", docs)
     monkeypatch.setattr(report, "DOCS_IMAGES", tmp_path / "img")
     out = tmp_path / "out"
     out.mkdir()
-    (out / "suite.json").write_text(json.dumps({"results": {"comm_volume": {"total_ratio": 0.2, "rows": []}}}))
+    (out / "suite.json").write_text(json.dumps({"results": {"comm_volume": {
+        "total_ratio": 0.2, "rows": [], "date": "2026-11-24 09:00", "load_average_start": 1.0}}}))
     monkeypatch.setattr(suite, "execute", lambda name, args, out, progress=print, **kw: (
         {"benchmark": name, "rows": [dict(op="copy_", numel=16 << 20, bits=None, threads=1, seconds=1.0, ms=1e3,
-                                          input_gbps=1.0, vs_copy=1.0, ok=True),
+                                          input_gbps=1.0, vs_copy=1.0, ok=True, version="current"),
                                      dict(op="quantize", numel=16 << 20, bits=8, threads=1, seconds=2.0, ms=2e3,
-                                          input_gbps=0.5, vs_copy=2.0, ok=True)],
+                                          input_gbps=0.5, vs_copy=2.0, ok=True, version="current")], "clock": "wall",
          "date": "2026-11-25 10:00", "load_average_start": 3.0, "sizes": [16 << 20], "threads": [1], "impl": "torch",
-         "dtype": "fp32", "block_size": 256, "repeats": 1, "seconds": 1.0, "args": vars(args)}, []))
+         "dtype": "fp32", "block_size": 256, "repeats": 1, "baseline": None, "seconds": 1.0, "args": vars(args)}, []))
     assert suite.main(["--only", "kernel_bandwidth", "--out", str(out)]) == 0
     saved = json.loads((out / "suite.json").read_text())
     assert set(saved["results"]) == {"comm_volume", "kernel_bandwidth"} and saved["kept_from_earlier_runs"]
@@ -232,6 +202,7 @@ def test_a_partial_suite_run_keeps_the_other_results_and_refreshes_the_summary(t
     assert "| old |" not in text and text.count("<!-- section:summary -->") == 1 and "old ablation" in text
     assert "old kernels" not in text and "kernel_bandwidth 2026-11-25 10:00 (load average 3.0" in text
     assert text.index("section:summary") < text.index("section:ablation")
+    assert "hand-written" in text and "about kernels" in text and text.count("## 5. Kernels") == 1
     assert suite.main(["--targets", "--skip", "peers", "--out", str(out), "--no-docs"]) == 0  # peers skipped here
     assert json.loads((out / "suite.json").read_text())["results"]["kernel_bandwidth"]["args"]["sizes"] == [16 << 20]
 
@@ -247,17 +218,16 @@ def test_report_tables_results_plots_and_docs_sections(tmp_path):
     assert paths[1].read_text().splitlines()[0] == "ok,a,b,error"
     info = report.machine_info()
     assert info["cores"] >= 1 and info["torch"] and "cores" in report.machine_line(info)
-    docs = tmp_path / "benchmarks.md"
-    report.update_docs_section(docs, "kernel_bandwidth", "first body")
-    report.update_docs_section(docs, "ablation", "other")
-    report.update_docs_section(docs, "kernel_bandwidth", "second body " + report.stamp(info, "cmd three"))
+    docs = tmp_path / "benchmarks.md"  # a section is appended under its heading once, then replaced in place
+    report.update_docs_section(docs, "kernel_bandwidth", "first body", "## 5. Kernels")
+    report.update_docs_section(docs, "ablation", "other", "## 1. Ablation")
+    stamp = report.stamp({"date": "2026-11-25 10:00", "command": "cmd three"}, info)
+    report.update_docs_section(docs, "kernel_bandwidth", "second body " + stamp, "## 5. Kernels")
     text = docs.read_text()
     assert text.startswith(report.TITLE) and "second body" in text and "first body" not in text
-    assert text.count("<!-- section:kernel_bandwidth -->") == 1 and "other" in text and "`cmd three`" in text
-    page = tmp_path / "export.md"  # an unmarked section: from its heading to the next one
-    page.write_text("# E\n\n## Old\n\nold text\n\n## Next\n\nkept\n")
-    report.update_docs_section(page, "old", "## Old\n\nnew text", heading="## Old")
-    assert "old text" not in page.read_text() and "new text" in page.read_text() and "kept" in page.read_text()
+    assert text.count("<!-- section:kernel_bandwidth -->") == 1 and text.count("## 5. Kernels") == 1
+    assert text.index("## 5. Kernels") < text.index("second body") < text.index("## 1. Ablation") < text.index("other")
+    assert "`cmd three`" in stamp and "2026-11-25," in stamp and report.machine_line(info) in stamp
     pytest.importorskip("matplotlib")
     fig, ax = report.pyplot().subplots()
     report.bars(ax, ["g1", "g2"], {"s1": [1, None], "s2": [2, 3]}, labels={"s2": ["a", ""]})
@@ -268,16 +238,18 @@ def test_report_tables_results_plots_and_docs_sections(tmp_path):
 def test_render_rewrites_docs_from_a_saved_suite_json(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "DOCS", tmp_path / "benchmarks.md")
     monkeypatch.setattr(report, "DOCS_IMAGES", tmp_path / "benchmarks")
-    results = {"ablation": {"skipped": "emulated cluster unavailable: root", "rows": []},
-               "convergence": {"skipped": "data not found", "rows": []}}
+    when = {"date": "2026-11-25 10:00", "load_average_start": 1.0}
+    results = {"ablation": {"skipped": "emulated cluster unavailable: root", "rows": [], **when},
+               "convergence": {"skipped": "data not found", "rows": [], **when}}
     saved = {"machine": report.machine_info(), "command": "python scripts/bench/suite.py --quick", "quick": True,
              "seconds": 12.0, "results": results}
     (tmp_path / "suite.json").write_text(json.dumps(saved))
     assert suite.main(["--render", str(tmp_path / "suite.json")]) == 0
     text = (tmp_path / "benchmarks.md").read_text()
     assert "## Summary" in text and "Skipped: emulated cluster unavailable: root." in text
-    assert text.index("section:ablation") < text.index("section:convergence")
-    assert json.loads((tmp_path / "suite.json").read_text())["summary"]
+    assert text.index("section:ablation") < text.index("section:convergence") and "| T1 |" in text
+    assert "python scripts/bench/suite.py --quick" in text  # each section says which run made it
+    assert json.loads((tmp_path / "suite.json").read_text())["targets"]
 
 
 def test_benchmarks_say_why_they_skip(monkeypatch, tmp_path):
