@@ -7,7 +7,7 @@ every benchmark.
     python scripts/bench/suite.py --out runs/bench/full --only ablation peers   # refreshes those sections and
                                                                   # the summary (the other results in DIR kept)
     python scripts/bench/suite.py --quick --no-docs        # leave docs/benchmarks.md alone
-    python scripts/bench/suite.py --render runs/bench/full/suite.json           # docs again, nothing run
+    python scripts/bench/suite.py --render DIR/suite.json                       # docs again, nothing run
     python scripts/bench/NAME.py [--quick] [--out DIR] [--update-docs] [its options; --help]   # one benchmark
 
 A benchmark is a module of this package with TITLE (its docs heading), add_args(parser) (a default that
@@ -38,7 +38,6 @@ from scripts.bench import report
 from scripts.bench.report import ROOT
 
 SUITE = ["comm_volume", "kernel_bandwidth", "ablation", "peers", "rlhf", "convergence"]  # run order: cheapest first
-DOC_ORDER = ["ablation", "peers", "comm_volume", "convergence", "kernel_bandwidth", "rlhf"]  # sections 1-6 of the docs
 BENCHMARKS = SUITE + ["memory", "reduce_scatter", "quantized_perplexity", "separate", "tensor_parallel"]
 
 
