@@ -531,7 +531,7 @@ class Trainer:
                 result.preempted = True
                 break
         if self.step_comm and self.env.world_size > 1:
-            log.info(cross_node_report(self.step_comm, self.runtime.zero3_cross_node_bytes(),
+            log.info(cross_node_report(self.step_comm, self.runtime.zero3_cross_node_bytes(t.grad_accum),
                                        self.cfg.zero_optimization.describe(),
                                        self.runtime.predicted_step_bytes(t.grad_accum)))
         result.checkpoint = self.save()

@@ -165,10 +165,11 @@ class DDPRuntime(Runtime):
         reduce = compression.describe() if compression.enabled else "fp32 all-reduce"
         return f"DDP ({reduce}) | topology: {self.mesh.describe()}"
 
-    def zero3_cross_node_bytes(self) -> dict[str, int]:
+    def zero3_cross_node_bytes(self, micro_batches: int = 1) -> dict[str, int]:
         if self.mesh is None:
             return {}
-        return zero3_cross_node_bytes(unit_numels(partition_units(self.module)), self.mesh, self.comm.node_aware)
+        return zero3_cross_node_bytes(unit_numels(partition_units(self.module)), self.mesh, self.comm.node_aware,
+                                      micro_batches)
 
     def close(self) -> None:
         if self.comm is not None:

@@ -149,22 +149,31 @@ def unit_numels(units: dict[str, list]) -> dict[str, int]:
     return {name: sum(p.numel() for _, p, _, _ in params) for name, params in units.items()}
 
 
-def zero3_cross_node_bytes(numels: dict[str, int], mesh: Mesh, node_aware: bool) -> dict[str, int]:
-    """Cross-node bytes a rank sends in one training step under plain ZeRO-3 (bf16 wire, no qwZ,
-    hpZ or qgZ, the default prefetch depth) for units of these sizes and this node layout, by the
-    ledger's rules."""
+def zero3_cross_node_bytes(numels: dict[str, int], mesh: Mesh, node_aware: bool,
+                           micro_batches: int = 1) -> dict[str, int]:
+    """Cross-node bytes a rank sends in one training step of `micro_batches` forward/backward
+    passes under plain ZeRO-3 (bf16 wire, no qwZ, hpZ or qgZ, the default prefetch depth) for
+    units of these sizes and this node layout, by the rules of `Zero3Engine.predicted_step_bytes`."""
     world = mesh.world_size
     # per shard: once to each remote node (node-aware), else to each peer on another node
     remote = mesh.num_nodes - 1 if node_aware else world - mesh.ranks_per_node
-    blocks = sorted({int(n.split(".")[1]) for n in numels if n.startswith("blocks.")})
-    regathered = set(blocks[:-(ZeroConfig.prefetch_depth + 1)])  # the last blocks' buffers still hold them
+    position = {b: i for i, b in enumerate(sorted({int(n.split(".")[1]) for n in numels if n.startswith("blocks.")}))}
+    held = ZeroConfig.prefetch_depth + 1  # blocks the rotating buffers hold
 
-    def cross(names):
-        return sum(remote * -(-max(1, numels[n]) // world) * DTYPES["bf16"].itemsize for n in names)
+    def passes(name: str, backward: bool) -> int:
+        if not name.startswith("blocks."):  # resident: gathered once per step and kept
+            return 0 if backward else 1
+        i = position[int(name.split(".")[1])]
+        if backward:  # the last `held` blocks stay from each forward to its backward
+            return micro_batches * (i < len(position) - held)
+        return 1 + (micro_batches - 1) * (i >= held)  # the first stay from a backward to the next forward
 
-    return {"forward gather": cross(numels),
-            "backward gather": cross(n for n in numels if n.startswith("blocks.") and int(n.split(".")[1]) in regathered),
-            "gradient reduce": cross(n for n in numels if not n.endswith(FROZEN_SUFFIX))}
+    def cross(name: str) -> int:
+        return remote * -(-max(1, numels[name]) // world) * DTYPES["bf16"].itemsize
+
+    return {"forward gather": sum(passes(n, False) * cross(n) for n in numels),
+            "backward gather": sum(passes(n, True) * cross(n) for n in numels),
+            "gradient reduce": micro_batches * sum(cross(n) for n in numels if not n.endswith(FROZEN_SUFFIX))}
 
 
 # ---------------------------------------------------------------------------- the engine
@@ -659,8 +668,8 @@ class Zero3Engine(Runtime):
                 f"{len(self.block_groups)} blocks gathered at once ({buffers / 2**20:.1f} MB of buffers) | "
                 f"topology: {self.mesh.describe()}")
 
-    def zero3_cross_node_bytes(self) -> dict[str, int]:
-        return zero3_cross_node_bytes(self._unit_numels, self.mesh, self.comm.node_aware)
+    def zero3_cross_node_bytes(self, micro_batches: int = 1) -> dict[str, int]:
+        return zero3_cross_node_bytes(self._unit_numels, self.mesh, self.comm.node_aware, micro_batches)
 
     def predicted_step_bytes(self, micro_batches: int = 1) -> dict[str, dict[str, int]]:
         """What this rank should send in one training step of `micro_batches` forward/backward

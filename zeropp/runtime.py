@@ -179,9 +179,10 @@ class Runtime:
     def describe(self) -> str:
         raise NotImplementedError
 
-    def zero3_cross_node_bytes(self) -> dict[str, int]:
-        """Cross-node bytes a rank sends in one step under plain ZeRO-3 (bf16) for this model and
-        node layout, by collective: the baseline the step's ledger is reported against."""
+    def zero3_cross_node_bytes(self, micro_batches: int = 1) -> dict[str, int]:
+        """Cross-node bytes a rank sends in one step of `micro_batches` passes under plain ZeRO-3
+        (bf16) for this model and node layout, by collective: the baseline the step's ledger is
+        reported against."""
         raise NotImplementedError
 
     def predicted_step_bytes(self, micro_batches: int = 1) -> dict[str, dict[str, int]]:

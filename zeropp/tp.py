@@ -642,8 +642,8 @@ class TensorParallelRuntime(Runtime):
     def describe(self) -> str:
         return f"{self.tp.config.describe()} x {self.inner.describe()}"
 
-    def zero3_cross_node_bytes(self) -> dict[str, int]:
-        return self.inner.zero3_cross_node_bytes()
+    def zero3_cross_node_bytes(self, micro_batches: int = 1) -> dict[str, int]:
+        return self.inner.zero3_cross_node_bytes(micro_batches)
 
     def predicted_step_bytes(self, micro_batches: int = 1) -> dict[str, dict[str, int]]:
         return self.inner.predicted_step_bytes(micro_batches)  # the DP dimension's (TP's all-reduces: not yet)
