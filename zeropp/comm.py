@@ -381,14 +381,17 @@ class Comm:
 
     def all_reduce(self, tensor: torch.Tensor, group: str = "dp", tag: str = "all-reduce", async_op: bool = False):
         n = self.mesh.size(group)
-        nbytes = tensor.numel() * tensor.element_size()
-        cross = self.mesh.remote_members(group)
-        volume = 2 * (n - 1) * nbytes // n  # ring all-reduce: reduce-scatter + all-gather
-        cross_volume = 2 * cross * nbytes // n
-        self.ledger.record(tag, tensor.dtype, volume, volume, cross_volume, cross_volume)
+        self.record_all_reduce(tag, tensor.dtype, tensor.numel() * tensor.element_size(), group)
         if n == 1:
             return _DoneWork() if async_op else None
         return dist.all_reduce(tensor, group=self.mesh.group(group), async_op=async_op)
+
+    def record_all_reduce(self, tag: str, dtype: torch.dtype, nbytes: int, group: str = "dp") -> None:
+        """Ledger an all-reduce of `nbytes` over `group` (also one that a library hook issues itself)."""
+        n, cross = self.mesh.size(group), self.mesh.remote_members(group)
+        volume = 2 * (n - 1) * nbytes // n  # ring all-reduce: reduce-scatter + all-gather
+        cross_volume = 2 * cross * nbytes // n
+        self.ledger.record(tag, dtype, volume, volume, cross_volume, cross_volume)
 
     def close(self) -> None:
         if self._executor is not None:

@@ -6,7 +6,7 @@ in the ledger, so a DDP run's traffic is reported like ZeRO's. One process: no w
 
 `gradient_compression` swaps the hook: SEPARATE all-reduces each bucket's projections and
 reconstructs (its error buffers are saved per rank beside the full checkpoint), or torch's
-own PowerSGD hook runs (the low-rank baseline; its traffic is not in the ledger).
+own PowerSGD hook runs (the low-rank baseline).
 """
 
 from __future__ import annotations
@@ -88,10 +88,18 @@ class DDPRuntime(Runtime):
         return work.get_future().then(lambda fut: fut.value()[0])
 
     def _powersgd_hook(self, state, bucket):
-        """torch's PowerSGD hook averages over the ranks: pre-scale so the result is sum / factor."""
+        """torch's PowerSGD hook averages over the ranks: pre-scale so the result is sum / factor.
+        It issues its all-reduces itself; the ledger gets their elements from the hook's own
+        statistics (the uncompressed tensors, P and Q), or the whole bucket while it still runs
+        plain all-reduces (before start_powerSGD_iter)."""
+        buffer = bucket.buffer()
         if self.gradient_divide_factor != self.world_size:
-            bucket.buffer().mul_(self.world_size / self.gradient_divide_factor)
-        return powerSGD_hook.powerSGD_hook(state, bucket)
+            buffer.mul_(self.world_size / self.gradient_divide_factor)
+        before = state.total_numel_after_compression
+        future = powerSGD_hook.powerSGD_hook(state, bucket)
+        numel = state.total_numel_after_compression - before or buffer.numel()
+        self.comm.record_all_reduce("gradient reduce", buffer.dtype, numel * buffer.element_size())
+        return future
 
     def _separate_hook(self, _, bucket):
         """Each bucket is one row of blocks: all-reduce its projections, reconstruct it whole."""
