@@ -707,6 +707,12 @@ class Zero3Engine(Runtime):
                 add(REDUCE_TAG, reduce, micro_batches)
         return {tag: {"sent": sent, "cross_node_sent": cross} for tag, (sent, cross) in totals.items()}
 
+    def preallocated_buffers(self) -> list[torch.Tensor]:
+        """The buffers made once at construction and reused every step: the units' gather and
+        compute views, the resident units' gradient buffers and the two alternating ones."""
+        views = [t for u in self.units.values() for pair in u.buffers for t in pair]
+        return views + [u.grad_buffer for u in self.resident if u.grad_buffer is not None] + self._grad_pair
+
     def model_state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Per-rank model-state memory by kind: master, comm copy, gradient shard, hpZ secondary,
         the reducer's error-feedback buffers, and the optimizer's states when given."""

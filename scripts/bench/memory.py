@@ -18,9 +18,7 @@ TITLE = "## Per-rank model-state memory of ZeRO-3"
 
 def buffers(engine) -> dict[int, int]:
     """Storage pointer -> bytes of every buffer the engine preallocates (gather, compute, gradient)."""
-    tensors = [t for u in engine.units.values() for pair in u.buffers for t in pair]
-    tensors += [u.grad_buffer for u in engine.resident if u.grad_buffer is not None] + engine._grad_pair
-    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in engine.preallocated_buffers()}
 
 
 def _measure(rank, world, preset, comm, seq, batch):

@@ -124,23 +124,28 @@ def _deep_prefetch_run(rank, world, depths, steps):
         engine, optimizer = make_engine(deeper_model(5), ZeroConfig(stage=3, communication_data_type="fp32",
                                                                    prefetch_depth=depth, zero_hpz_partition_size=2),
                                         ranks_per_node=2)
+        storages = lambda: {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())  # noqa: E731
+                            for t in engine.preallocated_buffers()}
+        before = storages()
         losses = [train_step(engine, optimizer, sample, rank, world) for sample in batches(steps)]
         gathers = engine.ledger.totals()["forward gather"]["calls"]
-        out[depth] = losses, engine.full_state_dict(), gathers, len(engine.units)
+        out[depth] = losses, engine.full_state_dict(), gathers, len(engine.units), before == storages()
         engine.close()
     return out
 
 
 def test_deeper_prefetch_matches_single_process():
     """prefetch_depth 2 and 3 (5 blocks, so the rotating buffers wrap) on 2 nodes x 2 with hpZ:
-    the same losses and weights as one process, and still one forward gather per unit and step."""
+    the same losses and weights as one process, still one forward gather per unit and step, and
+    every step in the buffers allocated at construction."""
     steps = 6
     ref_losses, ref_state = reference(deeper_model(5), steps)
-    for depth, (losses, state, gathers, units) in run_ranks(_deep_prefetch_run, 4, args=((2, 3), steps),
-                                                            ranks_per_node=2)[0].items():
+    for depth, (losses, state, gathers, units, same_buffers) in run_ranks(_deep_prefetch_run, 4, args=((2, 3), steps),
+                                                                          ranks_per_node=2)[0].items():
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, depth
         assert max((state[k] - ref_state[k]).abs().max().item() for k in state) < 1e-5, depth
         assert gathers == units * steps, depth
+        assert same_buffers, depth
 
 
 def _keep_gathered_run(rank, world, configs, steps):
