@@ -160,20 +160,24 @@ def zero3_cross_node_bytes(numels: dict[str, int], mesh: Mesh, node_aware: bool,
     position = {b: i for i, b in enumerate(sorted({int(n.split(".")[1]) for n in numels if n.startswith("blocks.")}))}
     held = ZeroConfig.prefetch_depth + 1  # blocks the rotating buffers hold
 
-    def passes(name: str, backward: bool) -> int:
+    def passes(name: str) -> tuple[int, int]:
         if not name.startswith("blocks."):  # resident: gathered once per step and kept
-            return 0 if backward else 1
-        i = position[int(name.split(".")[1])]
-        if backward:  # the last `held` blocks stay from each forward to its backward
-            return micro_batches * (i < len(position) - held)
-        return 1 + (micro_batches - 1) * (i >= held)  # the first stay from a backward to the next forward
+            return 1, 0
+        return block_gathers(position[int(name.split(".")[1])], len(position), held, micro_batches)
 
     def cross(name: str) -> int:
         return remote * -(-max(1, numels[name]) // world) * DTYPES["bf16"].itemsize
 
-    return {"forward gather": sum(passes(n, False) * cross(n) for n in numels),
-            "backward gather": sum(passes(n, True) * cross(n) for n in numels),
+    return {"forward gather": sum(passes(n)[0] * cross(n) for n in numels),
+            "backward gather": sum(passes(n)[1] * cross(n) for n in numels),
             "gradient reduce": micro_batches * sum(cross(n) for n in numels if not n.endswith(FROZEN_SUFFIX))}
+
+
+def block_gathers(i: int, blocks: int, held: int, micro_batches: int) -> tuple[int, int]:
+    """(forward, backward) gathers of the i-th of `blocks` blocks in a step of `micro_batches`
+    passes when the rotating buffers hold `held` blocks: the first `held` stay from one pass's
+    backward to the next forward, the last `held` from each forward to its backward."""
+    return 1 + (micro_batches - 1) * (i >= held), micro_batches * (i < blocks - held)
 
 
 # ---------------------------------------------------------------------------- the engine
@@ -698,10 +702,9 @@ class Zero3Engine(Runtime):
             if i is None:
                 add("forward gather", forward)
             else:
-                # the first `held` blocks stay from one micro-batch's backward to the next forward,
-                # the last `held` from each forward to its backward
-                add("forward gather", forward, 1 + (micro_batches - 1) * (i >= held))
-                add("backward gather", backward, micro_batches * (i < len(self.block_groups) - held))
+                forwards, backwards = block_gathers(i, len(self.block_groups), held, micro_batches)
+                add("forward gather", forward, forwards)
+                add("backward gather", backward, backwards)
             reduce = self.reducer.volume(u.padded_numel) if u.trainable else (0, 0)
             if reduce is not None:
                 add(REDUCE_TAG, reduce, micro_batches)
