@@ -230,9 +230,7 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
 
 def markdown(result: dict) -> str:
     m, rate = result["model"], result.get("physical_rate")
-    lines = [f"Setup: a {m['preset']}-shaped GPT-2, {m['n_layer']} layers, d_model {m['d_model']}, vocabulary "
-             f"{m['vocab_size']}: **{m['params'] / 1e6:.2f}M parameters** (embedding {100 * m['embedding_share']:.0f}%"
-             f"); {m['micro_batch']}x{m['seq_len']} tokens per rank, {result['ranks']} ranks as 2 nodes x "
+    lines = [f"Setup: {runner.model_words(m)} (embedding {100 * m['embedding_share']:.0f}%); {m['micro_batch']}x{m['seq_len']} tokens per rank, {result['ranks']} ranks as 2 nodes x "
              f"{result['ranks_per_node']}; ZeRO++ block size {result['block_size']}"
              + (f"; physical bytes on the emulated cluster at {rate}." if rate else "."), "",
              *report.md_table(result["rows"], COLUMNS if rate else COLUMNS[:7])]

@@ -131,8 +131,7 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
 def markdown(result: dict) -> str:
     plan, m = result["plan"], result["model"]
     return "\n".join([
-        f"Setup: Tiny Shakespeare (SentencePiece vocabulary {m['vocab_size']}); GPT-2 {m['n_layer']} layers, d_model "
-        f"{m['d_model']}, {m['n_head']} heads, {m['params'] / 1e6:.2f}M parameters; {plan['micro_batch']}x"
+        f"Setup: Tiny Shakespeare (SentencePiece vocabulary); {runner.model_words(m)}; {plan['micro_batch']}x"
         f"{plan['seq']} tokens per rank, {plan['steps']} steps, lr {plan['lr']:g}; validation every "
         f"{plan['eval_interval']} steps on {plan['eval_batches']} batches per rank.", "",
         *report.md_table(result["rows"], COLUMNS)])

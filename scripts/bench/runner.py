@@ -74,8 +74,8 @@ def model_facts(mc, preset: str, seq_len: int) -> dict:
 
 def model_words(m: dict) -> str:
     """A model (model_facts) as the docs' setup lines state it."""
-    return (f"{m['preset']}, {m['n_layer']} layers, d_model {m['d_model']}, vocabulary {m['vocab_size']}: "
-            f"{m['params'] / 1e6:.2f}M parameters")
+    return (f"{m['preset']}, {m['n_layer']} layers, d_model {m['d_model']}, {m['n_head']} heads, vocabulary "
+            f"{m['vocab_size']}: {m['params'] / 1e6:.2f}M parameters")
 
 
 # ---------------------------------------------------------------- the cluster

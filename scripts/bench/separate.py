@@ -188,8 +188,7 @@ def markdown(result: dict) -> str:
     plan, m, rows = result["plan"], result["model"], result["rows"]
     sep = next((r["runtime"] for r in rows if "sep" in r["key"] and r["ok"]), None)
     conv, wall = ([r for r in rows if r["part"] == part] for part in ("convergence", "wallclock"))
-    lines = [f"Setup: GPT-2 {m['n_layer']} layers, d_model {m['d_model']}, {m['n_head']} heads, vocabulary "
-             f"{m['vocab_size']}, {m['params'] / 1e6:.2f}M parameters; {plan['micro_batch']}x{plan['seq']} tokens per "
+    lines = [f"Setup: {runner.model_words(m)}; {plan['micro_batch']}x{plan['seq']} tokens per "
              f"rank, {plan['steps']} steps, lr {plan['lr']:g}; validation every {plan['eval_interval']} steps on "
              f"{plan['eval_batches']} batches per rank; SEPARATE block size {plan['block_size'] or 1024} unless the "
              "label says otherwise" + (f"; runtime: `{sep}`" if sep else "") + "."]

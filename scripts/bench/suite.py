@@ -34,7 +34,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from scripts.bench import report
+from scripts.bench import report, runner
 from scripts.bench.report import ROOT
 
 SUITE = ["comm_volume", "kernel_bandwidth", "ablation", "peers", "rlhf", "convergence"]  # run order: cheapest first
@@ -281,9 +281,8 @@ def summary_markdown(results: dict, t_items: list[dict]) -> str:
                   key=lambda r: (r["setting"] == "loopback", T_KEYS.index(r["key"])))
     lines = ["Measured: " + "; ".join(when) + ".", "", *targets_markdown(t_items), ""]
     if rows:
-        lines += [f"Model: GPT-2 of {model['n_layer']} layers, d_model {model['d_model']}, vocabulary "
-                  f"{model['vocab_size']}, {model['params'] / 1e6:.2f}M parameters; {peers['plan']['micro_batch']}x"
-                  f"{model['seq_len']} tokens per rank and step.", ""]
+        lines += [f"Model: {runner.model_words(model)}; {peers['plan']['micro_batch']}x{model['seq_len']} tokens per "
+                  "rank and step.", ""]
     if rows:
         table = [{**r, "step": report.fmt(r.get("step_ms"), "{:.0f}") if r["ok"] else "failed",
                   "args": " ".join(r["args"]) or "–"} for r in rows]

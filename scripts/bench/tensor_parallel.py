@@ -245,11 +245,6 @@ def timing_kinds(rows: list[dict]) -> list[str]:
     return sorted({k for r in rows for k in r.get("timing_kinds", [])}, key=lambda k: (k != TP_WAIT, k))
 
 
-def model_words(m: dict) -> str:
-    return (f"GPT-2 {m['n_layer']} layers, d_model {m['d_model']}, {m['n_head']} heads, vocabulary {m['vocab_size']}, "
-            f"{m['params'] / 1e6:.2f}M parameters")
-
-
 def slowest(plan: dict) -> str:
     from scripts.cluster import parse_rate
 
@@ -261,7 +256,7 @@ def timing_markdown(result: dict, timing: list[dict]) -> list[str]:
     by = {(r["setting"], r["key"]): r for r in timing if r["ok"]}
     tokens, base = plan["micro_batch"] * plan["seq"], by.get((slow, "plain"), {})
     lines = [f"### Step time, TP 2 across the shaped link ({', '.join(plan['rates'])})", "",
-             f"Setup: {model_words(m)}; {plan['micro_batch']}x{plan['seq']} tokens per step: {4 * m['n_layer'] + 2} "
+             f"Setup: {runner.model_words(m)}; {plan['micro_batch']}x{plan['seq']} tokens per step: {4 * m['n_layer'] + 2} "
              f"all-reduces of [{tokens}, {m['d_model']}] fp32 ({4 * tokens * m['d_model'] / 1e6:.2f} MB) per step; "
              f"{plan['steps']} steps, the first {plan['warmup']} untimed"
              + (f"; full: K = {plan['full_partitions']}" if plan["full_partitions"] is not None else "") + ". "
@@ -288,7 +283,7 @@ def conv_markdown(result: dict, conv: list[dict]) -> list[str]:
     plan, m = result["plan"], result["conv_model"]
     by = {r["key"]: r for r in conv if r["ok"]}
     lines = ["### Convergence on Tiny Shakespeare (2 loopback ranks, TP 2)", "",
-             f"Setup: {model_words(m)}; {plan['conv_micro_batch']}x{plan['seq']} tokens per step, {plan['conv_steps']} "
+             f"Setup: {runner.model_words(m)}; {plan['conv_micro_batch']}x{plan['seq']} tokens per step, {plan['conv_steps']} "
              f"steps, lr {plan['lr']:g}; validation every {plan['eval_interval']} steps on {plan['eval_batches']} "
              f"batches; full: K = {plan['conv_partitions']}.", "", *report.md_table(conv, CONV_COLUMNS), ""]
     if "abs_vs_single" in by.get("plain", {}):
