@@ -67,6 +67,8 @@ def add_args(p) -> None:
     p.add_argument("--block-size", type=int, help="SEPARATE block size (default 1024, gaussian 256)")
     p.add_argument("--sep-set", nargs="+", default=[], metavar="KEY=VALUE",
                    help="more gradient_compression keys of every SEPARATE run")
+    p.add_argument("--model-set", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="model keys of every run, e.g. n_layer=6 d_model=384 (default: convergence.py's model)")
     p.add_argument("--eval-interval", type=int, help="default: steps / 20 (quick: steps / 5)")
     for name, typ, default, what in [("eval-batches", int, 8, "per rank"), ("micro-batch", int, 4, "per rank"),
                                      ("seq", int, 128, "tokens"), ("lr", float, 2e-3, "peak"),
@@ -83,8 +85,10 @@ def resolve(args) -> dict:
 
 
 def train_args(plan: dict) -> list[str]:
-    """convergence.py's job, logging every step, evaluating at step 0, computing in fp32 everywhere."""
-    return convergence.fp32_curve_args(plan, param_dtype="fp32")
+    """convergence.py's job (its model with `model_set`'s changes), logging every step, evaluating at step 0,
+    computing in fp32 everywhere."""
+    model = [arg for kv in plan["model_set"] for arg in (f"--model.{kv.partition('=')[0]}", kv.partition("=")[2])]
+    return [*convergence.fp32_curve_args(plan, param_dtype="fp32"), *model]
 
 
 def run_one(key: str, plan: dict, part: str, work: Path, cluster=None) -> dict:

@@ -436,3 +436,24 @@ def test_tensor_parallel_plans_run_keys_and_skips(monkeypatch, tmp_path):
     assert not result["rows"] and "root" in result["timing_skipped"] and "not found" in result["convergence_skipped"]
     text = suite.markdown("tensor_parallel", result, {})
     assert "Timing part skipped" in text and "Convergence part skipped" in text
+
+
+def test_separate_run_keys_and_model_changes(tmp_path):
+    """SEPARATE's benchmark: its run keys become gradient_compression keys, an unknown one is refused, and
+    --model-set changes the model every job builds (a wrong key fails in the model summary, before any run)."""
+    from scripts.bench import separate
+
+    plan = separate.resolve(_args("separate", "--model-set", "n_layer=3", "d_model=64", "--sep-set", "beta=0.01"))
+    label, keys = separate.config("zpp-sep32gef", plan)
+    assert "CR 32" in label and "gaussian, block 256" in label and keys["zero_quantized_gradients"] is True
+    assert keys["gradient_compression.ratio"] == "32" and keys["gradient_compression.projection"] == "gaussian"
+    assert keys["gradient_compression.reconstruction"] == "contractive"
+    assert keys["gradient_compression.beta"] == "0.01"  # --sep-set comes last
+    with pytest.raises(ValueError, match="unknown run"):
+        separate.config("sep16x", plan)
+    base, changed = (runner.model_summary(config_args=separate.train_args(p))
+                     for p in (separate.resolve(_args("separate")), plan))
+    assert (base["n_layer"], base["d_model"]) == (2, 128) and (changed["n_layer"], changed["d_model"]) == (3, 64)
+    assert changed["params"] < base["params"]
+    with pytest.raises((SystemExit, ValueError)):
+        runner.model_summary(config_args=separate.train_args({**plan, "model_set": ["n_layers=3"]}))
