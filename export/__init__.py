@@ -7,10 +7,11 @@ A package of its own because it joins every layer below it: the model (models/),
 """
 
 from export.quantized import (dequantized_state_dict, export_gguf, export_lowbit, gguf_qtype, is_lowbit_dir,
-                              load_lowbit)
+                              load_lowbit, lowbit_weights)
 from export.sources import Grid, Source, load_source
 
 __all__ = [
     "dequantized_state_dict", "export_gguf", "export_lowbit", "gguf_qtype", "is_lowbit_dir", "load_lowbit",
+    "lowbit_weights",
     "Grid", "Source", "load_source",
 ]

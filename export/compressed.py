@@ -17,6 +17,9 @@ Dense in the export, with their values on the grid (what a qwZ forward computes 
 LM head and OPT's project_in / project_out (listed in `ignore`); vectors in fp32 (on the grid with
 `vectors_on_grid`). GPT-2 is refused: HF stores its layers as Conv1D ([in, out]), which the format's schemes
 (nn.Linear along the input dim) do not describe.
+
+Written tensor by tensor (the layout from the shapes first, then each weight read, packed and written before
+the next one): the peak is one weight and its codes, not the model.
 """
 
 from __future__ import annotations
@@ -26,12 +29,12 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from export.quantized import _check_bits, _check_vocab, _fp32_weights, _tokenizer, is_quantized, on_grid
 from kernels import pack_codes, quantize, unpack_codes
 from models.config import ModelConfig
 from models.hf import add_fast_tokenizer, config_to_hf, staged_directory, to_hf_state_dict
+from models.streaming import SafetensorsWriter
 from zeropp.quantized import WEIGHT_SCALE_DTYPE
 
 FORMAT = "pack-quantized"
@@ -88,20 +91,26 @@ def export_compressed_tensors(weights, config: ModelConfig, out_dir, bits: int, 
     if out_dir.exists() and not out_dir.is_dir():
         raise FileExistsError(f"{out_dir} exists and is not a directory")
 
-    tensors, groups, ignore = {}, {}, {"score" if config.num_labels else "lm_head"}
-    for name, t in state.items():
-        hf = to_hf_state_dict({name: t}, config)  # one tensor; none for a tied head (transformers ties it)
+    # The plan, from the shapes alone: every tensor of the file, the group size of each layer.
+    specs, groups, ignore = {}, {}, {"score" if config.num_labels else "lm_head"}
+    layers = {}  # our name -> its HF module, for the Linear layers of the blocks
+    for name, spec in state.specs.items():
+        hf = to_hf_state_dict({name: spec}, config)  # one tensor; none for a tied head (transformers ties it)
         for hf_name, value in hf.items():
             module = hf_name.removesuffix(".weight")
-            if is_quantized(t) and name.startswith("blocks."):  # a Linear of the blocks
-                layer, group = _layer(value, bits, block_size)
-                tensors.update({f"{module}.{key}": v for key, v in layer.items()})
+            if is_quantized(spec) and name.startswith("blocks."):  # a Linear of the blocks
+                rows, cols = value.shape
+                group = math.gcd(cols, block_size)
+                specs[f"{module}.weight_packed"] = torch.empty(rows, math.ceil(cols * bits / 32), dtype=torch.int32,
+                                                               device="meta")
+                specs[f"{module}.weight_scale"] = torch.empty(rows, cols // group, device="meta")
+                specs[f"{module}.weight_shape"] = torch.empty(2, dtype=torch.int64, device="meta")
                 groups.setdefault(group, []).append(module)
+                layers[name] = module
                 continue
-            if is_quantized(t) and name not in _EMBEDDINGS:  # the head, OPT's project_in / project_out
+            if is_quantized(spec) and name not in _EMBEDDINGS:  # the head, OPT's project_in / project_out
                 ignore.add(module)
-            tensors[hf_name] = on_grid(value, bits, block_size) if is_quantized(t) or vectors_on_grid \
-                else value.contiguous()
+            specs[hf_name] = value
     schemes = {f"group_{i}": _scheme(["Linear"] if len(groups) == 1 else sorted(modules), bits, group)
                for i, (group, modules) in enumerate(sorted(groups.items()))}
     token_ids = None if tokenizer is None else {
@@ -114,7 +123,18 @@ def export_compressed_tensors(weights, config: ModelConfig, out_dir, bits: int, 
     hf_config["zeropp_quantization_block_size"] = block_size  # provenance; transformers keeps it as an attribute
 
     with staged_directory(out_dir) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        with SafetensorsWriter(tmp / "model.safetensors", specs, metadata={"format": "pt"}) as writer:
+            for name in state:  # one weight at a time
+                t = state[name]
+                if name in layers:
+                    (value,) = to_hf_state_dict({name: t}, config).values()
+                    layer, _ = _layer(value, bits, block_size)
+                    for key, v in layer.items():
+                        writer.write(f"{layers[name]}.{key}", v)
+                    continue
+                for hf_name, value in to_hf_state_dict({name: t}, config).items():
+                    writer.write(hf_name, on_grid(value, bits, block_size) if is_quantized(t) or vectors_on_grid
+                                 else value.contiguous())
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         if tokenizer is not None:
             tokenizer.save(tmp)

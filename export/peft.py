@@ -30,8 +30,7 @@ from models.config import ModelConfig
 from models.hf import staged_directory, to_hf_state_dict
 from models.lora import LoRALinear, apply_lora
 from models.transformer import Transformer
-from trainer.checkpoint import read_state, verify_checkpoint
-from zeropp.checkpoint import SHARDED, consolidated_state_dict, read_safetensors
+from trainer.checkpoint import checkpoint_tensors, read_state, verify_checkpoint
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
@@ -217,7 +216,8 @@ def export_peft_adapter(checkpoint, out_dir, base_model_name_or_path=None) -> Pa
     """A LoRA fine-tune's checkpoint (a step dir, either format) -> a PEFT adapter directory.
 
     The adapters are the fp32 values the run optimized; the base model defaults to the run's
-    finetune.hf_checkpoint. Only the adapters are kept: the model is built on the meta device.
+    finetune.hf_checkpoint. Only the adapters are read (from the ranges of the checkpoint's files that
+    hold them) and kept: the model is built on the meta device.
     """
     checkpoint = Path(checkpoint)
     verify_checkpoint(checkpoint)
@@ -229,8 +229,7 @@ def export_peft_adapter(checkpoint, out_dir, base_model_name_or_path=None) -> Pa
     base = base_model_name_or_path or ((state.get("config") or {}).get("finetune") or {}).get("hf_checkpoint")
     if not base:
         raise ValueError(f"checkpoint {checkpoint} names no base model (finetune.hf_checkpoint): pass one")
-    weights = consolidated_state_dict(checkpoint) if state.get("format") == SHARDED \
-        else read_safetensors(checkpoint / "model.safetensors")
+    weights = checkpoint_tensors(checkpoint, state)  # lazy: each tensor read when looked up
     with torch.device("meta"):
         model = Transformer(ModelConfig(**state["model_config"]))
         apply_lora(model, lora["targets"], lora["r"], lora["alpha"], lora.get("dropout", 0.0))

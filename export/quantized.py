@@ -15,6 +15,11 @@ are stored as their fp32 values dequant(quant(v)), which is what a qwZ forward u
 Outputs are written next to the target and renamed into place, so a crash never leaves a
 half-written export under the real name; an existing output is replaced (the old one is moved
 aside first and deleted only once the new one is in place).
+
+Both are written tensor by tensor: the weights may be a models.streaming.LazyTensors (a training
+checkpoint read one parameter at a time, trainer.checkpoint.checkpoint_weights), the file layout
+is computed from the shapes first, and each weight is read, quantized and written before the next
+one, so the peak is one tensor and its codes, not the model.
 """
 
 from __future__ import annotations
@@ -28,13 +33,11 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
-
 from data.tokenizer import SentencePieceTokenizer, Tokenizer, load_tokenizer
 from kernels import BITS, dequantize, num_blocks, packed_bytes, quantize, unpack_codes
 from models.config import ModelConfig
-from models.hf import replace_output, staged_directory, to_hf_state_dict
+from models.hf import hf_weights, replace_output, staged_directory
+from models.streaming import LazyTensors, SafetensorsFile, SafetensorsWriter, return_freed_memory_to_the_os
 from models.transformer import Transformer, rope_inv_freq
 from zeropp.quantized import WEIGHT_SCALE_DTYPE
 
@@ -48,14 +51,17 @@ GGUF_BLOCK = 32  # elements per GGUF Q8_0 / Q4_0 block
 # The quantization grid
 
 
-def _fp32_weights(weights, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every parameter of the model `config` describes, in fp32 on the CPU, by our names.
+def _fp32_weights(weights, config: ModelConfig) -> LazyTensors:
+    """Every parameter of the model `config` describes, in fp32 on the CPU, by our names, each
+    converted when it is looked up.
 
-    `weights` is a Transformer or its state dict; a tied LM head appears once (as the token
-    embedding). Names and shapes are checked against the config.
+    `weights` is a Transformer, its state dict, or a models.streaming.LazyTensors of either (then
+    nothing is read here); a tied LM head appears once (as the token embedding). Names and shapes
+    are checked against the config.
     """
     if isinstance(weights, torch.nn.Module):
         weights = dict(weights.named_parameters())
+    weights = LazyTensors.of(weights)
     with torch.device("meta"):
         expected = dict(Transformer(config).named_parameters())  # shared parameters once
     extra = {"head.weight"} if config.tie_embeddings else set()  # a state_dict() lists the tied head too
@@ -65,10 +71,11 @@ def _fp32_weights(weights, config: ModelConfig) -> dict[str, torch.Tensor]:
         raise ValueError(f"weights do not match the {config.arch} model of the config: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
     for name, want in expected.items():
-        if tuple(weights[name].shape) != tuple(want.shape):
-            raise ValueError(f"weight {name!r} has shape {tuple(weights[name].shape)}, expected {tuple(want.shape)} "
-                             f"from the config")
-    return {name: weights[name].detach().to("cpu", torch.float32) for name in expected}
+        if tuple(weights.spec(name).shape) != tuple(want.shape):
+            raise ValueError(f"weight {name!r} has shape {tuple(weights.spec(name).shape)}, expected "
+                             f"{tuple(want.shape)} from the config")
+    specs = {name: torch.empty(want.shape, device="meta") for name, want in expected.items()}
+    return LazyTensors(specs, lambda name: weights[name].detach().to("cpu", torch.float32))
 
 
 def is_quantized(tensor: torch.Tensor) -> bool:
@@ -84,7 +91,7 @@ def on_grid(tensor: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
 
 def dequantized_state_dict(weights, config: ModelConfig, bits: int, block_size: int,
                            vectors_on_grid: bool = False) -> dict[str, torch.Tensor]:
-    """The fp32 weights an export at (bits, block_size) represents, by our parameter names."""
+    """The fp32 weights an export at (bits, block_size) represents, by our parameter names (all in memory)."""
     return {name: on_grid(t, bits, block_size) if is_quantized(t) or vectors_on_grid else t
             for name, t in _fp32_weights(weights, config).items()}
 
@@ -134,21 +141,31 @@ def export_lowbit(weights, config: ModelConfig, out_dir, bits: int, block_size: 
     if out_dir.exists() and not out_dir.is_dir():
         raise FileExistsError(f"{out_dir} exists and is not a directory")
 
-    tensors, quantized, plain = {}, {}, {}
-    for name, t in state.items():
-        if is_quantized(t):
-            q = quantize(t.reshape(-1), bits, block_size, scale_dtype=WEIGHT_SCALE_DTYPE)
-            tensors[f"{name}.codes"], tensors[f"{name}.scales"] = q.codes, q.scales
-            quantized[name] = list(t.shape)
+    specs, quantized, plain = {}, {}, {}
+    for name, spec in state.specs.items():
+        if is_quantized(spec):
+            specs[f"{name}.codes"] = torch.empty(packed_bytes(spec.numel(), bits, block_size), dtype=torch.uint8,
+                                                 device="meta")
+            specs[f"{name}.scales"] = torch.empty(num_blocks(spec.numel(), block_size), dtype=WEIGHT_SCALE_DTYPE,
+                                                  device="meta")
+            quantized[name] = list(spec.shape)
         else:
-            tensors[name] = on_grid(t, bits, block_size) if vectors_on_grid else t.contiguous()
-            plain[name] = list(t.shape)
+            specs[name] = spec
+            plain[name] = list(spec.shape)
     meta = {"format": LOWBIT_FORMAT, "version": LOWBIT_VERSION, "bits": bits, "block_size": block_size,
             "scale_dtype": "float16", "vectors_on_grid": vectors_on_grid,
             "model_config": dataclasses.asdict(config), "quantized": quantized, "fp32": plain}
 
     with staged_directory(out_dir) as tmp:
-        save_file(tensors, str(tmp / LOWBIT_WEIGHTS), metadata={"format": "pt"})
+        with SafetensorsWriter(tmp / LOWBIT_WEIGHTS, specs, metadata={"format": "pt"}) as writer:
+            for name in state:  # one weight at a time
+                t = state[name]
+                if name in quantized:
+                    q = quantize(t.reshape(-1), bits, block_size, scale_dtype=WEIGHT_SCALE_DTYPE)
+                    writer.write(f"{name}.codes", q.codes)
+                    writer.write(f"{name}.scales", q.scales)
+                else:
+                    writer.write(name, on_grid(t, bits, block_size) if vectors_on_grid else t.contiguous())
         (tmp / LOWBIT_META).write_text(json.dumps(meta, indent=1) + "\n")
         tokenizer.save(tmp)
     return out_dir
@@ -158,8 +175,10 @@ def is_lowbit_dir(path) -> bool:
     return (Path(path) / LOWBIT_META).is_file()
 
 
-def load_lowbit(path) -> tuple[Transformer, dict]:
-    """(fp32 Transformer with the dequantized weights, the export's quantization.json contents)."""
+def lowbit_weights(path) -> tuple[ModelConfig, dict, LazyTensors]:
+    """(the model config, the export's quantization.json contents, its fp32 weights by our names, each
+    read and dequantized when looked up). Every tensor's presence, dtype and size is checked against
+    the JSON from the file's header first."""
     path = Path(path)
     meta_file, weights_file = path / LOWBIT_META, path / LOWBIT_WEIGHTS
     if not meta_file.is_file():
@@ -180,31 +199,48 @@ def load_lowbit(path) -> tuple[Transformer, dict]:
         raise ValueError(f"{meta_file}: {type(e).__name__}: {e}") from e
     if not weights_file.is_file():
         raise FileNotFoundError(f"{weights_file} not found (listed by {meta_file})")
-
-    def read(f, key, dtype, numel):
-        if key not in f.keys():
-            raise ValueError(f"{weights_file}: tensor {key!r} is missing")
-        t = f.get_tensor(key)
-        if t.dtype != dtype or t.numel() != numel:
-            raise ValueError(f"{weights_file}: tensor {key!r} is {t.dtype} with {t.numel()} elements, expected "
-                             f"{dtype} with {numel}")
-        return t
-
-    state = {}
     try:
-        with safe_open(weights_file, framework="pt") as f:
-            for name, shape in quantized.items():
-                numel = int(np.prod(shape))
-                codes = read(f, f"{name}.codes", torch.uint8, packed_bytes(numel, bits, block_size))
-                scales = read(f, f"{name}.scales", WEIGHT_SCALE_DTYPE, num_blocks(numel, block_size))
-                state[name] = dequantize(codes, scales, numel, bits, block_size).view(shape)
-            for name, shape in plain.items():
-                state[name] = read(f, name, torch.float32, int(np.prod(shape))).view(shape)
-    except SafetensorError as e:
+        f = SafetensorsFile(weights_file)
+    except ValueError as e:
         raise ValueError(f"{weights_file}: cannot read safetensors file, it may be truncated or corrupt ({e})") from e
-    state = _fp32_weights(state, config)  # every parameter present, shapes right
+
+    def check(key, dtype, numel):
+        if key not in f.entries:
+            raise ValueError(f"{weights_file}: tensor {key!r} is missing")
+        spec = f.spec(key)
+        if spec.dtype != dtype or spec.numel() != numel:
+            raise ValueError(f"{weights_file}: tensor {key!r} is {spec.dtype} with {spec.numel()} elements, expected "
+                             f"{dtype} with {numel}")
+
+    for name, shape in quantized.items():
+        numel = int(np.prod(shape))
+        check(f"{name}.codes", torch.uint8, packed_bytes(numel, bits, block_size))
+        check(f"{name}.scales", WEIGHT_SCALE_DTYPE, num_blocks(numel, block_size))
+    for name, shape in plain.items():
+        check(name, torch.float32, int(np.prod(shape)))
+
+    def load(name: str) -> torch.Tensor:
+        try:
+            if name in quantized:
+                shape = quantized[name]
+                numel = int(np.prod(shape))
+                return dequantize(f.read(f"{name}.codes"), f.read(f"{name}.scales"), numel, bits, block_size).view(shape)
+            return f.read(name).view(plain[name])
+        except ValueError as e:
+            raise ValueError(f"{weights_file}: cannot read safetensors file, it may be truncated or corrupt ({e})") \
+                from e
+
+    specs = {name: torch.empty(shape, device="meta") for name, shape in {**quantized, **plain}.items()}
+    return config, meta, _fp32_weights(LazyTensors(specs, load), config)  # every parameter present, shapes right
+
+
+def load_lowbit(path) -> tuple[Transformer, dict]:
+    """(fp32 Transformer with the dequantized weights, the export's quantization.json contents)."""
+    config, meta, weights = lowbit_weights(path)
     model = Transformer(config)
-    model.load_state_dict(state, strict=False)  # strict=False: a tied head is absent from `state`
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # a tied head once, as the token embedding
+            param.copy_(weights[name])
     return model, meta
 
 
@@ -336,20 +372,19 @@ def _check_gguf_config(config: ModelConfig) -> None:
         raise ValueError(f"GGUF export: a score model (num_labels={config.num_labels}) has no llama.cpp head")
 
 
-def _gguf_tensors(state: dict[str, torch.Tensor], config: ModelConfig):
-    """(HF name, row parts) per tensor, every part in nn.Linear layout and one of our parameters.
+def _gguf_parts(hf_name: str, t: torch.Tensor, config: ModelConfig) -> list[torch.Tensor]:
+    """The row parts of one HF tensor, every part in nn.Linear layout and one of our parameters (on
+    meta tensors too: the plan of the file, before anything is read).
 
     GPT-2's Conv1D weights are transposed back, and its fused c_attn is split into q/k/v again:
     llama.cpp's attn_qkv is their rows stacked, each part quantized as the parameter it is.
     """
-    for name, t in to_hf_state_dict(state, config).items():
-        if config.arch == "gpt2":
-            if t.dim() == 2 and name.startswith("transformer.h."):
-                t = t.t()
-            if ".attn.c_attn." in name:
-                yield name, list(t.split(config.d_model))
-                continue
-        yield name, [t]
+    if config.arch == "gpt2":
+        if t.dim() == 2 and hf_name.startswith("transformer.h."):
+            t = t.t()
+        if ".attn.c_attn." in hf_name:
+            return list(t.split(config.d_model))
+    return [t]
 
 
 def _add_gguf_hparams(writer: gguf.GGUFWriter, config: ModelConfig) -> None:
@@ -403,8 +438,9 @@ def export_gguf(weights, config: ModelConfig, out_path, qtype: str, tokenizer_di
     if block_size % GGUF_BLOCK:
         raise ValueError(f"block_size={block_size}: GGUF needs a multiple of {GGUF_BLOCK} so that each {qtype} block "
                          f"has one of our scales (train with zero_quantization_block_size a multiple of 32)")
-    tensors = list(_gguf_tensors(_fp32_weights(weights, config), config))  # HF names, which gguf-py maps to GGUF's
-    for name, parts in tensors:
+    hf = hf_weights(_fp32_weights(weights, config), config)  # HF names, which gguf-py maps to GGUF's; read lazily
+    plan = {hf_name: _gguf_parts(hf_name, spec, config) for hf_name, spec in hf.specs.items()}  # shapes only
+    for name, parts in plan.items():
         if is_quantized(parts[0]) and parts[0].shape[1] % GGUF_BLOCK:
             raise ValueError(f"GGUF export: tensor {name!r} has rows of {parts[0].shape[1]} elements, not a multiple "
                              f"of {GGUF_BLOCK} ({qtype} blocks run along a row)")
@@ -418,6 +454,7 @@ def export_gguf(weights, config: ModelConfig, out_path, qtype: str, tokenizer_di
         else {}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.parent / f".{out_path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    return_freed_memory_to_the_os()  # each tensor's blocks go back to the OS once written
     writer = gguf.GGUFWriter(tmp, gguf.MODEL_ARCH_NAMES[arch])
     try:
         writer.add_name(out_path.stem)
@@ -426,25 +463,44 @@ def export_gguf(weights, config: ModelConfig, out_path, qtype: str, tokenizer_di
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         writer.add_uint32("zeropp.quantization_block_size", block_size)  # provenance; llama.cpp ignores it
         _add_gguf_tokenizer(writer, tokenizer_dir, config.vocab_size)
+        # The tensor infos first (shapes, types, sizes: what add_tensor would record), then the data
+        # one tensor at a time, as write_tensors_to_file would lay it out.
         rope_freqs = _rope_freqs(config)
         if rope_freqs is not None:
-            writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", rope_freqs)
-        for hf_name, parts in tensors:
+            writer.add_tensor_info(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", rope_freqs.shape,
+                                   rope_freqs.dtype, rope_freqs.nbytes)
+        raw_dtype = gguf.GGMLQuantizationType[qtype]
+        block_bytes = 2 + GGUF_BLOCK * bits // 8  # Q8_0 / Q4_0: an fp16 scale and 32 codes
+        kinds = {}
+        for hf_name, parts in plan.items():
             name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
             if name is None:
                 raise ValueError(f"GGUF export: gguf-py has no {arch.name.lower()} tensor name for {hf_name!r}")
+            rows = sum(p.shape[0] for p in parts)
             if is_quantized(parts[0]) and not name.startswith("position_embd."):
-                n_head = next((h for key, h in heads.items() if f".{key}." in hf_name), None)
+                shape = (rows, parts[0].shape[1] // GGUF_BLOCK * block_bytes)
+                writer.add_tensor_info(name, shape, np.dtype(np.uint8), shape[0] * shape[1], raw_dtype=raw_dtype)
+                kinds[hf_name] = next((h for key, h in heads.items() if f".{key}." in hf_name), 0)
+            else:
+                shape = (rows, *parts[0].shape[1:])
+                writer.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
+                kinds[hf_name] = None
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        if rope_freqs is not None:
+            writer.write_tensor_data(rope_freqs)
+        for hf_name, n_head in kinds.items():
+            parts = _gguf_parts(hf_name, hf[hf_name], config)  # read and converted now
+            if n_head is not None:
                 blocks = [_gguf_blocks(p, bits, block_size, _llama_row_order(p.shape[0], n_head) if n_head else None)
                           for p in parts]
-                writer.add_tensor(name, np.concatenate(blocks), raw_dtype=gguf.GGMLQuantizationType[qtype])
+                writer.write_tensor_data(np.concatenate(blocks))
             else:
                 grid = is_quantized(parts[0]) or vectors_on_grid
                 values = torch.cat([on_grid(p, bits, block_size) if grid else p for p in parts])
-                writer.add_tensor(name, values.contiguous().numpy())
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+                writer.write_tensor_data(values.contiguous().numpy())
+            del parts
         writer.close()
         replace_output(tmp, out_path)
     except BaseException:

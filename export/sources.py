@@ -1,19 +1,26 @@
 """Sources: any model location the scripts export from or generate with.
 
-A low-bit export, a Hugging Face directory or one of our training checkpoints, loaded the same
-way into an fp32 Transformer with its tokenizer and, where the weights came from one, its
-quantization grid.
+A low-bit export, a Hugging Face directory or one of our training checkpoints, opened the same
+way: its model config, its fp32 weights by our parameter names (read one tensor at a time when
+looked up, so an export writes them without ever holding the model), its tokenizer and, where the
+weights came from one, its quantization grid. `Source.model` builds the whole fp32 Transformer
+(for generation), on first use.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Mapping
 from pathlib import Path
 
-from export.quantized import is_lowbit_dir, load_lowbit
-from models.hf import load_hf_checkpoint
+import torch
+
+from export.quantized import _fp32_weights, is_lowbit_dir, lowbit_weights
+from models.config import ModelConfig
+from models.streaming import LazyTensors
 from models.transformer import Transformer
-from trainer.checkpoint import consolidated_model, read_state, resolve_checkpoint
+from trainer.checkpoint import checkpoint_weights, read_state, resolve_checkpoint
 from zeropp.config import ZeroConfig
 
 
@@ -28,10 +35,36 @@ class Grid:
 
 @dataclasses.dataclass
 class Source:
-    model: Transformer  # fp32
+    config: ModelConfig
+    weights: Mapping[str, torch.Tensor]  # fp32, our parameter names (a tied head once), read when looked up
     tokenizer: Path | None  # the tokenizer the source names, if any
     grid: Grid | None  # where the weights came from a quantized forward (qwZ) or export
     kind: str  # "lowbit", "hf" or "checkpoint"
+
+    @functools.cached_property
+    def model(self) -> Transformer:
+        """The fp32 Transformer with these weights (all of them in memory), built on first use."""
+        model = Transformer(self.config)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(self.weights[name])
+        return model
+
+
+def _hf_weights(path: Path) -> tuple[ModelConfig, LazyTensors]:
+    """A Hugging Face dir's config and its weights by our names, each read (and converted to fp32)
+    when looked up; names and shapes are checked against config.json when it is opened."""
+    try:
+        from models.hf import hf_model_on_meta
+    except ImportError:  # no slice reader: the whole model, loaded
+        from models.hf import load_hf_checkpoint
+
+        model = load_hf_checkpoint(path)
+        return model.config, _fp32_weights(model, model.config)
+    model, source = hf_model_on_meta(path)
+    specs = {name: torch.empty(p.shape, device="meta") for name, p in model.named_parameters()}
+    return model.config, LazyTensors(specs, lambda name: source.read(name, 0, specs[name].numel())
+                                     .view(specs[name].shape).to(torch.float32))
 
 
 def load_source(path) -> Source:
@@ -39,11 +72,12 @@ def load_source(path) -> Source:
     (a step dir, or a run's checkpoints/ dir for its latest; full or ZeRO-3 sharded)."""
     path = Path(path)
     if is_lowbit_dir(path):
-        model, meta = load_lowbit(path)
-        return Source(model, path, Grid(meta["bits"], meta["block_size"], meta["vectors_on_grid"]), "lowbit")
+        config, meta, weights = lowbit_weights(path)
+        return Source(config, weights, path, Grid(meta["bits"], meta["block_size"], meta["vectors_on_grid"]), "lowbit")
     if (path / "config.json").is_file():
         has_tokenizer = (path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file()
-        return Source(load_hf_checkpoint(path), path if has_tokenizer else None, None, "hf")
+        config, weights = _hf_weights(path)
+        return Source(config, weights, path if has_tokenizer else None, None, "hf")
     if not ((path / "state.json").is_file() or (path / "latest").is_file()):
         raise FileNotFoundError(f"{path} is not a low-bit export (quantization.json), a Hugging Face model dir "
                                 f"(config.json) or a training checkpoint (state.json, or a checkpoints/ dir with "
@@ -56,4 +90,5 @@ def load_source(path) -> Source:
     if zero.zero_quantized_weights:
         grid = Grid(zero.zero_quantized_weights_bits, zero.zero_quantization_block_size, True)
     tokenizer = state.get("tokenizer")
-    return Source(consolidated_model(ckpt), Path(tokenizer) if tokenizer else None, grid, "checkpoint")
+    config, weights = checkpoint_weights(ckpt)
+    return Source(config, weights, Path(tokenizer) if tokenizer else None, grid, "checkpoint")

@@ -6,6 +6,7 @@ are plain functions so that a sharded runtime can reuse them shard by shard.
 
 import json
 import os
+from collections.abc import Mapping
 from contextlib import contextmanager
 import re
 import shutil
@@ -15,10 +16,11 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from models.config import ROPE_SCALINGS, ModelConfig
+from models.streaming import LazyTensors, save_tensors
 from models.transformer import Transformer
+from models.weights import materialize
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "llama", "qwen2", "qwen3", "mistral")
 # Families with LLaMA's layout and tensor names, and transformers' class-name stem of each.
@@ -278,7 +280,6 @@ _BLOCK = {
 }
 _OLD_BUFFERS = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)"
                           r"|model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
-_GPT2_QKV = re.compile(r"transformer\.h\.(\d+)\.attn\.c_attn\.(weight|bias)")
 
 
 def _head_name(config: ModelConfig) -> str:
@@ -341,34 +342,6 @@ def to_hf_state_dict(model_state: dict, config: ModelConfig) -> dict:
     return out
 
 
-def from_hf_state_dict(hf_state: dict, config: ModelConfig) -> dict:
-    """HF names and layouts -> our state dict (the inverse of to_hf_state_dict).
-
-    Expects canonical HF names (as transformers' *ForCausalLM, or *ForSequenceClassification
-    for a score model, saves them). A tied head gets the token embedding tensor under both
-    of our names.
-    """
-    arch, out, unknown = config.arch, {}, []
-    for hf_name, tensor in hf_state.items():
-        qkv = _GPT2_QKV.fullmatch(hf_name) if arch == "gpt2" else None
-        if qkv:
-            i, leaf = qkv.groups()
-            rows = tensor.t() if leaf == "weight" else tensor  # [3 * d_model, d_model] or [3 * d_model]
-            for p, part in zip("qkv", rows.split(config.d_model)):
-                out[f"blocks.{i}.attn.{p}_proj.{leaf}"] = part
-            continue
-        name = _from_hf_name(hf_name, config)
-        if name is None:
-            unknown.append(hf_name)
-            continue
-        out[name] = tensor.t() if _is_conv1d(name, tensor, arch) else tensor
-    if unknown:
-        raise ValueError(f"tensors {_preview(unknown)} have no counterpart in a {arch} model")
-    if config.tied_head and "embed.tokens.weight" in out:
-        out["head.weight"] = out["embed.tokens.weight"]
-    return out
-
-
 def _canonical_hf_name(name: str, config: ModelConfig) -> str | None:
     """Name as *ForCausalLM (or *ForSequenceClassification) saves it, or None for tensors HF
     itself ignores on load.
@@ -420,20 +393,100 @@ def _weight_files(path: Path) -> tuple[list[Path], dict | None]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}{hint}")
 
 
-def _read_safetensors(file: Path) -> dict:
+def _open_safetensors(file: Path):
     try:
-        with safe_open(file, framework="pt") as f:
-            return {name: f.get_tensor(name) for name in f.keys()}
+        return safe_open(file, framework="pt")
     except SafetensorError as e:
         raise ValueError(f"{file}: cannot read safetensors file, it may be truncated or corrupt ({e})") from e
 
 
-def load_hf_checkpoint(path, dtype: torch.dtype = torch.float32) -> Transformer:
-    """Build a Transformer from a Hugging Face model dir (config.json + safetensors, sharded or not).
+class HFCheckpointWeights:
+    """A Hugging Face checkpoint's tensors by our parameter names, read slice by slice
+    (models.weights.WeightSource): `read(name, start, end)` reads only the rows of the stored
+    tensor that hold elements [start, end) of our flattened parameter, in the checkpoint's dtype.
+    GPT-2's transposed Conv1D weights and fused q/k/v are read whole (one tensor at a time) and
+    converted. `bytes_read` counts the tensor bytes read so far.
 
-    A *ForSequenceClassification dir gives a score model (config.num_labels from id2label),
-    its `score.weight` as the head; any other architecture is loaded as a language model.
+    Opening checks every tensor's name and shape (from the files' headers only) against the
+    model `config` implies; nothing is read until `read`.
     """
+
+    def __init__(self, path: Path, config: ModelConfig, config_file: Path):
+        self.config, self.bytes_read = config, 0
+        files, weight_map = _weight_files(path)
+        self._handles = {file: _open_safetensors(file) for file in files}
+        self._where: dict[str, tuple[Path, str]] = {}  # canonical HF name -> (file, name in the file)
+        shapes = {}
+        for file, f in self._handles.items():
+            for raw_name in f.keys():
+                name = _canonical_hf_name(raw_name, config)
+                if name is None:
+                    continue
+                if name in self._where:
+                    raise ValueError(f"tensor {raw_name!r} appears in both {self._where[name][0]} and {file}")
+                if weight_map is not None and weight_map.get(raw_name) != file.name:
+                    raise ValueError(f"{file}: holds tensor {raw_name!r}, but {path / 'model.safetensors.index.json'} "
+                                     f"maps it to {weight_map.get(raw_name)!r}")
+                self._where[name] = (file, raw_name)
+                shapes[name] = tuple(f.get_slice(raw_name).get_shape())
+        with torch.device("meta"):
+            expected = to_hf_state_dict(Transformer(config).state_dict(), config)
+        missing = [n for n in expected if n not in shapes]
+        if missing:
+            raise ValueError(f"{path}: missing tensors {_preview(missing)} required by {config_file}")
+        unexpected = [f"{n} (in {self._where[n][0].name})" for n in shapes if n not in expected]
+        if unexpected:
+            raise ValueError(f"{path}: unexpected tensors {_preview(unexpected)} for the model in {config_file}")
+        for name, want in expected.items():
+            if shapes[name] != tuple(want.shape):
+                raise ValueError(f"{self._where[name][0]}: tensor {name!r} has shape {shapes[name]}, "
+                                 f"expected {tuple(want.shape)} from {config_file}")
+
+    def _slice(self, hf_name: str):
+        file, raw_name = self._where[hf_name]
+        return file, self._handles[file].get_slice(raw_name)
+
+    def _read(self, hf_name: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+        """Rows [lo, hi) of a stored tensor (all of it by default)."""
+        file, piece = self._slice(hf_name)
+        try:
+            tensor = piece[lo:hi] if lo is not None else piece[:]
+        except SafetensorError as e:
+            raise ValueError(f"{file}: cannot read tensor {hf_name!r}, the file may be truncated ({e})") from e
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def read(self, name: str, start: int, end: int) -> torch.Tensor:
+        config = self.config
+        name = name.replace(".base.", ".")  # a LoRA-wrapped layer's base weight
+        if name == "head.weight" and config.tied_head:
+            name = "embed.tokens.weight"
+        qkv = re.fullmatch(r"blocks\.(\d+)\.attn\.([qkv])_proj\.(weight|bias)", name) if config.arch == "gpt2" else None
+        if qkv:  # GPT-2's fused c_attn, [d, 3d] (Conv1D) or [3d]
+            block, which, leaf = qkv.groups()
+            fused = self._read(f"transformer.h.{block}.attn.c_attn.{leaf}")
+            rows = fused.t() if leaf == "weight" else fused
+            i = "qkv".index(which) * config.d_model
+            return rows[i:i + config.d_model].reshape(-1)[start:end]
+        hf_name = _to_hf_name(name, config)
+        shape = self._slice(hf_name)[1].get_shape()
+        if config.arch == "gpt2" and name.startswith("blocks.") and len(shape) == 2:  # Conv1D: [in, out]
+            return self._read(hf_name).t().reshape(-1)[start:end]
+        row = 1
+        for n in shape[1:]:
+            row *= n
+        lo, hi = start // row, -(-end // row)
+        if hi <= lo:
+            return torch.empty(0, dtype=self._read(hf_name, 0, 0).dtype)
+        return self._read(hf_name, lo, hi).reshape(-1)[start - lo * row:end - lo * row]
+
+
+def hf_model_on_meta(path) -> tuple[Transformer, HFCheckpointWeights]:
+    """The Transformer of a Hugging Face model dir (config.json + safetensors, sharded or not) on the
+    meta device, and its weights as a source to read slices from (for a sharded runtime, or
+    models.weights.materialize). A *ForSequenceClassification dir gives a score model
+    (config.num_labels from id2label), its `score.weight` as the head; any other architecture is
+    loaded as a language model."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
@@ -441,49 +494,49 @@ def load_hf_checkpoint(path, dtype: torch.dtype = torch.float32) -> Transformer:
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} not found; expected a Hugging Face model directory")
     config = config_from_hf(_read_json(config_file), str(config_file))
-
-    files, weight_map = _weight_files(path)
-    hf_state, origin = {}, {}
-    for file in files:
-        for raw_name, tensor in _read_safetensors(file).items():
-            name = _canonical_hf_name(raw_name, config)
-            if name is None:
-                continue
-            if name in hf_state:
-                raise ValueError(f"tensor {raw_name!r} appears in both {origin[name]} and {file}")
-            if weight_map is not None and weight_map.get(raw_name) != file.name:
-                raise ValueError(f"{file}: holds tensor {raw_name!r}, but {path / 'model.safetensors.index.json'} "
-                                 f"maps it to {weight_map.get(raw_name)!r}")
-            hf_state[name], origin[name] = tensor, file
-
-    # Check names and shapes in HF terms, against what this config.json implies.
+    weights = HFCheckpointWeights(path, config, config_file)
     with torch.device("meta"):
         model = Transformer(config)
-    expected = to_hf_state_dict(model.state_dict(), config)
-    missing = [n for n in expected if n not in hf_state]
-    if missing:
-        raise ValueError(f"{path}: missing tensors {_preview(missing)} required by {config_file}")
-    unexpected = [f"{n} (in {origin[n].name})" for n in hf_state if n not in expected]
-    if unexpected:
-        raise ValueError(f"{path}: unexpected tensors {_preview(unexpected)} for the model in {config_file}")
-    for name, want in expected.items():
-        if hf_state[name].shape != want.shape:
-            raise ValueError(f"{origin[name]}: tensor {name!r} has shape {tuple(hf_state[name].shape)}, "
-                             f"expected {tuple(want.shape)} from {config_file}")
+    return model, weights
 
-    state = from_hf_state_dict({n: t.to(dtype) for n, t in hf_state.items()}, config)
-    model.load_state_dict({n: t.contiguous() for n, t in state.items()}, assign=True)
-    if config.tied_head:  # assign=True replaced the shared Parameter by two
-        model.head.weight = model.embed.tokens.weight
-    return model
+
+def load_hf_checkpoint(path, dtype: torch.dtype = torch.float32) -> Transformer:
+    """A Transformer from a Hugging Face model dir (see hf_model_on_meta), its weights in `dtype`, read
+    one tensor at a time (peak: the model plus its largest tensor in the checkpoint's dtype)."""
+    model, weights = hf_model_on_meta(path)
+    return materialize(model, weights, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------
 # Saving
 
 
+_GPT2_QKV_OURS = re.compile(r"blocks\.(\d+)\.attn\.[qkv]_proj\.(weight|bias)")
+
+
+def hf_weights(weights: Mapping[str, torch.Tensor], config: ModelConfig) -> LazyTensors:
+    """`to_hf_state_dict(weights, config)`, lazily: each HF tensor is converted (contiguous) from the
+    parameters it is made of when it is looked up, so a writer that takes one at a time holds one
+    (GPT-2's fused c_attn: its block's q, k and v). `weights`: our names -> tensors, a dict or a
+    models.streaming.LazyTensors (then each parameter is read when needed)."""
+    ours = LazyTensors.of(weights)
+    specs = to_hf_state_dict(ours.specs, config)
+    sources: dict[str, list[str]] = {}
+    for name in ours:
+        qkv = _GPT2_QKV_OURS.fullmatch(name) if config.arch == "gpt2" else None
+        if qkv:
+            sources.setdefault(f"transformer.h.{qkv[1]}.attn.c_attn.{qkv[2]}", []).append(name)
+        elif not (name == "head.weight" and config.tied_head):
+            sources[_to_hf_name(name, config)] = [name]
+
+    def load(hf_name: str) -> torch.Tensor:
+        return to_hf_state_dict({n: ours[n] for n in sources[hf_name]}, config)[hf_name].contiguous()
+    return LazyTensors(specs, load)
+
+
 def _plan_shards(hf_state: dict, max_shard_size: int | None) -> list[list[str]]:
-    """Greedy split of tensor names into shards of at most max_shard_size bytes (a bigger tensor goes alone)."""
+    """Greedy split of tensor names into shards of at most max_shard_size bytes (a bigger tensor goes alone).
+    `hf_state`'s values may be meta tensors: only their sizes are read."""
     if max_shard_size is None:
         return [list(hf_state)]
     if max_shard_size <= 0:
@@ -499,15 +552,16 @@ def _plan_shards(hf_state: dict, max_shard_size: int | None) -> list[list[str]]:
     return shards
 
 
-def _write_weights(hf_state: dict, directory: Path, max_shard_size: int | None):
-    shards = _plan_shards(hf_state, max_shard_size)
+def _write_weights(hf_state: LazyTensors, directory: Path, max_shard_size: int | None):
+    """The safetensors file(s), and the index when sharded, each file written tensor by tensor
+    (models.streaming.save_tensors: the bytes save_file writes, holding one tensor at a time)."""
+    shards = _plan_shards(hf_state.specs, max_shard_size)
     weight_map, total = {}, 0
     for i, names in enumerate(shards, start=1):
         file = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {n: hf_state[n].detach().cpu().contiguous() for n in names}  # one shard in CPU memory at a time
-        save_file(tensors, directory / file, metadata={"format": "pt"})
+        part = LazyTensors({n: hf_state.spec(n) for n in names}, hf_state.__getitem__)
+        total += save_tensors(part, directory / file, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(names, file))
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
@@ -687,9 +741,13 @@ def staged_directory(out_dir: Path):
         raise
 
 
-def save_hf_checkpoint(model: Transformer, path, max_shard_size: int | None = None, tokenizer_dir=None,
-                       token_ids: dict | None = None):
+def save_hf_checkpoint(model: Transformer | Mapping[str, torch.Tensor], path, max_shard_size: int | None = None,
+                       tokenizer_dir=None, token_ids: dict | None = None, *, config: ModelConfig | None = None):
     """Write `model` as a Hugging Face dir (config.json + safetensors) that transformers loads.
+
+    `model`: a Transformer, or its weights by our names (a state dict, or a
+    models.streaming.LazyTensors read one parameter at a time) with `config`. Either way the
+    files are written tensor by tensor: the peak is one tensor (plus the model, if it is one).
 
     A score model (config.num_labels > 0) is written as *ForSequenceClassification and needs
     token_ids["pad_token_id"] (see config_to_hf).
@@ -705,11 +763,17 @@ def save_hf_checkpoint(model: Transformer, path, max_shard_size: int | None = No
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise FileExistsError(f"{path} exists and is not a directory")
-    config = model.config
+    if isinstance(model, torch.nn.Module):
+        config, weights, dtype = model.config, model.state_dict(), next(model.parameters()).dtype
+    else:
+        if config is None:
+            raise ValueError("save_hf_checkpoint: weights given without their ModelConfig (config=...)")
+        weights = LazyTensors.of(model)
+        dtype = next(iter(weights.specs.values())).dtype
     if token_ids is None and tokenizer_dir is not None:
         token_ids = _special_token_ids(Path(tokenizer_dir))
-    hf_config = config_to_hf(config, next(model.parameters()).dtype, token_ids)  # fails before anything is written
-    hf_state = to_hf_state_dict(model.state_dict(), config)
+    hf_config = config_to_hf(config, dtype, token_ids)  # fails before anything is written
+    hf_state = hf_weights(weights, config)
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"

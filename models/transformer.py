@@ -5,6 +5,7 @@ that a sharding runtime can wrap them from outside by name.
 """
 
 import dataclasses
+import hashlib
 import math
 
 import torch
@@ -283,6 +284,9 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
+        # One number drawn from the global RNG, first (building nn.Linear layers off the meta device
+        # draws more): every parameter's initial values follow from it and the parameter's name alone.
+        self.init_seed = int(torch.randint(0, 2**62, (), device="cpu"))
         self.embed = Embedding(config)
         self.blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
         # OPT post-LN models have no final norm: every block already ends with one.
@@ -298,23 +302,43 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """GPT-2 init: N(0, 0.02), residual output projections scaled by 1/sqrt(2 n_layer).
+        """Initialise every parameter (init_parameter); parameters on the meta device are left for a
+        runtime that initialises them shard by shard, or for models.weights.materialize."""
+        for name, p in self.named_parameters():
+            if not p.is_meta:
+                self.init_parameter(name, p)
 
-        Norms are reset too, so this also initialises a model built on the meta
-        device and materialised with to_empty().
+    @torch.no_grad()
+    def init_parameter(self, name: str, out: torch.Tensor) -> None:
+        """Fill `out` with the initial values of parameter `name`: GPT-2's init, N(0, 0.02), the residual
+        output projections N(0, 0.02 / sqrt(2 n_layer)), norms one, biases zero; LoRA's A like nn.Linear
+        (kaiming uniform), B zero.
+
+        The values come from a generator seeded by (init_seed, name) and are drawn on the CPU, so a
+        model gets the same weights on any device, any number of ranks and any sharding: a sharded
+        runtime draws a parameter whole and keeps its slice. A LoRA-wrapped layer's base weight
+        (`...q_proj.base.weight`) draws what the plain layer's weight would.
         """
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
-            if isinstance(module, (nn.LayerNorm, RMSNorm)):
-                nn.init.ones_(module.weight)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-        for block in self.blocks:
-            for proj in (block.attn.o_proj, block.mlp.down_proj):
-                nn.init.normal_(proj.weight, mean=0.0, std=INIT_STD / math.sqrt(2 * self.config.n_layer))
+        name = name.replace(".base.", ".")
+        module_name, leaf = name.rsplit(".", 1)
+        module = self.get_submodule(module_name) if not leaf.startswith("lora_") else None
+        if isinstance(module, (nn.LayerNorm, RMSNorm)) or leaf == "bias":
+            out.fill_(1.0 if leaf == "weight" else 0.0)
+            return
+        if leaf == "lora_B":
+            out.zero_()
+            return
+        digest = hashlib.blake2b(f"{self.init_seed}:{name}".encode(), digest_size=8).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+        values = torch.empty(out.shape, dtype=torch.float32)
+        if leaf == "lora_A":
+            bound = 1.0 / math.sqrt(out.shape[1])  # nn.Linear's kaiming_uniform_(a=sqrt(5)), as PEFT does
+            values.uniform_(-bound, bound, generator=generator)
+        else:
+            residual_out = module_name.endswith(("attn.o_proj", "mlp.down_proj"))
+            std = INIT_STD / math.sqrt(2 * self.config.n_layer) if residual_out else INIT_STD
+            values.normal_(0.0, std, generator=generator)
+        out.copy_(values)
 
     def forward(self, tokens, position_ids=None, attention_mask=None, kv_cache=None) -> torch.Tensor:
         """tokens [B, T] -> float32 logits [B, T, V] (score model: values [B, T, num_labels]).
@@ -355,7 +379,8 @@ def score_model_from(model: Transformer, num_labels: int = 1) -> Transformer:
     """A score (reward / value) model with `model`'s config and weights but a fresh scoring head.
 
     Every weight except the head is copied (the result shares no storage with `model`, which
-    is left unchanged); the head `[num_labels, embed_dim]` is drawn from N(0, 1/sqrt(embed_dim + 1))
+    is left unchanged; one on the meta device gives a meta model with just the head materialized,
+    whose other weights the caller reads from the same source); the head `[num_labels, embed_dim]` is drawn from N(0, 1/sqrt(embed_dim + 1))
     under the current torch (CPU) RNG, as TRL's reward-modeling scripts do
     (`layer_init(model.score, std=1 / np.sqrt(hidden_size + 1))`, after Stiennon et al. 2020,
     arXiv:2009.01325, p. 11), then cast to the model's dtype and device.
@@ -367,6 +392,9 @@ def score_model_from(model: Transformer, num_labels: int = 1) -> Transformer:
         score = Transformer(config)
     ref = model.head.weight
     head = torch.empty(num_labels, config.embed_dim).normal_(0.0, 1.0 / math.sqrt(config.embed_dim + 1))
+    if ref.is_meta:  # a model on the meta device: the rest keeps coming from its weight source
+        score.head.weight = nn.Parameter(head.to(ref.dtype))
+        return score.train(model.training)
     weights = {n: t.detach().clone() for n, t in model.state_dict().items() if n != "head.weight"}
     weights["head.weight"] = head.to(ref.device, ref.dtype)
     expected = set(score.state_dict())

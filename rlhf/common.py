@@ -18,10 +18,12 @@ import torch.distributed as dist
 
 from data.tokenizer import Tokenizer, load_tokenizer
 from models.config import ModelConfig
-from models.hf import load_hf_checkpoint, save_hf_checkpoint
-from models.transformer import Transformer
+from models.hf import hf_model_on_meta, save_hf_checkpoint
+from models.transformer import Transformer, score_model_from
+from models.weights import WeightSource
 from rlhf.config import RLHFConfig
 from rlhf.losses import token_logprobs
+from trainer.activation_checkpointing import apply_activation_checkpointing
 from trainer.checkpoint import load_checkpoint, read_state, resolve_checkpoint, save_checkpoint
 from trainer.config import ConfigError, TrainSection, to_dict
 from trainer.distributed import DistEnv, all_reduce_sum, barrier, init_distributed
@@ -42,11 +44,20 @@ def setup_distributed(timeout: float) -> tuple[DistEnv, bool]:
     return env, True
 
 
-def load_model(path: str | Path, what: str) -> Transformer:
+def load_model(path: str | Path, what: str) -> tuple[Transformer, WeightSource]:
+    """A Hugging Face checkpoint as a model on the meta device and its weights: the model's runtime
+    reads only what each rank keeps (ZeRO-3: its shards), so no rank holds the whole model."""
     try:
-        return load_hf_checkpoint(path)
+        return hf_model_on_meta(path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{what} {path}: {e}") from e
+
+
+def score_model(loaded: tuple[Transformer, WeightSource]) -> tuple[Transformer, WeightSource]:
+    """load_model's model with a fresh scoring head (models.transformer.score_model_from), its other
+    weights still read from the same source."""
+    model, weights = loaded
+    return score_model_from(model), weights
 
 
 class ModelRuntime:
@@ -54,13 +65,20 @@ class ModelRuntime:
     rate schedule) or frozen (forward only; stored quantized under
     zero_quantized_nontrainable_weights)."""
 
-    def __init__(self, name: str, model: Transformer, cfg: RLHFConfig, env: DistEnv, lr: float | None,
-                 steps: int = 1):
+    def __init__(self, name: str, loaded: tuple[Transformer, WeightSource], cfg: RLHFConfig, env: DistEnv,
+                 lr: float | None, steps: int = 1):
+        """loaded: load_model's (model on the meta device, its weights), or (a model in memory, None)."""
+        model, weights = loaded
         self.name, self.env = name, env
         self.trainable = lr is not None
         model.requires_grad_(self.trainable)
         self.config: ModelConfig = model.config
-        self.runtime = build_runtime(model.to(env.device), cfg.zero_optimization, env.device)
+        if self.trainable:  # a frozen model's forwards keep no activations for a backward
+            apply_activation_checkpointing(model, cfg.train.activation_checkpointing,
+                                           cfg.train.activation_checkpointing_every)
+        if weights is None:
+            model = model.to(env.device)
+        self.runtime = build_runtime(model, cfg.zero_optimization, env.device, weights=weights)
         self.module = self.runtime.module
         self.precision = cfg.train.precision
         self.optimizer = None

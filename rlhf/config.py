@@ -69,6 +69,12 @@ class TrainSection:
     # Seconds a collective may wait for the other ranks before this rank fails and names what it
     # waited in (a dead or frozen rank ends the job in minutes, not gloo's default 30).
     dist_timeout: float = 600.0
+    # Recompute the trained models' transformer blocks' activations in the backward instead of
+    # keeping them (docs/activation_checkpointing.md): "none", "full" (every block) or "every_k"
+    # (every k-th block). Models a stage does not train (the reference, a given reward model)
+    # keep no activations anyway and run as they are.
+    activation_checkpointing: Literal["none", "full", "every_k"] = "none"
+    activation_checkpointing_every: int = 2  # every_k's k: blocks k, 2k, ... (counted from 1) are checkpointed
 
 
 @dataclass
@@ -189,6 +195,9 @@ def check(cfg: RLHFConfig, stage: str) -> None:
                        ("train.eval_interval", cfg.train.eval_interval)):
         if value < 1:
             raise ConfigError(f"{key} must be at least 1, got {value}")
+    if cfg.train.activation_checkpointing_every < 1:
+        raise ConfigError(f"train.activation_checkpointing_every must be at least 1, got "
+                          f"{cfg.train.activation_checkpointing_every}")
     if not (math.isfinite(cfg.train.dist_timeout) and cfg.train.dist_timeout > 0):
         raise ConfigError(f"train.dist_timeout must be a finite number of seconds > 0, got {cfg.train.dist_timeout}")
     if cfg.data.max_prompt_len >= cfg.data.max_len:

@@ -15,9 +15,8 @@ import torch
 from safetensors.torch import save_file
 
 from data.datasets import IGNORE_INDEX, ResumableBatchSampler, collate_preference
-from models.transformer import score_model_from
 from rlhf.common import (ModelRuntime, StageCheckpoint, all_finite, comm_scalars, global_sum, load_model, open_log,
-                         sequence_logprobs, tokenizer_of)
+                         score_model, sequence_logprobs, tokenizer_of)
 from rlhf.config import RLHFConfig
 from rlhf.data import Preferences, load_preferences
 from rlhf.losses import diverging_reward_loss, dpo_loss, last_token_scores, pairwise_reward_loss
@@ -41,7 +40,7 @@ class _ScoreObjective:
     def __init__(self, cfg: RLHFConfig, env: DistEnv):
         self.cfg = cfg
         torch.manual_seed(cfg.train.seed)
-        model = score_model_from(load_model(cfg.sft_path(), "models.sft"))
+        model = score_model(load_model(cfg.sft_path(), "models.sft"))
         self.model = ModelRuntime("reward", model, cfg, env, lr=cfg.reward.lr, steps=cfg.reward.steps)
         self.models = [self.model]
 

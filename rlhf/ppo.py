@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import save_file
 
 from data.datasets import ResumableBatchSampler, SFTDataset, collate_sft
-from models.transformer import lm_loss, score_model_from
-from rlhf.common import (ModelRuntime, all_finite, comm_scalars, global_max, global_sum, load_model, sequence_logprobs,
-                         tokenizer_of)
+from models.transformer import lm_loss
+from rlhf.common import (ModelRuntime, all_finite, comm_scalars, global_max, global_sum, load_model, score_model,
+                         sequence_logprobs, tokenizer_of)
 from rlhf.config import PPOSection, RLHFConfig
 from rlhf.data import load_prompts, sft_file, task
 from rlhf.losses import (approx_kl, entropy_from_logits, gae, kl_controller, ppo_policy_loss, shape_rewards,
@@ -164,7 +164,7 @@ class PPO(OnlineAlgorithm):
                                              lr=None)
             critic_start = load_model(cfg.reward_path(), "models.reward")  # DeepSpeed-Chat: critic from the RM
         else:
-            critic_start = score_model_from(load_model(sft, "models.sft"))
+            critic_start = score_model(load_model(sft, "models.sft"))
         self.critic = ModelRuntime("critic", critic_start, cfg, env, lr=p.critic_lr,
                                    steps=p.steps * self.updates_per_rollout)
         self.models = [m for m in (self.actor, self.critic, self.reference, self.reward_model) if m is not None]

@@ -31,7 +31,9 @@ def sft_config(cfg: RLHFConfig, env: DistEnv) -> Config:
         seed=t.seed, precision=t.precision, log_interval=t.log_interval, eval_interval=t.eval_interval,
         eval_batches=t.eval_batches, checkpoint_interval=t.checkpoint_interval, out_dir=str(cfg.stage_dir("sft")),
         tensorboard=t.tensorboard, progress_bar=t.progress_bar, preempt_signal=t.preempt_signal,
-        peak_tflops=t.peak_tflops, dist_timeout=t.dist_timeout, export_hf=True, eval_at_start=True)
+        peak_tflops=t.peak_tflops, dist_timeout=t.dist_timeout, export_hf=True, eval_at_start=True,
+        activation_checkpointing=t.activation_checkpointing,
+        activation_checkpointing_every=t.activation_checkpointing_every)
     out.zero_optimization = cfg.zero_optimization
     out.resume = cfg.resume
     return out

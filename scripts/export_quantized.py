@@ -10,7 +10,9 @@ CHECKPOINT: one of our training checkpoints (a step dir, or a run's checkpoints/
 latest; full or ZeRO-3 sharded), a Hugging Face model dir, or a low-bit export dir. A
 checkpoint trained with qwZ defaults to its bits and block size, and the export then holds
 exactly the weights its training forward computed with; otherwise this is round-to-nearest
-post-training quantization. The tokenizer defaults to the checkpoint's. See docs/export.md.
+post-training quantization. The tokenizer defaults to the checkpoint's. The weights are read,
+quantized and written one tensor at a time: the peak memory is about the largest tensor, not the
+model. See docs/export.md.
 """
 
 import argparse
@@ -45,16 +47,16 @@ def main(argv=None) -> None:
         if tokenizer is None:
             raise ValueError(f"{args.checkpoint} names no tokenizer ({source.kind}); pass --tokenizer with a "
                              "SentencePiece .model file or a directory containing tokenizer.json or tokenizer.model")
-        model = source.model
+        weights, config = source.weights, source.config  # read one tensor at a time by the exporters
         vectors = exact and grid.vectors
         if args.format == "gguf":
-            out = export_gguf(model, model.config, args.out, gguf_qtype(bits), tokenizer, block_size,
+            out = export_gguf(weights, config, args.out, gguf_qtype(bits), tokenizer, block_size,
                               vectors_on_grid=vectors)
         elif args.format == "compressed-tensors":
-            out = export_compressed_tensors(model, model.config, args.out, bits, block_size, tokenizer,
+            out = export_compressed_tensors(weights, config, args.out, bits, block_size, tokenizer,
                                             vectors_on_grid=vectors)
         else:
-            out = export_lowbit(model, model.config, args.out, bits, block_size, tokenizer, vectors_on_grid=vectors)
+            out = export_lowbit(weights, config, args.out, bits, block_size, tokenizer, vectors_on_grid=vectors)
     except (ValueError, FileNotFoundError, FileExistsError, IsADirectoryError, CheckpointError) as e:
         sys.exit(f"export_quantized.py: {e}")
     if not exact:

@@ -38,11 +38,12 @@ import torch.distributed as dist
 from data.tokenizer import load_tokenizer
 from models.config import ModelConfig
 from models.hf import save_hf_checkpoint
-from models.lora import apply_lora, merge_lora
+from models.lora import LoRALinear, apply_lora
+from models.streaming import LazyTensors, meta_like
 from models.transformer import Transformer
 from trainer.distributed import all_gather_objects, barrier
-from zeropp.checkpoint import FULL, SHARDED, CheckpointError, consolidated_state_dict, read_safetensors
-from zeropp.tp import consolidated_tensors
+from zeropp.checkpoint import FULL, SHARDED, CheckpointError, full_weights, sharded_weights
+from zeropp.tp import PLAN_FILE
 
 LATEST = "latest"
 CHECKSUMS = "checksums.json"
@@ -331,60 +332,144 @@ def trained_grid(state: dict) -> tuple[int, int] | None:
     return zero["zero_quantized_weights_bits"], zero["zero_quantization_block_size"]
 
 
-def consolidated_model(path: Path, as_trained: bool = False) -> Transformer:
-    """The checkpoint's model, built from its config, with the unsharded fp32 weights; LoRA
-    adapters, when the run had them, merged into the base weights (a plain model).
+def _tensor_parallel_tensors(directory: Path, read_slice) -> LazyTensors:
+    """The unsliced tensors of a tensor-parallel checkpoint, each read when looked up: its slices
+    (`read_slice(subdirectory)`, lazy too) concatenated along the dims the run recorded."""
+    plan_path = directory / PLAN_FILE
+    if not plan_path.is_file():
+        raise FileNotFoundError(f"{directory}: no {PLAN_FILE}; not a tensor-parallel checkpoint")
+    meta = json.loads(plan_path.read_text())
+    slices = [read_slice(directory / f"tp{t:02d}") for t in range(meta["size"])]
+    specs, dims = {}, {}
+    for name, spec in slices[0].specs.items():
+        dim = meta["dims"].get(name, meta["dims"].get(name.rsplit(".", 1)[0]))
+        if dim is not None and spec.dim():
+            dims[name] = dim
+            shape = list(spec.shape)
+            shape[dim] = sum(s.spec(name).shape[dim] for s in slices)
+            spec = torch.empty(shape, dtype=spec.dtype, device="meta")
+        specs[name] = spec
+
+    def load(name: str) -> torch.Tensor:
+        if name in dims:
+            return torch.cat([s[name] for s in slices], dim=dims[name])
+        return slices[0][name]
+    return LazyTensors(specs, load)
+
+
+def checkpoint_tensors(path: Path, state: dict | None = None) -> LazyTensors:
+    """A checkpoint's weights as saved (either format, tensor-parallel or not), by the names of the
+    run's model (LoRA: `<layer>.base.weight`, `<layer>.lora_A`, ...), each read when looked up."""
+    state = read_state(path) if state is None else state
+    dp_format, tensor_parallel, _ = state.get("format", FULL).partition("+tp")
+    read = sharded_weights if dp_format == SHARDED else full_weights
+    return _tensor_parallel_tensors(path, read) if tensor_parallel else read(path)
+
+
+def checkpoint_weights(path: str | Path, as_trained: bool = False) -> tuple[ModelConfig, LazyTensors]:
+    """The checkpoint's model config, and its unsharded fp32 weights by the plain model's parameter
+    names (`Transformer(config).named_parameters()`, a tied head once), each read from the
+    checkpoint when looked up: one parameter at a time (a LoRA layer's merged weight reads its base
+    weight and its two adapters). Every file is verified first, and every name and shape checked.
+
+    LoRA adapters, when the run had them, are merged into the base weights (W + B @ A * alpha / r in
+    fp32, as models.lora.merge_lora computes it). as_trained: for a qwZ run, each weight on the grid
+    its forward computed with (dequant(quant(W)), what its losses were measured on) instead of the fp32
+    master copy; frozen weights stored quantized (zero_quantized_nontrainable_weights) are on it already.
+    """
+    path = Path(path)
+    verify_checkpoint(path)
+    state = read_state(path)
+    config = ModelConfig(**state["model_config"])
+    lora = state.get("lora")
+    with torch.device("meta"):
+        model = Transformer(config)
+    if lora:
+        apply_lora(model, lora["targets"], lora["r"], lora["alpha"])
+    raw = checkpoint_tensors(path, state)
+    for name, param in model.named_parameters():
+        if name not in raw:
+            raise CheckpointError(f"checkpoint {path} has no tensor {name} for the model it describes")
+        if raw.spec(name).shape != param.shape:
+            raise CheckpointError(f"checkpoint {path}: tensor {name} has shape {tuple(raw.spec(name).shape)}, the "
+                                  f"model it describes {tuple(param.shape)}")
+    grid = trained_grid(state) if as_trained else None
+    frozen = set()
+    if grid is not None:
+        from export.quantized import on_grid  # export/ imports this module
+
+        if state["config"]["zero_optimization"].get("zero_quantized_nontrainable_weights"):
+            frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+
+    def fetch(name: str) -> torch.Tensor:
+        tensor = raw[name].to(torch.float32)
+        return tensor if grid is None or name in frozen else on_grid(tensor, *grid)
+
+    adapters = {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+    def load(name: str) -> torch.Tensor:
+        layer, _, leaf = name.rpartition(".")
+        adapter = adapters.get(layer)
+        if adapter is None:
+            return fetch(name)
+        base = fetch(f"{layer}.base.{leaf}")
+        if leaf != "weight":
+            return base
+        delta = (fetch(f"{layer}.lora_B").float() @ fetch(f"{layer}.lora_A").float()) * adapter.scaling
+        return base.float() + delta  # merge_lora's W + delta_weight()
+    specs = {}  # the merged model's parameters, in its order: a LoRA layer's base weight in the layer's place
+    for name, param in model.named_parameters():
+        layer, _, leaf = name.rpartition(".")
+        if layer in adapters:
+            continue  # lora_A / lora_B
+        if layer.endswith(".base") and layer[:-len(".base")] in adapters:
+            name = f"{layer[:-len('.base')]}.{leaf}"
+        specs[name] = meta_like(param)
+    return config, LazyTensors(specs, load)
+
+
+def consolidated_model(path: str | Path, as_trained: bool = False) -> Transformer:
+    """The checkpoint's model, built from its config, with the unsharded fp32 weights (read one
+    parameter at a time: `checkpoint_weights`); LoRA adapters, when the run had them, merged into
+    the base weights (a plain model, its parameters frozen as the fine-tune left them).
 
     as_trained: for a qwZ run, each weight is put on the grid its forward computed with
     (dequant(quant(W)), what its losses were measured on) instead of the fp32 master copy.
     """
-    verify_checkpoint(path)
-    state = read_state(path)
-    model = Transformer(ModelConfig(**state["model_config"]))
-    lora = state.get("lora")
-    if lora:
-        apply_lora(model, lora["targets"], lora["r"], lora["alpha"])
-    dp_format, tensor_parallel, _ = state.get("format", FULL).partition("+tp")
-
-    def read(directory: Path) -> dict[str, torch.Tensor]:
-        if dp_format == SHARDED:
-            return consolidated_state_dict(directory)
-        return read_safetensors(directory / "model.safetensors")
-    weights = consolidated_tensors(path, read) if tensor_parallel else read(path)
-    grid = trained_grid(state) if as_trained else None
-    if grid is not None:
-        from export.quantized import on_grid  # export/ imports this module
-
-        # Frozen weights stored quantized (zero_quantized_nontrainable_weights) are on it already.
-        stored = state["config"]["zero_optimization"].get("zero_quantized_nontrainable_weights")
-        frozen = {name for name, p in model.named_parameters() if not p.requires_grad} if stored else set()
-        weights = {name: t if name in frozen else on_grid(t, *grid) for name, t in weights.items()}
+    path = Path(path)
+    config, weights = checkpoint_weights(path, as_trained=as_trained)
+    model = Transformer(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name not in weights:
-                raise CheckpointError(f"checkpoint {path} has no tensor {name} for the model it describes")
             param.copy_(weights[name])
-    return merge_lora(model) if lora else model
+    if read_state(path).get("lora"):
+        model.requires_grad_(False)
+    return model
 
 
-def export_hf(path: Path, out_dir: str | Path, tokenizer: str | Path | None = None,
-              as_trained: bool = False) -> Path:
-    """Consolidate checkpoint `path` (either format) into a Hugging Face directory, atomically.
+def export_hf(path: str | Path, out_dir: str | Path, tokenizer: str | Path | None = None,
+              as_trained: bool = False, max_shard_size: int | None = None) -> Path:
+    """Consolidate checkpoint `path` (either format) into a Hugging Face directory, atomically,
+    tensor by tensor: each weight is read from the checkpoint (its ranges of every rank's shard
+    file), converted and written before the next one, so the peak is one tensor, not the model.
 
     as_trained: a qwZ run's weights on the grid it computed with (what train.py's export and
     scripts/consolidate.py write, see `export_note`), not the fp32 master copy. The tokenizer (a
     SentencePiece .model or an HF tokenizer dir) defaults to the one the run recorded in state.json.
+    max_shard_size (bytes): split the weights into shards with an index file.
     """
+    path = Path(path)
     state = read_state(path)
     tokenizer = tokenizer or state.get("tokenizer")
-    model = consolidated_model(path, as_trained=as_trained)
+    config, weights = checkpoint_weights(path, as_trained=as_trained)
     with tempfile.TemporaryDirectory() as tok_dir:
         token_ids = None
         if tokenizer:
             tok = load_tokenizer(tokenizer)
             tok.save(tok_dir)
             token_ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
-        save_hf_checkpoint(model, out_dir, tokenizer_dir=tok_dir if tokenizer else None, token_ids=token_ids)
+        save_hf_checkpoint(weights, out_dir, max_shard_size, tokenizer_dir=tok_dir if tokenizer else None,
+                           token_ids=token_ids, config=config)
     return Path(out_dir)
 
 

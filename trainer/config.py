@@ -134,6 +134,12 @@ class TrainSection:
     # it waited in: long enough for a checkpoint save or an evaluation on one rank, short
     # enough that a dead or frozen rank ends the job in minutes, not gloo's default 30.
     dist_timeout: float = 600.0
+    # Recompute transformer blocks' activations in the backward instead of keeping them from the
+    # forward (docs/activation_checkpointing.md): "none"; "full": every block; "every_k": every
+    # k-th block (train.activation_checkpointing_every). Saves activation memory for one more
+    # forward of those blocks; the loss and gradients are the same.
+    activation_checkpointing: Literal["none", "full", "every_k"] = "none"
+    activation_checkpointing_every: int = 2  # every_k's k: blocks k, 2k, ... (counted from 1) are checkpointed
 
 
 @dataclass
@@ -205,6 +211,8 @@ def _ranges(cfg: Config) -> list[tuple[str, float, str, bool]]:
         ("train.max_nonfinite_steps", t.max_nonfinite_steps, "an integer >= 1", t.max_nonfinite_steps >= 1),
         ("train.dist_timeout", t.dist_timeout, "a finite number of seconds > 0",
          finite(t.dist_timeout) and t.dist_timeout > 0),
+        ("train.activation_checkpointing_every", t.activation_checkpointing_every, "an integer >= 1",
+         t.activation_checkpointing_every >= 1),
     ]
 
 

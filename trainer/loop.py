@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import resource
 import shutil
 import sys
 import time
@@ -26,15 +25,19 @@ import torch.distributed as dist
 
 from data.datasets import IGNORE_INDEX, ResumableBatchSampler
 from models.config import ModelConfig, flops_per_token
-from models.hf import load_hf_checkpoint
+from models.hf import hf_model_on_meta
 from models.lora import apply_lora
 from models.transformer import Transformer
+from models.streaming import return_freed_memory_to_the_os
+from models.weights import InitWeights, WeightSource, materialize
+from trainer.activation_checkpointing import apply_activation_checkpointing, describe as describe_checkpointing
 from trainer.checkpoint import (FULL, LATEST, CheckpointError, export_hf, export_note, load_checkpoint, read_state,
                                 recover, resolve_checkpoint, save_checkpoint)
 from trainer.config import Config, ConfigError, LoraSection, check_values, pop_debug, to_dict
 from trainer.distributed import (DistEnv, LauncherError, PeerError, all_gather_objects, all_reduce_sum, barrier,
                                  init_distributed, is_peer_failure)
 from trainer.finetune_data import FinetuneData, prepare_finetuning
+from trainer.memory import baseline_bytes, peak_bytes, predicted_peak
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, lr_at
 from trainer.precision import autocast_for, compute_dtype
@@ -60,6 +63,7 @@ class TrainResult:
     checkpoint: Path | None = None
     preempted: bool = False  # stopped early by the scheduler's warning signal
     skipped_steps: list[int] = field(default_factory=list)  # steps whose update was skipped (non-finite)
+    peak_memory: tuple[int, int] | None = None  # this rank's (measured, predicted) peak bytes
 
 
 def build_model_config(cfg: Config, vocab_size: int) -> ModelConfig:
@@ -153,17 +157,12 @@ def precision_line(precision: str, device: torch.device) -> str:
     return what + why.get(precision, f" (train.precision {precision})")
 
 
-def _memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
 class Trainer:
     def __init__(self, cfg: Config, env: DistEnv | None = None, build_runtime=build_runtime):
         """build_runtime(model, cfg.zero_optimization, device, cfg.tensor_parallel) -> zeropp.runtime.Runtime; the
         benchmarks pass their own to train the same model and data under FSDP2 or DeepSpeed."""
         _check(cfg)
+        return_freed_memory_to_the_os()
         self.cfg = cfg
         self.phase = "startup"  # what the ranks do now: named when a collective fails
         self.owns_group = env is None and not dist.is_initialized()
@@ -176,11 +175,14 @@ class Trainer:
                 cfg.data, cfg.data.seq_len, cfg.train.seed, self.env.rank)
         else:
             self.data = prepare_finetuning(cfg)
-        self.model = self._build_model().to(self.env.device)
+        self.model, weights = self._build_model()
+        self.baseline_memory = baseline_bytes(self.model.config, cfg.train.precision, self.env.device)
+        self.checkpointed = apply_activation_checkpointing(self.model, cfg.train.activation_checkpointing,
+                                                           cfg.train.activation_checkpointing_every)
         self.model_cfg: ModelConfig = self.model.config
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.n_trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        self.runtime = build_runtime(self.model, cfg.zero_optimization, self.env.device, cfg.tensor_parallel)
+        self.runtime = build_runtime(self.model, cfg.zero_optimization, self.env.device, cfg.tensor_parallel, weights)
         # Data-parallel replicas read different batches; the ranks of a tensor-parallel group read
         # the same one, so world-wide sums of per-batch counts hold each `copies` times.
         self.dp_rank, self.dp_size = self.runtime.data_parallel
@@ -188,6 +190,9 @@ class Trainer:
         # The loss is the mean over the global batch's target tokens: gradients are summed over ranks.
         self.runtime.set_gradient_divide_factor(1.0)
         self.optimizer = self.runtime.attach_optimizer(build_optimizer(self.runtime.module, cfg.optim))
+        self.predicted_memory = predicted_peak(
+            self.runtime, self.optimizer, self.model_cfg, cfg.train.micro_batch_size, cfg.data.seq_len,
+            compute_dtype(cfg.train.precision, self.env.device), set(self.checkpointed), self.baseline_memory)
         self.step_comm: dict[str, dict] = {}  # the runtime ledger's totals of the last training step
         self.step_timings: dict[str, float] = {}  # and the seconds it spent outside compute, by kind
         self.step = 0
@@ -233,17 +238,21 @@ class Trainer:
             (out / "metrics.jsonl").unlink(missing_ok=True)
         barrier()
 
-    def _build_model(self) -> Transformer:
+    def _build_model(self) -> tuple[Transformer, WeightSource]:
         """A fresh model of model.preset, or finetune.hf_checkpoint's, with LoRA adapters when
-        finetune.lora.r > 0; identical on every rank and world size (one seed)."""
+        finetune.lora.r > 0, built on the meta device, and where its weights come from: the runtime
+        reads from there only what this rank keeps (ZeRO-3: its shards). The adapters are small and
+        made in memory. Identical on every rank and world size (one seed, per-parameter init)."""
         cfg, tokenizer = self.cfg, self.data.tokenizer
         torch.manual_seed(cfg.train.seed)
         path = cfg.finetune.hf_checkpoint
         if path is None:
-            model = Transformer(build_model_config(cfg, tokenizer.vocab_size))
+            with torch.device("meta"):
+                model = Transformer(build_model_config(cfg, tokenizer.vocab_size))
+            weights: WeightSource = InitWeights(model)
         else:
             try:
-                model = load_hf_checkpoint(path)
+                model, weights = hf_model_on_meta(path)
             except (OSError, ValueError) as e:
                 raise ConfigError(f"finetune.hf_checkpoint: {e}") from e
             if tokenizer.vocab_size > model.config.vocab_size:
@@ -259,6 +268,7 @@ class Trainer:
                 apply_lora(model, lora.targets, lora.r, lora.alpha, lora.dropout)
             except ValueError as e:
                 raise ConfigError(f"finetune.lora: {e}") from e
+            materialize(model, InitWeights(model), only=lambda name: ".lora_" in name)
             if lora.init_from:
                 from export.peft import load_peft_adapter  # export/ imports trainer.checkpoint
 
@@ -266,7 +276,7 @@ class Trainer:
                     load_peft_adapter(model, lora.init_from)
                 except (OSError, ValueError) as e:
                     raise ConfigError(f"finetune.lora.init_from {lora.init_from!r}: {e}") from e
-        return model
+        return model, weights
 
     def _resume(self, path: Path) -> None:
         saved = read_state(path)
@@ -463,9 +473,15 @@ class Trainer:
             )
             log.info(f"runtime: {self.runtime.describe()}")
             log.info(f"compute: {precision_line(t.precision, self.env.device)}")
+            if self.checkpointed:
+                log.info(describe_checkpointing(t.activation_checkpointing, t.activation_checkpointing_every,
+                                                self.checkpointed, len(self.model.blocks)))
             for line in traffic_and_memory_lines(self.runtime.predicted_step_bytes(t.grad_accum),
                                                  self.runtime.model_state_bytes(self.optimizer)):
                 log.info(line)
+            parts = ", ".join(f"{kind} {n / 2**20:.1f}" for kind, n in self.predicted_memory.items())
+            log.info(f"predicted peak memory per rank: {sum(self.predicted_memory.values()) / 2**20:.1f} MB "
+                     f"({parts}; micro-batch {t.micro_batch_size} x {cfg.data.seq_len} tokens)")
             for note in self.notes:
                 log.info(note)
             if self.resumed_from is not None:
@@ -517,7 +533,7 @@ class Trainer:
                     "tokens/s": window_tokens / window,
                     "TFLOP/s per rank": tflops,
                     "MFU %": 100 * tflops / t.peak_tflops,
-                    "memory (MB)": _memory_mb(self.env.device),
+                    "memory (MB)": peak_bytes(self.env.device) / 2**20,
                     **self.comm_scalars(),
                 }, total_steps=t.steps)
                 window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
@@ -534,6 +550,7 @@ class Trainer:
             log.info(cross_node_report(self.step_comm, self.runtime.zero3_cross_node_bytes(t.grad_accum),
                                        self.cfg.zero_optimization.describe(),
                                        self.runtime.predicted_step_bytes(t.grad_accum)))
+        result.peak_memory = self.peak_memory_line(log)
         result.checkpoint = self.save()
         # After the save: a second warning must not kill the rank mid-save (the entry point's
         # catch_early handler, where there is one, records it from here on).
@@ -548,6 +565,18 @@ class Trainer:
             if self.env.is_main:
                 print(f"Hugging Face checkpoint: {hf_dir}")
         return result
+
+    def peak_memory_line(self, log: MetricsLogger) -> tuple[int, int]:
+        """Log every rank's measured peak memory so far against its prediction (every rank calls it);
+        returns this rank's (measured, predicted) bytes."""
+        measured, predicted = peak_bytes(self.env.device), sum(self.predicted_memory.values())
+        ranks = all_gather_objects((measured, predicted))
+        ratios = [m / p for m, p in ranks]
+        what = "max_memory_allocated" if self.env.device.type == "cuda" else "VmHWM"
+        log.info(f"peak memory per rank ({what}): measured {min(m for m, _ in ranks) / 2**20:.0f}-"
+                 f"{max(m for m, _ in ranks) / 2**20:.0f} MB, predicted {min(p for _, p in ranks) / 2**20:.0f}-"
+                 f"{max(p for _, p in ranks) / 2**20:.0f} MB (measured / predicted {min(ratios):.2f}-{max(ratios):.2f})")
+        return measured, predicted
 
     def _log_validation(self, log: MetricsLogger, result: TrainResult) -> None:
         result.val_loss = result.val_losses[self.step] = self.evaluate()

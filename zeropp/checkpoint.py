@@ -20,7 +20,9 @@ module name) and optimizer.safetensors ("<param>.<state>").
 Loading maps every parameter from the layout it was saved in (its offset in the manifest)
 to the loading run's layout, reading just the ranges of the old shard files that overlap
 this rank's new shard (`safe_open(...).get_slice`). So a checkpoint loads on another world
-size (resharding) and with another alignment (ZeRO-3 <-> qwZ); consolidation reads it all.
+size (resharding) and with another alignment (ZeRO-3 <-> qwZ). Consolidation
+(`sharded_weights`, `unsharded_tensors`) reads one parameter at a time, each from the ranges
+of the rank files that hold it, with plain reads (no memory map): its peak is one parameter.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from models.streaming import LazyTensors, SafetensorsFile, lazy_file
 from zeropp.unit import Unit
 
 MANIFEST = "manifest.json"
@@ -231,43 +234,128 @@ def _read_shard(reader: _ShardReader, unit: Unit, saved_offset: dict[str, int], 
     return out
 
 
-def consolidated_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
-    """Every parameter, unsharded in fp32, under all its names; needs no process group."""
+class _StreamedShardReader(_ShardReader):
+    """A _ShardReader whose files are read with plain reads (models.streaming.SafetensorsFile): no
+    memory map, so what consolidation has read does not stay in the process' resident memory."""
+
+    def file(self, rank: int):
+        if rank not in self.files:
+            path = shard_file(self.directory, rank)
+            if not path.is_file():
+                raise CheckpointError(f"checkpoint shard missing: {path}")
+            try:
+                self.files[rank] = _SliceableFile(path)
+            except (ValueError, OSError) as e:
+                raise CheckpointError(f"checkpoint shard {path} cannot be read (truncated?): {e}") from None
+        return self.files[rank]
+
+    def read(self, unit: str, key: str, lo: int, hi: int, dtype=torch.float32) -> torch.Tensor:
+        """As _ShardReader.read, each rank's range read straight into the result (no second copy)."""
+        old = self.manifest["units"][unit]["shard_numel"]
+        out = torch.zeros(hi - lo, dtype=dtype)
+        first, last = lo // old, min((hi - 1) // old, self.manifest["world_size"] - 1)
+        for rank in range(first, last + 1):
+            a, b = max(lo, rank * old), min(hi, (rank + 1) * old)
+            if b > a:
+                f, name = self.file(rank), f"{unit}.{key}"
+                if name not in f.entries:
+                    raise CheckpointError(f"{f.path}: no tensor {name}")
+                if f.entries[name][0] == dtype:
+                    f.read_into(name, a - rank * old, out[a - lo:b - lo])
+                else:
+                    out[a - lo:b - lo] = f.read(name, a - rank * old, b - rank * old)
+        return out
+
+
+class _SliceableFile(SafetensorsFile):
+    """The part of safe_open's interface that _ShardReader uses: keys, get_slice(key)[a:b], get_tensor."""
+
+    def get_slice(self, name: str):
+        file = self
+
+        class _Slice:
+            def get_shape(self):
+                return list(file.entries[name][1])
+
+            def __getitem__(self, index: slice):
+                start, stop, _ = index.indices(file.entries[name][1].numel())
+                return file.read(name, start, stop)
+        return _Slice()
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.read(name)
+
+
+def _param_numel(p: dict) -> int:
+    return int(torch.Size(p["shape"]).numel())
+
+
+def sharded_weights(directory: str | Path) -> LazyTensors:
+    """Every parameter of a sharded checkpoint, unsharded in fp32, under all its names, read when
+    looked up: only the ranges of each rank's file that hold that parameter; needs no process group.
+    Looking up one parameter holds one parameter."""
     directory = Path(directory)
     manifest = read_manifest(directory)
-    reader = _ShardReader(directory, manifest)
+    reader = _StreamedShardReader(directory, manifest)
+    specs, where = {}, {}
+    for name, layout in manifest["units"].items():
+        for p in layout["params"]:
+            for alias in p["aliases"]:
+                specs[alias] = torch.empty(p["shape"], device="meta")
+                where[alias] = (name, p["offset"], _param_numel(p), p["shape"])
+
+    def load(alias: str) -> torch.Tensor:
+        unit, offset, numel, shape = where[alias]
+        return reader.read(unit, "master", offset, offset + numel).view(shape)
+    return LazyTensors(specs, load)
+
+
+def consolidated_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
+    """Every parameter, unsharded in fp32, under all its names (one tensor per parameter), all in
+    memory; needs no process group. `sharded_weights` gives the same one parameter at a time."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    reader = _StreamedShardReader(directory, manifest)
     out = {}
     for name, layout in manifest["units"].items():
-        flat = reader.read(name, "master", 0, layout["numel"])
         for p in layout["params"]:
-            numel = int(torch.Size(p["shape"]).numel())
-            tensor = flat[p["offset"]:p["offset"] + numel].view(p["shape"]).clone()
+            tensor = reader.read(name, "master", p["offset"], p["offset"] + _param_numel(p)).view(p["shape"])
             for alias in p["aliases"]:
                 out[alias] = tensor
     return out
 
 
-def unsharded_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
+def unsharded_tensors(directory: str | Path) -> LazyTensors:
     """Every parameter (under its first name) and its optimizer states ("<param>.<state>"),
-    unsharded, as the full format names them; needs no process group."""
+    unsharded, as the full format names them, each read when looked up (one at a time: a caller
+    that iterates holds one tensor at a time); needs no process group."""
     directory = Path(directory)
     manifest = read_manifest(directory)
-    reader = _ShardReader(directory, manifest)
-    out = {}
+    reader = _StreamedShardReader(directory, manifest)
+    specs, where = {}, {}
     for name, layout in manifest["units"].items():
-        flats = {"": reader.read(name, "master", 0, layout["numel"])}
         states = reader.states(name)
-        flats.update({f".{key}": reader.read(name, key, 0, layout["numel"]) for key, scalar in states.items()
-                      if not scalar})
         for p in layout["params"]:
-            numel = int(torch.Size(p["shape"]).numel())
-            for suffix, flat in flats.items():
-                if suffix and not p["trainable"]:
+            for key in [None] + [key for key, scalar in states.items() if not scalar]:
+                if key is not None and not p["trainable"]:
                     continue
-                out[p["name"] + suffix] = flat[p["offset"]:p["offset"] + numel].view(p["shape"]).clone()
+                full = p["name"] if key is None else f"{p['name']}.{key}"
+                specs[full] = torch.empty(p["shape"], device="meta")
+                where[full] = (name, key or "master", p["offset"], _param_numel(p), p["shape"])
             if p["trainable"]:
-                out.update({f"{p['name']}.{key}": reader.scalar(name, key) for key, scalar in states.items() if scalar})
-    return out
+                for key, scalar in states.items():
+                    if scalar:
+                        full = f"{p['name']}.{key}"
+                        specs[full] = torch.empty((), dtype=reader.file(0).entries[f"{name}.{key}"][0],
+                                                  device="meta")
+                        where[full] = (name, key, None, None, None)
+
+    def load(full: str) -> torch.Tensor:
+        unit, key, offset, numel, shape = where[full]
+        if offset is None:
+            return reader.scalar(unit, key)
+        return reader.read(unit, key, offset, offset + numel).view(shape)
+    return LazyTensors(specs, load)
 
 
 def load_unsharded(engine, tensors: dict[str, torch.Tensor], optimizer) -> None:
@@ -329,6 +417,24 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint file {path} cannot be read (truncated or corrupt?): {e}") from None
+
+
+def full_weights(directory: str | Path, name: str = "model.safetensors") -> LazyTensors:
+    """The full format's weights (or another of its files), each tensor read when looked up."""
+    path = Path(directory) / name
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file missing: {path}")
+    try:
+        tensors = lazy_file(path)
+    except (ValueError, OSError) as e:
+        raise CheckpointError(f"checkpoint file {path} cannot be read (truncated or corrupt?): {e}") from None
+
+    def load(key: str) -> torch.Tensor:
+        try:
+            return tensors[key]
+        except (ValueError, OSError) as e:
+            raise CheckpointError(f"checkpoint file {path} cannot be read (truncated or corrupt?): {e}") from None
+    return LazyTensors(tensors.specs, load)
 
 
 def load_full(directory: Path, model: torch.nn.Module, optimizer) -> None:

@@ -194,6 +194,11 @@ class ZeroConfig:
     # Elements per quantization block (one scale each), for weights and gradients. Blocks never
     # straddle two parameters; a multiple of 32 keeps qwZ weights exportable to GGUF exactly.
     zero_quantization_block_size: int = 256
+    # ZeRO-Offload (DeepSpeed's offload_optimizer.device): "cpu" keeps this rank's fp32 master
+    # shard, its gradient shard and so the optimizer's states in host memory and steps there; each
+    # unit's reduced gradient is copied out when its reduce lands, its weights copied back when it
+    # is next gathered. Saves 16 bytes per element of the shard on the GPU (docs/memory.md).
+    offload_optimizer: Literal["none", "cpu"] = "none"
     # Gradient compression on the reduce path (SEPARATE; PowerSGD under DDP): docs/separate.md.
     gradient_compression: GradientCompression = field(default_factory=GradientCompression)
 
@@ -225,6 +230,8 @@ class ZeroConfig:
             parts.append(self.gradient_compression.describe())
         if self.zero_quantized_nontrainable_weights:
             parts.append(f"frozen weights int{self.zero_quantized_weights_bits}")
+        if self.offload_optimizer != "none":
+            parts.append(f"optimizer offloaded to {self.offload_optimizer}")
         return " + ".join(parts) + f" ({self.communication_data_type} communication)"
 
     def param_align(self, frozen: bool = False) -> int:
@@ -280,6 +287,8 @@ class ZeroConfig:
             raise ZeroConfigError("zero_optimization.zero_quantized_gradients_error_feedback: with "
                                   "gradient_compression, qgZ carries the projections and SEPARATE's own error "
                                   "feedback applies; drop zero_quantized_gradients_error_feedback")
+        if self.offload_optimizer not in ("none", "cpu"):
+            raise ZeroConfigError(f"zero_optimization.offload_optimizer={self.offload_optimizer!r}: use none or cpu")
         if self.stage == 0:
             changed = [f.name for f in fields(self)
                        if f.name not in ("stage", "ranks_per_node", "gradient_compression") and getattr(self, f.name) != f.default]

@@ -131,6 +131,20 @@ class DDPRuntime(Runtime):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
+    def model_state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """The whole model, its gradients and (several processes) DDP's gradient buckets, and the
+        optimizer's states when given."""
+        nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
+        params = list(self.module.parameters())
+        trainable = [p for p in params if p.requires_grad]
+        totals = {"weights": nbytes(params), "gradients": nbytes(trainable)}
+        if self._ddp is not None:
+            totals["gradient buckets"] = nbytes(trainable)
+        if optimizer is not None:
+            totals["optimizer states"] = nbytes(t for state in optimizer.state.values() for t in state.values()
+                                                if isinstance(t, torch.Tensor) and t.dim() > 0)
+        return totals
+
     def save(self, directory, optimizer) -> None:
         save_full(directory, self.module, optimizer, self.mesh.rank if self.mesh else 0)
         if self.compressor is not None:  # each rank's error buffers and round counters

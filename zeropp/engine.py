@@ -193,7 +193,10 @@ class Zero3Engine(Runtime):
     checkpoint_format = SHARDED
 
     def __init__(self, model: nn.Module, config: ZeroConfig | None = None, mesh: Mesh | None = None,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, weights=None):
+        """`model` may be on the meta device (partly or wholly): then each rank reads just its shards
+        of those parameters from `weights` (models.weights.WeightSource), unit by unit, and never
+        holds the full model."""
         self.module = model
         self.config = cfg = config or ZeroConfig(stage=3)
         self.comm_dtype, self.param_dtype = cfg.comm_dtype, cfg.compute_dtype
@@ -242,7 +245,8 @@ class Zero3Engine(Runtime):
             self.units[name] = Unit(name, params, world, rank, self.device,
                                     frozen_codec if frozen else PlainCodec(self.comm_dtype) if deltas else codec,
                                     stored_quantized, cfg.param_align(frozen), cfg.shard_align(frozen),
-                                    delta_codec=codec if deltas else None)
+                                    delta_codec=codec if deltas else None, weights=weights,
+                                    host=torch.device("cpu") if cfg.offload_optimizer == "cpu" else None)
         self.reducer = self._build_reducer()
         # A block's units (trainable, then frozen) are gathered, computed and freed together.
         self.block_groups = [[self.units[n] for n in (f"blocks.{i}", f"blocks.{i}{FROZEN_SUFFIX}") if n in self.units]
@@ -498,6 +502,13 @@ class Zero3Engine(Runtime):
         else:
             self._take_buffer(units)
             self._ensure_gathered(units)
+            # Bound again, as in the forward: an activation-checkpointed block's recompute
+            # (trainer/activation_checkpointing.py) runs its forward without the hooks and must
+            # see the gathered weights, not the pieces a release left. Its gates belong to the
+            # recompute's graph, which autograd never runs backward: the forward's gates reduce.
+            with torch.enable_grad():
+                for unit in units:
+                    unit.bind(True, self._reduce)
             self._prefetch_from(self._position[id(units[0])] - 1, -1)
 
     def _build_reducer(self):
@@ -716,6 +727,10 @@ class Zero3Engine(Runtime):
         views = [t for u in self.units.values() for pair in u.buffers for t in pair]
         return views + [u.grad_buffer for u in self.resident if u.grad_buffer is not None] + self._grad_pair
 
+    def buffer_bytes(self) -> int:
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.preallocated_buffers()}
+        return sum(storages.values())
+
     def model_state_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Per-rank model-state memory by kind: master, comm copy, gradient shard, hpZ secondary,
         the reducer's error-feedback buffers, and the optimizer's states when given."""
@@ -727,7 +742,7 @@ class Zero3Engine(Runtime):
             if v.dim() > 0:
                 totals["gradient error feedback"] = totals.get("gradient error feedback", 0) + v.numel() * v.element_size()
         if optimizer is not None:
-            totals["optimizer states"] = sum(
+            totals["optimizer states" + (" (host)" if self.config.offload_optimizer != "none" else "")] = sum(
                 t.numel() * t.element_size() for state in optimizer.state.values()
                 for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
         return totals

@@ -56,7 +56,7 @@ def clip_by_norm_(grads: list[torch.Tensor], squared: torch.Tensor, max_norm: fl
     if math.isfinite(max_norm):
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for g in grads:
-            g.mul_(coef)
+            g.mul_(coef.to(g.device))  # offloaded gradients live on the host
     return norm
 
 
@@ -194,6 +194,10 @@ class Runtime:
         """Model-state memory this rank holds, by kind (with the optimizer's states when given);
         {} where not counted."""
         return {}
+
+    def buffer_bytes(self) -> int:
+        """Bytes of the communication buffers the runtime allocates once and reuses every step."""
+        return 0
 
     def close(self) -> None:
         pass

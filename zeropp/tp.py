@@ -651,6 +651,9 @@ class TensorParallelRuntime(Runtime):
     def model_state_bytes(self, optimizer=None) -> dict[str, int]:
         return self.inner.model_state_bytes(optimizer)
 
+    def buffer_bytes(self) -> int:
+        return self.inner.buffer_bytes()
+
     def close(self) -> None:
         self.inner.close()
 

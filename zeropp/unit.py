@@ -99,17 +99,34 @@ class _Narrow(torch.autograd.Function):
         return None, None, None, None
 
 
+class _CopiedOut:
+    """A reduce into a device staging shard whose wait() also adds it into the host's gradient shard."""
+
+    def __init__(self, work, staging: torch.Tensor, grad_shard: torch.Tensor):
+        self.work, self.staging, self.grad_shard = work, staging, grad_shard
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.grad_shard.add_(self.staging.to(self.grad_shard.device))
+
+
 class Unit:
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]], list[str]]],
                  world_size: int, rank: int, device: torch.device, codec, stored_quantized: bool,
-                 param_align: int = 1, shard_align: int = 1, delta_codec=None):
+                 param_align: int = 1, shard_align: int = 1, delta_codec=None, weights=None,
+                 host: torch.device | None = None):
         """params: (qualified name, parameter, [(module, attribute)], [alias names]) in model order;
         codec: what the gathered bytes hold (zeropp.quantized); stored_quantized: a frozen unit kept
         only as codes; delta_codec: qwZ deltas, the wire holds the codes of the change since the
-        last gather (the references, in `codec`'s dtype, come with enable_secondary)."""
+        last gather (the references, in `codec`'s dtype, come with enable_secondary); weights: where
+        the values of parameters on the meta device come from (models.weights.WeightSource); host:
+        where the master and gradient shards (and so the optimizer's states) live, when not on
+        `device` (ZeRO-Offload)."""
         if len({p.requires_grad for _, p, _, _ in params}) > 1:
             raise ValueError(f"unit {name} mixes trainable and frozen parameters; split them into two units")
         self.name, self.world_size, self.rank, self.device = name, world_size, rank, device
+        self.host = host or device
+        self.offloaded = host is not None
         self.trainable = params[0][1].requires_grad
         self.slots: list[ParamSlot] = []
         offset = 0
@@ -122,16 +139,17 @@ class Unit:
         self.padded_numel = self.shard_numel * world_size
         self.shard_start = rank * self.shard_numel
 
-        full = torch.zeros(self.padded_numel, dtype=torch.float32)
-        for slot, (_, p, _, _) in zip(self.slots, params):
-            full[slot.offset:slot.offset + slot.numel] = p.detach().reshape(-1).float().cpu()
-        self.master: torch.Tensor | None = full[self.shard_start:self.shard_start + self.shard_numel].clone().to(device)
+        self.master: torch.Tensor | None = self._initial_shard(params, weights)
         self.grad_shard = torch.zeros_like(self.master) if self.trainable else None
 
         self.codec, self.delta_codec = codec, delta_codec
         self.stored_quantized = stored_quantized
         wire = delta_codec or codec
-        self.wire = torch.zeros(wire.wire_numel(self.shard_numel), dtype=wire.dtype, device=device)
+        # An fp32 wire is the master itself (no second fp32 copy): the gather sends the master.
+        self.wire_is_master = (wire.dtype == torch.float32 and wire.wire_numel(self.shard_numel) == self.shard_numel
+                               and not stored_quantized and not self.offloaded)
+        self.wire = self.master if self.wire_is_master else \
+            torch.zeros(wire.wire_numel(self.shard_numel), dtype=wire.dtype, device=device)
         self.gathered_numel = world_size * codec.wire_numel(self.shard_numel)
         self.reference_at = 0  # qwZ deltas: where this rank's own shard sits in the references
         self.secondary: torch.Tensor | None = None  # set by enable_secondary()
@@ -159,6 +177,28 @@ class Unit:
         self._register_parameters()
 
     # ------------------------------------------------------------------ parameters
+
+    @torch.no_grad()
+    def _initial_shard(self, params, weights) -> torch.Tensor:
+        """This rank's fp32 shard, filled parameter by parameter with just the slice of each that
+        falls in it: from the parameter itself, or from `weights` for one on the meta device (the
+        model was never materialized; the rank reads only what it keeps)."""
+        lo, hi = self.shard_start, self.shard_start + self.shard_numel
+        shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.host,
+                            pin_memory=self.offloaded and self.device.type == "cuda")
+        for slot, (_, p, _, _) in zip(self.slots, params):
+            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if b <= a:
+                continue
+            if not p.is_meta:
+                values = p.detach().reshape(-1)[a - slot.offset:b - slot.offset]
+            elif weights is None:
+                raise ValueError(f"parameter {slot.name} is on the meta device and no weight source was given "
+                                 f"(models.weights: InitWeights for a fresh model, models.hf.HFCheckpointWeights)")
+            else:
+                values = weights.read(slot.name, a - slot.offset, b - slot.offset)
+            shard[a - lo:b - lo] = values.to(self.host, torch.float32)
+        return shard
 
     def _register_parameters(self) -> None:
         """Replace each parameter on its modules by this rank's piece of it (possibly empty)."""
@@ -191,9 +231,9 @@ class Unit:
             piece.grad = view
 
     def master_shard(self) -> torch.Tensor:
-        """The fp32 shard (decoded from the codes for weights stored quantized)."""
+        """The fp32 shard on the compute device (decoded from the codes for weights stored quantized)."""
         if self.master is not None:
-            return self.master
+            return self.master.to(self.device)
         out = torch.empty(self.shard_numel, dtype=torch.float32, device=self.device)
         self.codec.decode(self.wire, out, 1)
         return out
@@ -214,13 +254,14 @@ class Unit:
         counter: an optimizer step, a load). Returns whether it did."""
         if self.master is None or self.master._version == self._encoded_master_version:
             return False
+        master = self.master.to(self.device, non_blocking=True)  # offloaded: the weights come back
         if self.delta_codec is None:
-            self.codec.encode(self.master, self.wire)
+            self.codec.encode(master, self.wire)
         elif self.secondary_version >= 0:  # else the next gather sends the values whole
             if self.pending_gather is not None:  # it may still be updating the references
                 self.pending_gather.wait()
             own = self.secondary[self.reference_at:self.reference_at + self.shard_numel]
-            self.delta_codec.encode(self.master - own, self.wire)  # computed in fp32
+            self.delta_codec.encode(master - own, self.wire)  # computed in fp32
         self._encoded_master_version = self.master._version
         self.version += 1
         return True
@@ -262,7 +303,7 @@ class Unit:
         if self.delta_codec is not None:  # the change (if any) across nodes, then the references inside
             sent, codec = None, self.delta_codec
             if self.secondary_version < 0:
-                sent, codec = self.master.to(self.codec.dtype), None
+                sent, codec = self.master.to(self.device, self.codec.dtype), None
             elif self.secondary_version != self.version:
                 sent = self.wire
             self.gathering_version = self.secondary_version = self.version
@@ -346,17 +387,24 @@ class Unit:
         grad = self.grad_target[:self.padded_numel]
         if divide != 1:
             grad.div_(divide)
-        self.pending_reduce = reducer.reduce(self.name, self.grad_shard, grad, async_op=async_op)
+        if not self.offloaded:
+            self.pending_reduce = reducer.reduce(self.name, self.grad_shard, grad, async_op=async_op)
+        else:  # reduced on the device into a staging shard, added to the host's when it lands
+            staging = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.device)
+            self.pending_reduce = _CopiedOut(reducer.reduce(self.name, staging, grad, async_op=async_op),
+                                             staging, self.grad_shard)
         self.writing_grads = False
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of model state this rank holds for the unit (optimizer states are counted by the engine)."""
         nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
-        out = {"quantized frozen weights" if self.stored_quantized else "comm copy": nbytes(self.wire)}
+        out = {} if self.wire_is_master else \
+            {"quantized frozen weights" if self.stored_quantized else "comm copy": nbytes(self.wire)}
+        where = " (host)" if self.offloaded else ""
         if self.master is not None:
-            out["master"] = nbytes(self.master)
+            out["master" + where] = nbytes(self.master)
         if self.grad_shard is not None:
-            out["gradient shard"] = nbytes(self.grad_shard)
+            out["gradient shard" + where] = nbytes(self.grad_shard)
         if self.secondary is not None:
             out["qwZ delta references" if self.delta_codec is not None else "hpZ secondary"] = nbytes(self.secondary)
         return out

@@ -105,20 +105,38 @@ class _Peer(Runtime):
         self.loss_scale = torch.distributed.get_world_size() / factor
 
 
+def _on_meta(model: torch.nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
 class FSDP2(_Peer):
     """PyTorch FSDP2: `fully_shard` on every block, then on the root (embeddings, final norm, tied head).
-    bf16 = MixedPrecisionPolicy(param_dtype=reduce_dtype=bf16): bf16 gathers, reduces AND compute."""
+    bf16 = MixedPrecisionPolicy(param_dtype=reduce_dtype=bf16): bf16 gathers, reduces AND compute.
+
+    A model on the meta device (the Trainer's) is initialized as FSDP2's users do (torchtitan): sharded on
+    the meta device, `to_empty` allocates this rank's shards only, then each parameter's local shard is filled
+    from `weights` (models.weights.WeightSource: the very values our runtime reads), one parameter at a time:
+    the peak is the shards plus one full parameter. The tied head stays tied (one parameter of the root)."""
 
     checkpoint_format = "fsdp2"
 
-    def __init__(self, model: torch.nn.Module, cfg, dtype: str = "fp32"):
+    def __init__(self, model: torch.nn.Module, cfg, dtype: str = "fp32", weights=None,
+                 device: torch.device | None = None):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         policy = {} if dtype == "fp32" else {
             "mp_policy": MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=DTYPES[dtype])}
+        meta = _on_meta(model)
+        if meta and weights is None:
+            raise ValueError("FSDP2: a model on the meta device needs its weight source (weights=...)")
+        # parameters made in memory next to the meta ones (LoRA adapters) are their own source
+        made = {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta} if meta else {}
         for block in model.blocks:
             fully_shard(block, **policy)
         self.module = fully_shard(model, **policy)
+        if meta:
+            self.module.to_empty(device=device or torch.device("cpu"))
+            init_fsdp2_shards(self.module, weights, made)
         self.dtype, self.ledger, self.timings = dtype, CommLedger(), Timings()
 
     @contextmanager
@@ -161,9 +179,14 @@ class DeepSpeed(_Peer):
 
     checkpoint_format = "deepspeed"
 
-    def __init__(self, model: torch.nn.Module, cfg, dtype: str = "fp32", zero: dict | None = None):
+    def __init__(self, model: torch.nn.Module, cfg, dtype: str = "fp32", zero: dict | None = None, weights=None,
+                 device: torch.device | None = None):
         self.module, self.ledger, self.timings, self.engine = model, CommLedger(), Timings(), None
         self.config, self.norm = deepspeed_config(cfg, dtype, zero), torch.zeros(())
+        if _on_meta(model):
+            if weights is None:
+                raise ValueError("DeepSpeed: a model on the meta device needs its weight source (weights=...)")
+            zero_init(model, weights, self.config)
 
     def attach_optimizer(self, optimizer):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -196,6 +219,61 @@ class DeepSpeed(_Peer):
         import deepspeed
 
         return f"DeepSpeed {deepspeed.__version__} ZeRO-3, config {self.config}"
+
+
+@torch.no_grad()
+def init_fsdp2_shards(module: torch.nn.Module, weights, made: dict | None = None) -> None:
+    """Fill every (DTensor) parameter's local shard of a `fully_shard`-ed module (after `to_empty`) from
+    `weights`, one parameter at a time: each rank draws the parameter whole and keeps its shard, sliced as
+    DTensor shards it (`distribute_tensor(..., src_data_rank=None)`: every rank slices locally, no
+    collective). `made`: name -> values of the parameters that were not on the meta device."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    made = made or {}
+    for name, p in module.named_parameters():  # a tied parameter once, by its first name (as materialize)
+        full = made[name] if name in made else weights.read(name, 0, p.numel()).view(p.shape)
+        if isinstance(p, DTensor):
+            p.to_local().copy_(distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements,
+                                                 src_data_rank=None).to_local())
+        else:
+            p.copy_(full)
+
+
+def zero_init(model: torch.nn.Module, weights, config: dict) -> None:
+    """DeepSpeed's way to a model bigger than a rank: the modules are built inside `deepspeed.zero.Init`
+    (each parameter partitioned over the ranks as soon as its module is made), then each parameter's values
+    are loaded as DeepSpeed's docs load a checkpoint into such a model (GatheredParameters' docstring,
+    transformers' `_load_state_dict_into_zero3_model`): gathered, set on rank 0 (from `weights`, the very
+    values our runtime reads), and partitioned again (broadcast from rank 0), one parameter at a time.
+
+    The modules are built from `model.config` and moved into `model` (the Trainer's object: its evaluation
+    and logs use it), which keeps the blocks' activation checkpointing. Only plain Transformers (no LoRA
+    adapters)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    from trainer.activation_checkpointing import checkpoint_module
+
+    if any(not p.is_meta for p in model.parameters()):
+        raise NotImplementedError("DeepSpeed zero.Init here builds a plain Transformer: no parameters made in "
+                                  "memory (LoRA adapters)")
+    checkpointed = [i for i, block in enumerate(model.blocks) if getattr(block, "_activation_checkpointed", False)]
+    with torch.random.fork_rng(devices=[]), deepspeed.zero.Init(config_dict_or_path=config):
+        built = type(model)(model.config)  # its own init draws (nn.Linear's): kept off the run's random stream
+    names = [n for n, _ in model.named_parameters()]
+    if [n for n, _ in built.named_parameters()] != names:
+        raise NotImplementedError(f"DeepSpeed zero.Init: {type(model).__name__}(config) does not rebuild the "
+                                  f"model's parameters {names[:3]}...")
+    built.init_seed = model.init_seed
+    for name, child in built.named_children():
+        setattr(model, name, child)
+    for i in checkpointed:
+        checkpoint_module(model.blocks[i])
+    rank = torch.distributed.get_rank()
+    for name, p in model.named_parameters():  # the tied head once
+        with deepspeed.zero.GatheredParameters(p, modifier_rank=0):
+            if rank == 0:
+                p.data.copy_(weights.read(name, 0, p.numel()).view(p.shape))
 
 
 class _EngineStep:
@@ -233,7 +311,8 @@ def worker(argv: list[str]) -> int:
     key, cfg = argv[0], parse_args(argv[1:])
     _, family, peer_options, _, _ = RUNTIMES[key]
     peer = {"fsdp2": FSDP2, "deepspeed": DeepSpeed}[family]
-    trainer = Trainer(cfg, build_runtime=lambda model, zero_cfg, device, tp: peer(model, cfg, **peer_options))
+    trainer = Trainer(cfg, build_runtime=lambda model, zero_cfg, device, tp, weights=None: peer(
+        model, cfg, weights=weights, device=device, **peer_options))
     try:
         trainer.run()
     finally:

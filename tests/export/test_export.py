@@ -508,19 +508,23 @@ def test_a_failed_export_leaves_the_old_output_intact(model, tokenizer_dir, tmp_
     old_gguf = export_gguf(model, model.config, tmp_path / "m.gguf", "Q8_0", tokenizer_dir, 64)
     before = {p.name: p.read_bytes() for p in old_dir.iterdir()}, old_gguf.read_bytes()
 
-    def save_half(tensors, filename, metadata=None):  # a crash (disk full) halfway through the weights
-        Path(filename).write_bytes(b"\0" * 100)
-        raise OSError("No space left on device")
+    written = []
 
-    monkeypatch.setattr(quantized, "save_file", save_half)
+    def write_half(self, name, tensor):  # a crash (disk full) halfway through the weights
+        if len(written) == 3:
+            raise OSError("No space left on device")
+        written.append(name)
+        self.file.write(b"\0" * 100)
+
+    monkeypatch.setattr(quantized.SafetensorsWriter, "write", write_half)
     with pytest.raises(OSError, match="No space left"):
         export_lowbit(model, model.config, tmp_path / "out", 4, 64, tokenizer_dir)
 
-    def write_half(self, *, progress=False):
+    def write_data_half(self, tensor, tensor_endianess=None):
         self.fout[0].write(b"\0" * 100)
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", write_half)
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", write_data_half)
     with pytest.raises(OSError, match="No space left"):
         export_gguf(model, model.config, tmp_path / "m.gguf", "Q4_0", tokenizer_dir, 64)
 

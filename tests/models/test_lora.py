@@ -56,12 +56,13 @@ def test_apply_freezes_base_and_merge_gives_the_same_logits_and_a_plain_hf_check
     for name, before in base_state.items():  # W + B @ A * alpha / r where adapted, untouched elsewhere
         torch.testing.assert_close(merged_state[name], before + deltas.get(name, 0), atol=1e-6, rtol=0)
     with torch.no_grad():
-        torch.testing.assert_close(model(tokens), unmerged, **TOL)
+        # W + BA rounds once where the unmerged forward rounds twice: relative fp32 error, not absolute
+        torch.testing.assert_close(model(tokens), unmerged, atol=1e-5, rtol=1e-5)
 
     save_hf_checkpoint(model, tmp_path / "merged")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     with torch.no_grad():
-        torch.testing.assert_close(reloaded(tokens).logits, unmerged, **TOL)
+        torch.testing.assert_close(reloaded(tokens).logits, unmerged, atol=1e-5, rtol=1e-5)
 
 
 def test_only_adapters_get_gradients(hf_checkpoint):

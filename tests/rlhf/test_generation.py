@@ -21,13 +21,13 @@ from zeropp.engine import Zero3Engine
 
 CFG = ModelConfig.from_preset("llama-tiny", vocab_size=64, n_layer=3, d_model=32, n_head=4, n_kv_head=2, d_ff=64)
 PAD, EOS = 0, 21
-# Each rank's prompts (2 nodes x 2 ranks). Greedy with EOS 21: rank 0's rows sample EOS first,
-# rank 1's after 4 tokens, rank 2's after ~20, rank 3's after 40 (asserted on the reference).
+# Each rank's prompts (2 nodes x 2 ranks). Greedy with EOS 21: rank 0's rows sample EOS first, rank
+# 1's after 6 and 40 tokens, rank 2's after 8 and 26, rank 3's after 28 and 46 (asserted on the reference).
 PROMPTS = [
-    [[9, 43, 56, 60, 34, 12], [3, 20, 43, 13, 43]],
-    [[51, 10, 21, 24, 26], [45, 54, 60, 63, 17]],
+    [[43, 14, 6, 32, 22], [44, 45, 33, 37]],
+    [[56, 45, 16, 3, 23], [45, 54, 60, 63, 17]],
     [[45, 46, 52, 61, 34, 42], [15, 6, 44, 7, 31]],
-    [[41, 6, 33, 50], [18, 55, 34]],
+    [[14, 16, 54, 3], [18, 55, 34]],
 ]
 ZERO3 = ZeroConfig(stage=3, communication_data_type="fp32", ranks_per_node=2)
 BLOCK = 32
@@ -195,14 +195,14 @@ def test_zero3_greedy_and_sampled_rollouts_equal_one_process(zero3_results, init
 def test_streamed_blocks_and_uneven_ranks_finish_together(zero3_results, initial_weights):
     """max_bytes = one block: the other two go through the training buffers (gathered where a
     buffer no longer holds them), so the ranks step together.
-    Rank 0's rows end at once, rank 3's after 40 tokens, max_new_tokens is 200: every rank finishes
+    Rank 0's rows end at once, rank 3's last (46 tokens), max_new_tokens is 200: every rank finishes
     (no hang) after exactly the longest rank's steps, with the same outputs as one process."""
     ref = reference(initial_weights, 200, temperature=0.0)
     lengths = [max(len(row) for row in r["responses"]) for r in ref]
-    assert lengths[0] == 1 and lengths[3] == 40 == max(lengths), lengths
+    assert lengths[0] == 1 and lengths[3] == max(lengths) < 200, lengths
     for rank, r in enumerate(zero3_results):
         assert_same(r["streamed"], ref[rank])
-        assert r["streamed"]["steps"] == 40
+        assert r["streamed"]["steps"] == lengths[3]
         info = r["streamed_info"]
         assert info["collectives_per_forward"] and info["streamed_units"] == 2 and info["resident_units"] == 3
         assert info["bytes"] == r["streamed"]["bytes"] == r["full_info"]["bytes"] // 3

@@ -64,9 +64,9 @@ def _ppo_step(rank, world, rows, stage):
     """One rollout's PPO update (2 epochs x 2 mini-batches) under DDP or ZeRO-3 (fp32 wire); the weights after."""
     lm, cfg, env = _setup(rank, world, stage)
     critic_start = score_model_from(lm)
-    actor = ModelRuntime("actor", lm, cfg, env, lr=1e-3, steps=4)
-    critic = ModelRuntime("critic", critic_start, cfg, env, lr=1e-3, steps=4)
-    reference = ModelRuntime("reference", Transformer(lm.config), cfg, env, lr=None)
+    actor = ModelRuntime("actor", (lm, None), cfg, env, lr=1e-3, steps=4)
+    critic = ModelRuntime("critic", (critic_start, None), cfg, env, lr=1e-3, steps=4)
+    reference = ModelRuntime("reference", (Transformer(lm.config), None), cfg, env, lr=None)
     batch, scores = _my_rollouts(1, rows[rank])
     old_logp, ref_logp = logprobs(actor, batch), logprobs(reference, batch)
     with torch.no_grad():
@@ -190,8 +190,8 @@ def _grpo_step(rank, world, rows):
     """Two GRPO updates (μ = 2, k3 KL to the reference) under ZeRO-3 (fp32 wire); the weights after."""
     lm, cfg, env = _setup(rank, world, 3)
     cfg.grpo.group_size, cfg.grpo.iterations, cfg.grpo.beta = 2, 2, 0.04
-    actor = ModelRuntime("actor", lm, cfg, env, lr=1e-3, steps=2)
-    reference = ModelRuntime("reference", Transformer(lm.config), cfg, env, lr=None)
+    actor = ModelRuntime("actor", (lm, None), cfg, env, lr=1e-3, steps=2)
+    reference = ModelRuntime("reference", (Transformer(lm.config), None), cfg, env, lr=None)
     batch, scores = _my_rollouts(2, rows[rank])
     advantages = grpo_advantages(scores, cfg.grpo.group_size)
     stats, _ = grpo_update(actor, batch, advantages, logprobs(reference, batch), cfg.grpo, 0)

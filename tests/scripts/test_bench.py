@@ -362,7 +362,8 @@ def _peer_losses(rank, world, family, argv, resume_argv=None):
     for args in filter(None, (argv, resume_argv)):
         cfg = parse_args(args)
         peer = {"fsdp2": peers.FSDP2, "deepspeed": peers.DeepSpeed}.get(family)
-        trainer = Trainer(cfg, **({"build_runtime": lambda model, zero, device, tp: peer(model, cfg)} if peer else {}))
+        build = lambda model, zero, device, tp, weights: peer(model, cfg, weights=weights, device=device)  # noqa: E731
+        trainer = Trainer(cfg, **({"build_runtime": build} if peer else {}))
         try:
             out.append(trainer.run().losses)
         finally:
@@ -402,6 +403,156 @@ def test_peer_runtimes_train_like_our_loop_through_the_trainer(family, tiny_run)
     losses, resumed = run_ranks(_peer_losses, 2, args=(family, first, resume), timeout=600)[0]
     assert len(losses) == 3 and max(abs(losses[s] - one[s]) for s in one) < 1e-4
     assert list(resumed) == [3] and resumed[3] == pytest.approx(losses[3], abs=1e-6)
+
+
+INIT_MODELS = {"gpt2-tiny": dict(vocab_size=512), "llama-tiny": dict(vocab_size=384, n_layer=3)}  # tied; untied GQA
+
+
+def _meta_model(preset):
+    import torch
+
+    from models.config import ModelConfig
+    from models.transformer import Transformer
+
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        return Transformer(ModelConfig.from_preset(preset, **INIT_MODELS[preset]))
+
+
+def _peer_initial_weights(rank, world, family):
+    """Each INIT_MODELS model built on the meta device and initialized by the peer runtime from InitWeights
+    (FSDP2: to_empty + shards; DeepSpeed: zero.Init + GatheredParameters); the full weights gathered back,
+    whether the head is still the embedding's parameter, and the largest local piece of this rank."""
+    import torch
+
+    from models.weights import InitWeights
+    from trainer.config import parse_args
+
+    cfg, out = parse_args(["--train.micro_batch_size", "1"]), {}
+    for preset in INIT_MODELS:
+        model = _meta_model(preset)
+        if family == "fsdp2":
+            module = peers.FSDP2(model, cfg, weights=InitWeights(model), device=torch.device("cpu")).module
+            full = {n: p.full_tensor() for n, p in module.named_parameters()}
+            local = max(p.to_local().numel() for p in module.parameters())
+        else:
+            import deepspeed
+
+            module = peers.DeepSpeed(model, cfg, weights=InitWeights(model)).module
+            local = max(p.ds_tensor.numel() for p in module.parameters())
+            with deepspeed.zero.GatheredParameters(list(module.parameters())):
+                full = {n: p.detach().clone() for n, p in module.named_parameters()}
+        out[preset] = (full, module.head.weight is module.embed.tokens.weight, local)
+    return out
+
+
+@pytest.mark.parametrize("family", ["fsdp2", "deepspeed"])
+def test_peer_meta_device_init_gives_our_initial_weights(family):
+    """The peers' own initialization of a meta-device model (FSDP2: fully_shard, to_empty, each shard filled;
+    DeepSpeed: zero.Init, each parameter set on rank 0 and re-partitioned) gives, on 2 ranks, exactly the
+    weights our runtime starts from (models.weights.materialize of InitWeights), the tied head still tied, and
+    each rank holds only a shard of each parameter."""
+    from models.weights import InitWeights, materialize
+    from trainer.spawn import run_ranks
+
+    if family == "deepspeed" and not peers.deepspeed_installed():
+        pytest.skip("DeepSpeed not installed (pip install -r requirements-bench.txt)")
+    ranks = run_ranks(_peer_initial_weights, 2, args=(family,), timeout=600)
+    for preset in INIT_MODELS:
+        reference = _meta_model(preset)
+        materialize(reference, InitWeights(reference))
+        want = dict(reference.named_parameters())
+        tied = reference.head.weight is reference.embed.tokens.weight
+        assert tied == (preset == "gpt2-tiny")
+        for rank in ranks:
+            full, still_tied, local = rank[preset]
+            assert list(full) == list(want) and still_tied == tied, preset
+            for name, p in want.items():
+                assert torch_equal(full[name], p), (preset, name)
+            assert local <= max(p.numel() for p in want.values()) // 2 + 1, preset
+
+
+def torch_equal(a, b) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool((a == b).all())
+
+
+def test_largest_model_search_doubles_then_bisects():
+    """M2's search (memory.py --largest): doubling to the first n_layer that does not fit, bisection below it."""
+    from scripts.bench import memory
+
+    def fits_up_to(limit, error_at=None):
+        calls = []
+
+        def fits(n):
+            calls.append(n)
+            return None if n == error_at else n <= limit
+        return fits, calls
+
+    fits, calls = fits_up_to(11)
+    assert memory.largest_search(fits, 2, 1024) == (11, 12, None) and calls == [2, 4, 8, 16, 12, 10, 11]
+    fits, calls = fits_up_to(0)
+    assert memory.largest_search(fits, 2, 1024) == (0, 1, None) and calls == [2, 1]
+    fits, calls = fits_up_to(100)
+    assert memory.largest_search(fits, 8, 64) == (64, None, None) and calls == [8, 16, 32, 64]
+    fits, calls = fits_up_to(11, error_at=12)
+    assert memory.largest_search(fits, 2, 1024) == (8, 16, 12)
+
+
+def test_largest_model_trials_are_killed_past_the_budget():
+    """The watch over a trial's process tree sums its processes' VmRSS and kills all of them past the budget (here
+    a parent and the child it started, each holding 120 MB, against 160 MB); a tree under budget runs on."""
+    import signal
+    import time
+
+    from scripts.bench import memory
+
+    hold = "import time; b = b'x' * (120 << 20); time.sleep(120)"
+    code = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {hold!r}]); {hold}"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    watch = memory._TreeWatch(proc.pid, 160 << 20, 0, interval=0.05)
+    watch.start()
+    try:
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        watch.stop()
+        watch.kill_all()
+    assert watch.killed and "budget" in watch.killed and watch.peak > 160 << 20 and len(watch.seen) == 2
+    time.sleep(0.5)
+    assert not any(memory._proc_tree(pid) for pid in watch.seen)  # the child is gone too
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
+    watch = memory._TreeWatch(proc.pid, 2 << 30, 0, interval=0.05)
+    watch.start()
+    assert proc.wait(timeout=60) == 0
+    watch.stop()
+    assert watch.killed is None and watch.peak > 0
+
+
+def test_largest_model_result_and_markdown(monkeypatch, tmp_path):
+    """memory.py --largest from (fake) trials: each runtime's largest n_layer and its parameters, the losses
+    compared with ours at a common n_layer, the ratios of target M2 and the table."""
+    from scripts.bench import memory
+
+    limits = {"today": 4, "ours": 11, "fsdp2": 9, "deepspeed": 7}
+
+    def trial(key, n, base, args, root):
+        fit = n <= limits[key]
+        out = {"n_layer": n, "seconds": 1.0, "tree_peak": (n + 4) << 30, "log": "", "fit": fit,
+               "why": "" if fit else "its processes' VmRSS reached ..."}
+        losses = {"1": 8.0 + n / 100 + (1e-6 if key == "deepspeed" else 0), "2": 7.5}
+        return {**out, "measured": [n << 28] * 4, "predicted": [n << 28] * 4, "losses": losses} if fit else out
+
+    monkeypatch.setattr(memory, "_largest_trial", trial)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: None)  # the data preparation
+    args = _args("memory", "--largest", "--width", "256,512,4,2", "--out", str(tmp_path))
+    result = memory.run(args, progress=lambda s: None)
+    rows = {r["key"]: r for r in result["rows"]}
+    assert {k: r["n_layer"] for k, r in rows.items()} == limits
+    assert rows["ours"]["first_not_fitting"] == 12 and rows["ours"]["params"] > rows["fsdp2"]["params"]
+    assert rows["fsdp2"]["predicted_gb"] is None and rows["ours"]["predicted_gb"] == pytest.approx(11 / 4)
+    assert rows["deepspeed"]["loss_vs_ours"] == pytest.approx(1e-6) and rows["deepspeed"]["loss_vs_ours_at"] == 4
+    assert result["vs_today"] > 2 and result["vs_best_peer"] > 1 and result["target_met"] is True
+    text = memory.markdown(result)
+    assert "| ours: ZeRO-3 (fp32 wire), meta model" in text and "target M2" in text and "11, 12 no" in text
 
 
 def test_a_benchmark_script_runs_standalone(tmp_path):

@@ -9,6 +9,7 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from export import load_lowbit
 from scripts.export_quantized import main
@@ -108,3 +109,47 @@ def test_runs_as_a_script(checkpoints, tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"{tmp_path / 'm.gguf'}: gguf, 8 bits, block size 64; round-to-nearest")
+
+
+def test_streamed_exports_equal_save_file_and_the_in_memory_model(checkpoints, tmp_path, capsys):
+    """The scripts read the checkpoint one tensor at a time; their files equal save_file of the tensors
+    the in-memory model gives (consolidation, low-bit), and the exporters' output for that model."""
+    import kernels
+    import scripts.consolidate
+    from export import export_gguf
+    from export.compressed import export_compressed_tensors
+    from models.hf import to_hf_state_dict
+    from trainer.checkpoint import read_state
+
+    ckpt = resolve_checkpoint(str(checkpoints), ".")
+    tokenizer = read_state(ckpt)["tokenizer"]
+    trained = consolidated_model(ckpt, as_trained=True)  # in memory, on the qwZ grid
+    scripts.consolidate.main([str(checkpoints), str(tmp_path / "hf"), "--max-shard-size", "60000"])
+    hf = {n: t.contiguous() for n, t in to_hf_state_dict(trained.state_dict(), trained.config).items()}
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert list(index["weight_map"]) == list(hf) and len(set(index["weight_map"].values())) > 2
+    for file in set(index["weight_map"].values()):
+        save_file({n: hf[n] for n, f in index["weight_map"].items() if f == file}, str(tmp_path / "ref.safetensors"),
+                  metadata={"format": "pt"})
+        assert (tmp_path / "hf" / file).read_bytes() == (tmp_path / "ref.safetensors").read_bytes(), file
+
+    masters = consolidated_model(ckpt)
+    main([str(checkpoints), str(tmp_path / "int4"), "--format", "safetensors"])
+    tensors = {}
+    for name, w in masters.named_parameters():
+        if w.dim() == 2:
+            q = kernels.quantize(w.detach().reshape(-1), BITS, BLOCK, scale_dtype=torch.float16)
+            tensors[f"{name}.codes"], tensors[f"{name}.scales"] = q.codes, q.scales
+        else:
+            tensors[name] = grid(w, BITS, BLOCK)  # vectors on the grid: the run was qwZ
+    save_file(tensors, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    assert (tmp_path / "int4" / "model.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+    main([str(checkpoints), str(tmp_path / "m.gguf"), "--format", "gguf"])
+    export_gguf(masters, masters.config, tmp_path / "ref" / "m.gguf", "Q4_0", tokenizer, BLOCK, vectors_on_grid=True)
+    assert (tmp_path / "m.gguf").read_bytes() == (tmp_path / "ref" / "m.gguf").read_bytes()
+    main([str(checkpoints), str(tmp_path / "ct"), "--format", "compressed-tensors"])
+    export_compressed_tensors(masters, masters.config, tmp_path / "ref-ct", BITS, BLOCK, tokenizer, vectors_on_grid=True)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ct").iterdir()} == \
+        {p.name: p.read_bytes() for p in (tmp_path / "ref-ct").iterdir()}
+    capsys.readouterr()

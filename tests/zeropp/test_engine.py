@@ -325,10 +325,52 @@ def test_two_engines_in_one_process_frozen_params_and_state_memory():
         p.requires_grad_(False)
     _, ref_llama = reference(model, 5)
     assert max((llama_state[k] - v).abs().max().item() for k, v in ref_llama.items()) < 1e-5
-    # per-rank model state: fp32 master 4 + Adam 8 + fp32 comm copy 4 + fp32 grad 4 bytes per
-    # element of the N/world-element shard; padding keeps it within 5% of the formula
+    # per-rank model state: fp32 master 4 + Adam 8 + fp32 grad 4 bytes per element of the
+    # N/world-element shard (an fp32 wire is the master itself: no comm copy); padding keeps it
+    # within 5% of the formula
     n_params = sum(p.numel() for p in make_model("gpt2-tiny").parameters())
-    formula = (4 + 8 + 4 + 4) * n_params / world
+    formula = (4 + 8 + 4) * n_params / world
     measured = sum(memory.values())
     assert abs(measured - formula) <= 0.05 * formula, (memory, formula)
+    assert "comm copy" not in memory
     assert shard * world >= n_params
+
+
+def _offload_runs(rank, world, configs, steps, accum):
+    out = []
+    for keys in configs:
+        runs = []
+        for offload in ("none", "cpu"):
+            engine, optimizer = make_engine(make_model("llama-tiny"), ZeroConfig(stage=3, offload_optimizer=offload,
+                                                                                 **keys),
+                                            ranks_per_node=2, secondary_size=keys.get("zero_hpz_partition_size") or None)
+            losses = []
+            for sample in batches(steps):
+                mine = sample[rank * BATCH // world:(rank + 1) * BATCH // world]
+                for micro in mine.chunk(accum):
+                    loss = lm_loss(engine(micro[:, :-1]), micro[:, 1:]) / accum
+                    engine.backward(loss)
+                    losses.append(loss.item())
+                engine.clip_grad_norm_(0.5)
+                optimizer.step()
+                optimizer.zero_grad()
+            kinds = engine.model_state_bytes(optimizer)
+            runs.append((losses, engine.full_state_dict(), sorted(kinds)))
+            engine.close()
+        out.append(runs)
+    return out
+
+
+def test_optimizer_offload_equals_the_plain_step():
+    """offload_optimizer cpu keeps masters, gradient shards and Adam's states on the host and copies
+    gradients out / weights back per unit: on this CPU-only machine host and device are the same
+    memory, but every copy of the path runs, and the run equals the plain one bit for bit (ZeRO-3
+    with gradient accumulation and clipping, and ZeRO++ with qwZ deltas and qgZ)."""
+    configs = [dict(communication_data_type="fp32"),
+               dict(zero_quantized_weights=True, zero_quantized_weights_bits=4, zero_quantized_weights_delta=True,
+                    zero_hpz_partition_size=2, zero_quantized_gradients=True, zero_quantization_block_size=64)]
+    for (plain, offloaded) in run_ranks(_offload_runs, 4, args=(configs, 3, 2), ranks_per_node=2)[0]:
+        assert plain[0] == offloaded[0]
+        for name, tensor in plain[1].items():
+            assert torch.equal(tensor, offloaded[1][name]), name
+        assert "master (host)" in offloaded[2] and "optimizer states (host)" in offloaded[2]
