@@ -429,7 +429,7 @@ class HFCheckpointWeights:
                                      f"maps it to {weight_map.get(raw_name)!r}")
                 self._where[name] = (file, raw_name)
                 shapes[name] = tuple(f.get_slice(raw_name).get_shape())
-        with torch.device("meta"):
+        with torch.device("meta"), torch.random.fork_rng(devices=[]):  # shapes only: no draw
             expected = to_hf_state_dict(Transformer(config).state_dict(), config)
         missing = [n for n in expected if n not in shapes]
         if missing:
@@ -495,7 +495,7 @@ def hf_model_on_meta(path) -> tuple[Transformer, HFCheckpointWeights]:
         raise FileNotFoundError(f"{config_file} not found; expected a Hugging Face model directory")
     config = config_from_hf(_read_json(config_file), str(config_file))
     weights = HFCheckpointWeights(path, config, config_file)
-    with torch.device("meta"):
+    with torch.device("meta"), torch.random.fork_rng(devices=[]):  # shapes only: no draw
         model = Transformer(config)
     return model, weights
 

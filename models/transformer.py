@@ -388,7 +388,7 @@ def score_model_from(model: Transformer, num_labels: int = 1) -> Transformer:
     if not isinstance(num_labels, int) or isinstance(num_labels, bool) or num_labels < 1:
         raise ValueError(f"score_model_from: num_labels={num_labels!r} must be an int >= 1")
     config = dataclasses.replace(model.config, num_labels=num_labels)
-    with torch.device("meta"):
+    with torch.device("meta"), torch.random.fork_rng(devices=[]):  # shapes only: no draw
         score = Transformer(config)
     ref = model.head.weight
     head = torch.empty(num_labels, config.embed_dim).normal_(0.0, 1.0 / math.sqrt(config.embed_dim + 1))

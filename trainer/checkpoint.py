@@ -382,7 +382,7 @@ def checkpoint_weights(path: str | Path, as_trained: bool = False) -> tuple[Mode
     state = read_state(path)
     config = ModelConfig(**state["model_config"])
     lora = state.get("lora")
-    with torch.device("meta"):
+    with torch.device("meta"), torch.random.fork_rng(devices=[]):  # shapes only: no draw
         model = Transformer(config)
     if lora:
         apply_lora(model, lora["targets"], lora["r"], lora["alpha"])
