@@ -181,8 +181,12 @@ class _ShardReader:
         for rank in range(first, last + 1):
             a, b = max(lo, rank * old), min(hi, (rank + 1) * old)
             if b > a:
-                out[a - lo:b - lo] = self.file(rank).get_slice(f"{unit}.{key}")[a - rank * old:b - rank * old]
+                self._read_range(rank, f"{unit}.{key}", a - rank * old, out[a - lo:b - lo])
         return out
+
+    def _read_range(self, rank: int, name: str, start: int, out: torch.Tensor) -> None:
+        """Elements [start, start + len(out)) of rank's tensor `name` into `out`."""
+        out[:] = self.file(rank).get_slice(name)[start:start + out.numel()]
 
 
 def load_shards(engine, directory: str | Path, optimizer) -> None:
@@ -249,22 +253,15 @@ class _StreamedShardReader(_ShardReader):
                 raise CheckpointError(f"checkpoint shard {path} cannot be read (truncated?): {e}") from None
         return self.files[rank]
 
-    def read(self, unit: str, key: str, lo: int, hi: int, dtype=torch.float32) -> torch.Tensor:
-        """As _ShardReader.read, each rank's range read straight into the result (no second copy)."""
-        old = self.manifest["units"][unit]["shard_numel"]
-        out = torch.zeros(hi - lo, dtype=dtype)
-        first, last = lo // old, min((hi - 1) // old, self.manifest["world_size"] - 1)
-        for rank in range(first, last + 1):
-            a, b = max(lo, rank * old), min(hi, (rank + 1) * old)
-            if b > a:
-                f, name = self.file(rank), f"{unit}.{key}"
-                if name not in f.entries:
-                    raise CheckpointError(f"{f.path}: no tensor {name}")
-                if f.entries[name][0] == dtype:
-                    f.read_into(name, a - rank * old, out[a - lo:b - lo])
-                else:
-                    out[a - lo:b - lo] = f.read(name, a - rank * old, b - rank * old)
-        return out
+    def _read_range(self, rank: int, name: str, start: int, out: torch.Tensor) -> None:
+        """Straight into `out` when the dtypes agree (no second copy)."""
+        f = self.file(rank)
+        if name not in f.entries:
+            raise CheckpointError(f"{f.path}: no tensor {name}")
+        if f.entries[name][0] == out.dtype:
+            f.read_into(name, start, out)
+        else:
+            out[:] = f.read(name, start, start + out.numel())
 
 
 class _SliceableFile(SafetensorsFile):
