@@ -149,14 +149,17 @@ class _ShardReader:
         self.directory, self.manifest = directory, manifest
         self.files = {}
 
+    def _open(self, path: Path):
+        return safe_open(str(path), framework="pt")
+
     def file(self, rank: int):
         if rank not in self.files:
             path = shard_file(self.directory, rank)
             if not path.is_file():
                 raise CheckpointError(f"checkpoint shard missing: {path}")
             try:
-                self.files[rank] = safe_open(str(path), framework="pt")
-            except (SafetensorError, OSError) as e:
+                self.files[rank] = self._open(path)
+            except (SafetensorError, ValueError, OSError) as e:
                 raise CheckpointError(f"checkpoint shard {path} cannot be read (truncated?): {e}") from None
         return self.files[rank]
 
@@ -242,16 +245,8 @@ class _StreamedShardReader(_ShardReader):
     """A _ShardReader whose files are read with plain reads (models.streaming.SafetensorsFile): no
     memory map, so what consolidation has read does not stay in the process' resident memory."""
 
-    def file(self, rank: int):
-        if rank not in self.files:
-            path = shard_file(self.directory, rank)
-            if not path.is_file():
-                raise CheckpointError(f"checkpoint shard missing: {path}")
-            try:
-                self.files[rank] = _SliceableFile(path)
-            except (ValueError, OSError) as e:
-                raise CheckpointError(f"checkpoint shard {path} cannot be read (truncated?): {e}") from None
-        return self.files[rank]
+    def _open(self, path: Path):
+        return _SliceableFile(path)
 
     def _read_range(self, rank: int, name: str, start: int, out: torch.Tensor) -> None:
         """Straight into `out` when the dtypes agree (no second copy)."""
