@@ -168,7 +168,29 @@ class Comm:
         if n == 1:
             out.copy_(shard)
             return _DoneWork() if async_op else None
+        if self.backend == "gloo":
+            return self._exchange_all_gather(out, shard, group, async_op)
         return dist.all_gather_single(out, shard, group=self.mesh.group(group), async_op=async_op)
+
+    def _exchange_all_gather(self, out, shard, group, async_op):
+        """gloo: each member sends its shard straight to every other one, received in place in `out`
+        (the same bytes as gloo's ring; its all-gather receives into a flat copy of `out` first, a
+        whole gathered unit more of memory). Point-to-point ops progress without a waiting thread."""
+        members, pg = self.mesh.members(group), self.mesh.group(group)
+        me = self.mesh.group_rank(group)
+        pieces = out.view(len(members), -1)
+        pieces[me].copy_(shard)
+        ops = []
+        for i, member in enumerate(members):
+            if i != me:
+                peer = self.mesh.global_ranks[member]
+                ops += [dist.P2POp(dist.isend, shard, peer, pg), dist.P2POp(dist.irecv, pieces[i], peer, pg)]
+        works = dist.batch_isend_irecv(ops)
+        done = CallbackWork(lambda: [w.wait() for w in works])
+        if async_op:
+            return done
+        done.wait()
+        return None
 
     def _node_aware_all_gather(self, out, shard):
         """Across nodes among the ranks with this local rank, then inside the node (on the comm thread)."""
@@ -221,10 +243,13 @@ class Comm:
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, group: str = "dp", tag: str = "reduce-scatter",
                        async_op: bool = False, accumulate: bool = False,
-                       accumulate_dtype: torch.dtype = torch.float32):
+                       accumulate_dtype: torch.dtype = torch.float32, scratch_input: bool = False):
         """`out` receives (or with `accumulate`, adds) the sum over members of chunk `group_rank` of `full`.
 
         `full` is 1-D in the wire dtype; `out` may be of another dtype (an fp32 accumulator).
+        `scratch_input`: the caller no longer needs `full`, so the gloo ring may sum into its chunks
+        in place (when the wire dtype is the accumulation dtype) instead of into new ones: one
+        chunk of transient memory instead of three.
         """
         n = self.mesh.size(group)
         node_aware = group == "dp" and self.node_aware
@@ -237,8 +262,8 @@ class Comm:
             return _DoneWork() if async_op else None
         if self._executor is None:
             return self._native_reduce_scatter(out, full, group, async_op, accumulate)
-        return self._on_thread(lambda: self._ring_reduce_scatter(out, full, group, accumulate, accumulate_dtype),
-                               async_op)
+        return self._on_thread(lambda: self._ring_reduce_scatter(out, full, group, accumulate, accumulate_dtype,
+                                                                 scratch_input), async_op)
 
     def _native_reduce_scatter(self, out, full, group, async_op, accumulate):
         if not accumulate and out.dtype == full.dtype:
@@ -255,8 +280,9 @@ class Comm:
         finish()
         return None
 
-    def _ring_reduce_scatter(self, out, full, group, accumulate, accumulate_dtype):
-        partial = self._ring(full.view(self.mesh.size(group), -1), group, full.dtype, accumulate_dtype)
+    def _ring_reduce_scatter(self, out, full, group, accumulate, accumulate_dtype, scratch_input=False):
+        partial = self._ring(full.view(self.mesh.size(group), -1), group, full.dtype, accumulate_dtype,
+                             in_place=scratch_input and full.dtype == accumulate_dtype)
         out.add_(partial) if accumulate else out.copy_(partial)
 
     def _node_aware_reduce_scatter(self, out, full, accumulate, accumulate_dtype):
@@ -268,12 +294,14 @@ class Comm:
         partial = self._ring(node_sums, "inter_node", full.dtype, accumulate_dtype)
         out.add_(partial) if accumulate else out.copy_(partial)
 
-    def _ring(self, chunks, group, wire_dtype, accumulate_dtype):
+    def _ring(self, chunks, group, wire_dtype, accumulate_dtype, in_place=False):
         """Ring reduce-scatter from send/recv over `group`: n - 1 steps, each moving one chunk
         (chunks[i]: what member i receives the sum of) to the next member; returns this member's sum.
 
         Partial sums are kept in `accumulate_dtype` and only rounded to the wire dtype for
-        sending, so a bf16 wire loses no more than one rounding per hop.
+        sending, so a bf16 wire loses no more than one rounding per hop. `in_place` (chunks in
+        the accumulation dtype, free to overwrite): each received partial is added into the
+        chunk it sums with, which is then sent as it is; the receive buffer is the only new memory.
         """
         members, mesh = self.mesh.members(group), self.mesh
         n, r = len(members), mesh.group_rank(group)
@@ -287,6 +315,9 @@ class Comm:
             ops = [dist.P2POp(dist.isend, send, to_rank, pg), dist.P2POp(dist.irecv, recv, from_rank, pg)]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
+            if in_place:
+                partial = send = chunks[(r - k - 2) % n].add_(recv)
+                continue
             partial = recv.to(accumulate_dtype) + chunks[(r - k - 2) % n]
             if k < n - 2:
                 send = partial.to(wire_dtype)

@@ -158,7 +158,8 @@ def zero3_cross_node_bytes(numels: dict[str, int], mesh: Mesh, node_aware: bool,
     # per shard: once to each remote node (node-aware), else to each peer on another node
     remote = mesh.num_nodes - 1 if node_aware else world - mesh.ranks_per_node
     position = {b: i for i, b in enumerate(sorted({int(n.split(".")[1]) for n in numels if n.startswith("blocks.")}))}
-    held = ZeroConfig.prefetch_depth + 1  # blocks the rotating buffers hold
+    prefetched = any(numels[n] <= ZeroConfig.stage3_prefetch_bucket_size for n in numels if n.startswith("blocks."))
+    held = ZeroConfig.prefetch_depth + 1 if prefetched else 1  # blocks the rotating buffers hold (_buffer_count)
 
     def passes(name: str) -> tuple[int, int]:
         if not name.startswith("blocks."):  # resident: gathered once per step and kept
@@ -276,18 +277,24 @@ class Zero3Engine(Runtime):
             if group:
                 self._hooks.append(block.register_forward_pre_hook(lambda m, a, g=group: self._block_pre_forward(g)))
                 self._hooks.append(block.register_forward_hook(lambda m, a, o, g=group: self._block_post_forward(g, o)))
+        for u in self.units.values():  # each module's trainable parameters bound again right before it runs
+            # (after the engine's own hooks bound the unit)
+            if u.trainable:
+                self._hooks += [m.register_forward_pre_hook(lambda m, a, u=u: u.bind_module(m)) for m in u.slots_of]
 
     # ------------------------------------------------------------------ buffers
 
     def _buffer_count(self) -> int:
-        """Rotating weight buffers: the computing block's and the prefetched ones, or more to keep
+        """Rotating weight buffers: the computing block's and the prefetched ones (none are prefetched
+        without overlap_comm, or when no block fits stage3_prefetch_bucket_size), or more to keep
         the last blocks of the forward gathered for the backward (stage3_max_reuse_distance: block
         p of n is used again after 2 (n - 1 - p) blocks' parameters), within
         stage3_max_live_parameters. Never more than the blocks."""
         cfg, n = self.config, len(self.block_groups)
         block = max((sum(u.padded_numel for u in group) for group in self.block_groups), default=1)
+        prefetched = cfg.overlap_comm and any(u.padded_numel <= cfg.stage3_prefetch_bucket_size for u in self.blocks)
         kept = min(cfg.stage3_max_reuse_distance // (2 * block) + 1, cfg.stage3_max_live_parameters // block)
-        return max(1, min(n, max(cfg.prefetch_depth + 1, kept)))
+        return max(1, min(n, max(cfg.prefetch_depth + 1 if prefetched else 1, kept)))
 
     def _new_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, device=self.device)
@@ -299,8 +306,9 @@ class Zero3Engine(Runtime):
 
     def _allocate_buffers(self) -> None:
         """The rotating byte buffers shared by the blocks (`_buffer_count`), each holding one block's
-        units side by side (gathered bytes, and decoded weights when those differ in dtype), and two
-        gradient buffers; a resident unit has buffers of its own."""
+        units side by side (gathered bytes, and decoded weights when those differ in dtype), and the
+        gradient buffers: two with overlap_comm (a block's gradients are written while the one before
+        is still being reduced from the other), else one; a resident unit has buffers of its own."""
         shared_compute = all(self._decodes_in_place(u) for u in self.blocks)
         gather_bytes = compute_numel = grad_numel = 0
         offsets = {}  # unit -> (byte offset in a gather buffer, element offset in a compute buffer)
@@ -317,8 +325,9 @@ class Zero3Engine(Runtime):
         compute_bufs = [] if shared_compute else [self._new_buffer(compute_numel, self.param_dtype)
                                                   for _ in range(self._slots)]
         self._block_buffers = gather_bufs + compute_bufs
-        self._grad_pair = [self._new_buffer(grad_numel, self.param_dtype) for _ in range(2)]
-        self._grad_owner: list[Unit | None] = [None, None]
+        self._grad_buffers = [self._new_buffer(grad_numel, self.param_dtype)
+                              for _ in range(2 if self.config.overlap_comm else 1)]
+        self._grad_owner: list[Unit | None] = [None] * len(self._grad_buffers)
         for u, (gather_at, compute_at) in offsets.items():
             for s in range(self._slots):
                 gather = gather_bufs[s][gather_at:gather_at + u.gathered_numel * u.codec.dtype.itemsize] \
@@ -401,10 +410,10 @@ class Zero3Engine(Runtime):
             raise RuntimeError("a forward inside Zero3Engine.inference_weights must run under torch.no_grad(): "
                                "the inference copy has no gradient path; train outside the context")
         # Own buffers: gathered once per weight update. Their gathers go out first, the first
-        # blocks' right behind them, before anything waits.
+        # blocks' right behind them, before anything waits (synchronous ones: in _ensure_gathered).
         stale = [u for u in self.resident if not self._holds_current(u)]
         for u in stale:
-            if u.pending_gather is None:  # else issued when the optimizer stepped
+            if u.pending_gather is None and self.config.overlap_comm:  # else issued when the optimizer stepped
                 self._issue_gather(u)
         if self._order_known:
             self._prefetch_from(0, +1)
@@ -422,7 +431,7 @@ class Zero3Engine(Runtime):
             for unit in group:
                 self._position[id(unit)] = len(self._order)
                 unit.slot = len(self._order) % self._slots
-                unit.grad_slot = len(self._order) % 2
+                unit.grad_slot = len(self._order) % len(self._grad_buffers)
             self._order.append(group)
         if group[0].inference is None:
             self._take_buffer(group)
@@ -479,7 +488,7 @@ class Zero3Engine(Runtime):
                 buf, previous = None, None
             else:
                 self._grad_owner[s] = unit
-                buf = self._grad_pair[s][:unit.padded_numel]
+                buf = self._grad_buffers[s][:unit.padded_numel]
         if previous is not None and previous.pending_reduce is not None:
             self._wait_reduce(previous)
         if buf is None:
@@ -723,9 +732,9 @@ class Zero3Engine(Runtime):
 
     def preallocated_buffers(self) -> list[torch.Tensor]:
         """The buffers made once at construction and reused every step: the units' gather and
-        compute views, the resident units' gradient buffers and the two alternating ones."""
+        compute views, the resident units' gradient buffers and the blocks' alternating ones."""
         views = [t for u in self.units.values() for pair in u.buffers for t in pair]
-        return views + [u.grad_buffer for u in self.resident if u.grad_buffer is not None] + self._grad_pair
+        return views + [u.grad_buffer for u in self.resident if u.grad_buffer is not None] + self._grad_buffers
 
     def buffer_bytes(self) -> int:
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.preallocated_buffers()}

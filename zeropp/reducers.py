@@ -29,7 +29,7 @@ class GradientReducer:
 
     def reduce(self, unit: str, shard: torch.Tensor, grad: torch.Tensor, async_op: bool):
         """Add the sum over DP ranks of chunk `rank` of `grad` (1-D, padded_numel) to `shard` (fp32);
-        returns a handle with wait()."""
+        returns a handle with wait(). `grad` is the engine's buffer: its contents may be overwritten."""
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -55,7 +55,7 @@ class ExactReduceScatter(GradientReducer):
 
     def reduce(self, unit, shard, grad, async_op):
         wire = grad if grad.dtype == self.wire_dtype else grad.to(self.wire_dtype)
-        return self.comm.reduce_scatter(shard, wire, tag=TAG, async_op=async_op, accumulate=True)
+        return self.comm.reduce_scatter(shard, wire, tag=TAG, async_op=async_op, accumulate=True, scratch_input=True)
 
     def describe(self) -> str:
         return f"reduce-scatter ({str(self.wire_dtype).replace('torch.', '')})"

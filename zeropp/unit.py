@@ -161,7 +161,7 @@ class Unit:
         self._encoded_master_version = -1
         self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (gather, compute) per buffer slot
         self.slot = 0  # which of the rotating weight buffers the unit uses (resident units: their own)
-        self.grad_slot = 0  # which of the two alternating gradient buffers
+        self.grad_slot = 0  # which of the engine's alternating gradient buffers
         # A rollout's inference copy: (gather buffer or None once decoded, compute buffer), used
         # instead of buffers[slot] while set.
         self.inference: tuple[torch.Tensor | None, torch.Tensor] | None = None
@@ -170,6 +170,11 @@ class Unit:
         self.grad_target: torch.Tensor | None = None  # the flat gradient buffer of this backward
         self.writing_grads = False
         self.params: list[tuple[ParamSlot, nn.Parameter, torch.Tensor | None]] = []  # (slot, piece, its grad view)
+        self._gated: torch.Tensor | None = None  # the flat weights through the gate while bound with autograd
+        self.slots_of: dict[nn.Module, list[ParamSlot]] = {}  # module -> the slots it holds (bind_module)
+        for slot in self.slots:
+            for module, _ in slot.aliases:
+                self.slots_of.setdefault(module, []).append(slot)
 
         self.refresh()
         if stored_quantized:
@@ -353,6 +358,7 @@ class Unit:
         if grad and self.trainable:
             flat.requires_grad_(True)
             gated = _WeightGate.apply(flat, self, on_grads_ready)
+        self._gated = gated
         for slot in self.slots:
             if gated is not None:
                 view = _Narrow.apply(gated, slot.offset, slot.shape, self)
@@ -361,8 +367,24 @@ class Unit:
             for module, attr in slot.aliases:
                 module.__dict__[attr] = view  # shadows the registered piece while bound
 
+    def bind_module(self, module: nn.Module) -> None:
+        """Just before `module` runs (its forward pre-hook) in a forward with autograd: its
+        parameters anew as views through the gate. Autograd runs a node after every node created
+        later whose inputs are ready, so the views made when the unit was bound would hold each
+        parameter's gradient until the unit's whole backward is done (a block's worth of
+        gradients at once); made here, each is added into grad_target right after the module's own
+        backward and freed."""
+        if self._gated is None or not torch.is_grad_enabled():
+            return
+        for slot in self.slots_of[module]:
+            view = _Narrow.apply(self._gated, slot.offset, slot.shape, self)
+            for owner, attr in slot.aliases:
+                if owner is module:
+                    owner.__dict__[attr] = view
+
     def release(self) -> None:
         """Another unit took the buffer: the modules' attributes fall back to the registered pieces."""
+        self._gated = None
         for slot in self.slots:
             for module, attr in slot.aliases:
                 module.__dict__.pop(attr, None)

@@ -413,12 +413,15 @@ def activations_markdown(result: dict) -> str:
 LARGEST_TITLE = "## M2: the largest model that trains, 4 ranks"
 LARGEST_STEPS, LARGEST_MICRO_BATCH = 3, 1
 LARGEST_RUNTIMES = {  # key -> label (all fp32 weights, gathers, reduces and compute)
-    "today": "ours before issue 30: ZeRO-3 (fp32 wire) of the full model materialized on every rank",
+    "today": "ours before issue 30 (train.py of --today-ref): the full fp32 model built on every rank, then sharded",
     "ours": "ours: ZeRO-3 (fp32 wire), meta model, each rank reads only its shards",
+    "ours-sync": "ours, overlap_comm false: one gradient buffer (reduces not overlapped), nothing prefetched",
     "fsdp2": "FSDP2 fully_shard, meta model, to_empty + shards filled",
     "deepspeed": "DeepSpeed ZeRO-3, zero.Init + GatheredParameters",
 }
 LARGEST_ZERO = ["--zero_optimization.stage", "3", "--zero_optimization.communication_data_type", "fp32"]
+LARGEST_EXTRA = {"ours-sync": ["--zero_optimization.overlap_comm", "false"]}  # key -> its own config arguments
+TODAY_REF = "fff09d2"  # the last commit before issue 30's sharded initialization
 
 
 def add_largest_args(p) -> None:
@@ -436,6 +439,8 @@ def add_largest_args(p) -> None:
     p.add_argument("--start-layers", type=int, default=2, help="the first trial's n_layer (default %(default)s)")
     p.add_argument("--max-layers", type=int, default=1024, help="stop doubling here (default %(default)s)")
     p.add_argument("--trial-timeout", type=float, default=3600, help="seconds per trial (default %(default)s)")
+    p.add_argument("--today-ref", default=TODAY_REF,
+                   help="the commit whose train.py the 'today' runtime runs, from a git worktree (default %(default)s)")
 
 
 def _largest_train_args(width: str, seq: int) -> list[str]:
@@ -459,19 +464,11 @@ def _deepspeed_memory_config(d_model: int) -> dict:
 
 
 def _largest_build_runtime(key: str, cfg):
-    """The Trainer's build_runtime for an M2 runtime."""
-    from models.weights import materialize
+    """The Trainer's build_runtime for an M2 runtime (but "today", which is another commit's train.py)."""
     from zeropp import build_runtime
 
-    if key == "ours":
+    if key.startswith("ours"):
         return build_runtime
-
-    if key == "today":  # what the Trainer did before issue 30: the full fp32 model on every rank, then sharded
-        def today(model, zero_cfg, device, tp, weights=None):
-            if weights is not None:
-                materialize(model, weights, device)
-            return build_runtime(model, zero_cfg, device, tp)
-        return today
 
     from scripts.bench import peers
 
@@ -592,8 +589,29 @@ class _TreeWatch(threading.Thread):
         self.join(timeout=5)
 
 
+def _today_checkout(root: Path, ref: str) -> Path:
+    """A git worktree of `ref` under `root` (made once; largest_models removes it)."""
+    import subprocess
+
+    from scripts.bench.runner import ROOT
+
+    checkout = root / "today-checkout"
+    if not checkout.exists():
+        subprocess.run(["git", "worktree", "add", "--detach", str(checkout), ref], cwd=ROOT, check=True,
+                       capture_output=True)
+    return checkout
+
+
+def _today_result(text: str, ranks: int) -> dict:
+    """The peak and losses an earlier train.py logs: rank 0's largest "memory (MB)" (its VmHWM) and "lm loss"."""
+    peak = max(float(m) for m in re.findall(r"memory \(MB\): ([\d.]+)", text)) * 2**20
+    losses = {m[0]: float(m[1]) for m in re.findall(r"iteration (\d+)/\d+ \| lm loss: ([\d.]+)", text)}
+    return {"measured": [int(peak)] * ranks, "predicted": None, "losses": losses}
+
+
 def _largest_trial(key: str, n_layer: int, base: list[str], args, root: Path) -> dict:
-    """One trial: KEY at n_layer, in a torchrun of its own under the watch -> {fit, why, ...}."""
+    """One trial: KEY at n_layer, in a torchrun of its own under the watch -> {fit, why, ...}. "today" runs the
+    train.py of --today-ref (its own configs), the others this checkout's --worker."""
     import json
     import subprocess
     import time
@@ -602,13 +620,18 @@ def _largest_trial(key: str, n_layer: int, base: list[str], args, root: Path) ->
 
     out = root / f"{key}-{n_layer:04d}"
     out.mkdir(parents=True, exist_ok=True)
+    cwd, script, config = ROOT, [str(Path(__file__).resolve()), "--worker", key, str(out)], base
+    if key == "today":
+        cwd = _today_checkout(root, args.today_ref)
+        script = [str(cwd / "train.py")]
+        config = [a.replace(str(ROOT / "configs"), str(cwd / "configs")) for a in base]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
-           str(Path(__file__).resolve()), "--worker", key, str(out), *base, "--model.n_layer", str(n_layer),
+           *script, *config, *LARGEST_EXTRA.get(key, []), "--model.n_layer", str(n_layer),
            "--train.out_dir", str(out / "run")]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     begin = time.monotonic()
     with open(out / "output.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env=env)
         watch = _TreeWatch(proc.pid, int(args.budget_gb * 2**30), int(args.min_available_gb * 2**30))
         watch.start()
         try:
@@ -628,6 +651,8 @@ def _largest_trial(key: str, n_layer: int, base: list[str], args, root: Path) ->
         oom = re.search(r"SIGKILL|exitcode\s*:\s*-9|can't allocate memory|MemoryError|std::bad_alloc", text)
         return {**trial, "fit": False if oom else None,
                 "why": ("out of memory: " if oom else "failed: ") + error_tail(text)}
+    if key == "today":
+        return {**trial, "fit": True, "why": "", **_today_result(text, args.ranks), "params": None}
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(args.ranks)]
     return {**trial, "fit": True, "why": "", "measured": [r["measured"] for r in ranks],
             "predicted": [r["predicted"] for r in ranks], "losses": ranks[0]["losses"], "params": ranks[0]["params"]}
@@ -635,8 +660,9 @@ def _largest_trial(key: str, n_layer: int, base: list[str], args, root: Path) ->
 
 def largest_search(fits, start: int, max_layers: int) -> tuple[int, int | None, int | None]:
     """The largest n for which `fits(n)` (True / False, or None for an error) is True, assuming it holds up to
-    some n and not past it: doubling from `start` (up to `max_layers`) to the first n that does not fit, then
-    bisecting. -> (largest that fits or 0, smallest seen not to fit or None, the n that erred or None)."""
+    some n and not past it: doubling from `start` (the last step capped at `max_layers`) to the first n that does
+    not fit, then bisecting. -> (largest that fits or 0, smallest seen not to fit or None, the n that erred or
+    None)."""
     fit, no_fit, n = 0, None, start
     while n <= max_layers:  # doubling
         ok = fits(n)
@@ -645,7 +671,7 @@ def largest_search(fits, start: int, max_layers: int) -> tuple[int, int | None, 
         if not ok:
             no_fit = n
             break
-        fit, n = n, 2 * n
+        fit, n = n, 2 * n if n == max_layers or 2 * n <= max_layers else max_layers
     while no_fit is not None and no_fit - fit > 1:  # bisection
         mid = (fit + no_fit) // 2
         ok = fits(mid)
@@ -661,7 +687,7 @@ def _compare_losses(rows: list[dict]) -> None:
     ours = {t["n_layer"]: t["losses"] for r in rows if r["key"] == "ours" for t in r["trials"] if t["fit"]}
     for r in rows:
         common = [t for t in r["trials"] if t["fit"] and t["n_layer"] in ours]
-        if r["key"] != "ours" and common:
+        if r["key"] not in ("ours", "today") and common:  # today starts from other weights
             t = max(common, key=lambda t: t["n_layer"])
             r["loss_vs_ours"] = max(abs(v - ours[t["n_layer"]][k]) for k, v in t["losses"].items())
             r["loss_vs_ours_at"] = t["n_layer"]
@@ -705,19 +731,22 @@ def largest_models(args, progress=print) -> dict:
         fit, no_fit, failed = largest_search(fits, args.start_layers, args.max_layers)
         error = trials[failed]["why"] if failed else None if fit else "not even 1 layer fits"
         best = trials.get(fit, {})
-        ours = "predicted" if key in ("ours", "today") else None  # the Trainer predicts our runtime's peak only
+        ours = "predicted" if key.startswith("ours") else None  # the Trainer predicts our runtime's peak only
         rows.append({"key": key, "label": LARGEST_RUNTIMES[key], "n_layer": fit, "params": params_of(fit) if fit else 0,
                      "first_not_fitting": no_fit, "measured_gb": max(best["measured"]) / 2**30 if fit else None,
                      "predicted_gb": max(best[ours]) / 2**30 if fit and ours else None,
                      "tree_peak_gb": best["tree_peak"] / 2**30 if fit else None,
                      "first_loss": best["losses"].get("1") if fit else None, "error": error,
                      "ok": error is None and fit > 0, "trials": [trials[k] for k in sorted(trials)]})
+    if (root / "today-checkout").exists():
+        subprocess.run(["git", "worktree", "remove", "--force", str(root / "today-checkout")], cwd=ROOT, check=True)
     _compare_losses(rows)
     by_key = {r["key"]: r for r in rows if r["ok"]}
     peers_best = max((r["params"] for k, r in by_key.items() if k in ("fsdp2", "deepspeed")), default=None)
-    ours, today = by_key.get("ours"), by_key.get("today")
-    summary = {"vs_best_peer": ours["params"] / peers_best if ours and peers_best else None,
-               "vs_today": ours["params"] / today["params"] if ours and today else None}
+    ours = max((r["params"] for k, r in by_key.items() if k.startswith("ours")), default=None)  # our best setting
+    today = by_key.get("today")
+    summary = {"vs_best_peer": ours / peers_best if ours and peers_best else None,
+               "vs_today": ours / today["params"] if ours and today else None}
     summary["target_met"] = (None if None in summary.values() else
                              summary["vs_best_peer"] >= 1 and summary["vs_today"] >= 2)
     d_model, d_ff, n_head, n_kv_head = (int(v) for v in args.width.split(","))

@@ -477,7 +477,8 @@ def torch_equal(a, b) -> bool:
 
 
 def test_largest_model_search_doubles_then_bisects():
-    """M2's search (memory.py --largest): doubling to the first n_layer that does not fit, bisection below it."""
+    """M2's search (memory.py --largest): doubling to the first n_layer that does not fit (the last step capped at
+    --max-layers), bisection below it."""
     from scripts.bench import memory
 
     def fits_up_to(limit, error_at=None):
@@ -494,6 +495,8 @@ def test_largest_model_search_doubles_then_bisects():
     assert memory.largest_search(fits, 2, 1024) == (0, 1, None) and calls == [2, 1]
     fits, calls = fits_up_to(100)
     assert memory.largest_search(fits, 8, 64) == (64, None, None) and calls == [8, 16, 32, 64]
+    fits, calls = fits_up_to(16)  # the last doubling capped at max_layers
+    assert memory.largest_search(fits, 15, 17) == (16, 17, None) and calls == [15, 17, 16]
     fits, calls = fits_up_to(11, error_at=12)
     assert memory.largest_search(fits, 2, 1024) == (8, 16, 12)
 
@@ -529,10 +532,11 @@ def test_largest_model_trials_are_killed_past_the_budget():
 
 def test_largest_model_result_and_markdown(monkeypatch, tmp_path):
     """memory.py --largest from (fake) trials: each runtime's largest n_layer and its parameters, the losses
-    compared with ours at a common n_layer, the ratios of target M2 and the table."""
+    compared with ours at a common n_layer (not today's: other initial weights), the ratios of target M2 (ours:
+    our best setting) and the table."""
     from scripts.bench import memory
 
-    limits = {"today": 4, "ours": 11, "fsdp2": 9, "deepspeed": 7}
+    limits = {"today": 4, "ours": 11, "ours-sync": 12, "fsdp2": 9, "deepspeed": 7}
 
     def trial(key, n, base, args, root):
         fit = n <= limits[key]
@@ -550,9 +554,24 @@ def test_largest_model_result_and_markdown(monkeypatch, tmp_path):
     assert rows["ours"]["first_not_fitting"] == 12 and rows["ours"]["params"] > rows["fsdp2"]["params"]
     assert rows["fsdp2"]["predicted_gb"] is None and rows["ours"]["predicted_gb"] == pytest.approx(11 / 4)
     assert rows["deepspeed"]["loss_vs_ours"] == pytest.approx(1e-6) and rows["deepspeed"]["loss_vs_ours_at"] == 4
-    assert result["vs_today"] > 2 and result["vs_best_peer"] > 1 and result["target_met"] is True
+    assert "loss_vs_ours" not in rows["today"] and rows["ours-sync"]["loss_vs_ours_at"] == 8
+    assert result["vs_best_peer"] == rows["ours-sync"]["params"] / rows["fsdp2"]["params"]
+    assert result["vs_today"] == rows["ours-sync"]["params"] / rows["today"]["params"] > 2
+    assert result["target_met"] is True
     text = memory.markdown(result)
     assert "| ours: ZeRO-3 (fp32 wire), meta model" in text and "target M2" in text and "11, 12 no" in text
+
+
+def test_todays_trial_is_read_from_its_log():
+    """M2's "today" runs an earlier commit's train.py: its peak is rank 0's largest "memory (MB)" and its losses
+    the logged "lm loss" of each iteration."""
+    from scripts.bench import memory
+
+    log = "\n".join(f" iteration {i}/3 | lm loss: {8 - i / 10:.4f} | learning rate: 1.0E-04 | memory (MB): {m} | x"
+                    for i, m in ((1, "2201.6055"), (2, "2460.4844"), (3, "2460.0000")))
+    result = memory._today_result(log + "\n iteration 3/3 | validation loss: 7.9181", 4)
+    assert result["measured"] == [int(2460.4844 * 2**20)] * 4 and result["predicted"] is None
+    assert result["losses"] == {"1": 7.9, "2": 7.8, "3": 7.7}
 
 
 def test_a_benchmark_script_runs_standalone(tmp_path):

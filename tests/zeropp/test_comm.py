@@ -25,6 +25,9 @@ def _collectives(rank, world, ranks_per_node, dtype):
     mine = torch.empty(n, dtype=dtype)
     comm.reduce_scatter(mine, full, tag="reduce", async_op=True).wait()
     err = (mine.double() - reference.view(world, n)[rank]).abs().max().item()
+    scratch, summed_in_place = full.clone(), torch.empty(n, dtype=dtype)  # the same sums, in the input's chunks
+    comm.reduce_scatter(summed_in_place, scratch, tag="reduce in place", scratch_input=True)
+    assert torch.equal(summed_in_place, mine)
 
     # the mesh's groups: intra-node and inter-node talk to exactly their members
     members = {name: topo.members(name) for name in ("intra_node", "inter_node")}

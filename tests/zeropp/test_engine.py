@@ -156,7 +156,8 @@ def _keep_gathered_run(rank, world, configs, steps):
         losses = [train_step(engine, optimizer, sample, rank, world) for sample in batches(steps)]
         totals = engine.ledger.totals()
         out.append((losses, engine.full_state_dict(), totals["forward gather"]["calls"],
-                    totals.get("backward gather", {"calls": 0})["calls"], engine.describe()))
+                    totals.get("backward gather", {"calls": 0})["calls"], engine.describe(), engine.buffer_bytes(),
+                    engine.units["blocks.0"].padded_numel))
         engine.close()
     return out
 
@@ -164,18 +165,43 @@ def _keep_gathered_run(rank, world, configs, steps):
 def test_blocks_kept_gathered_for_the_backward_match_single_process():
     """stage3_max_reuse_distance covering the model keeps all 5 blocks gathered from the forward
     to the backward: no backward gather at all; stage3_max_live_parameters of 3 blocks caps it at
-    the last 3 (2 blocks gathered again per backward). Same losses and weights as one process."""
+    the last 3 (2 blocks gathered again per backward). Blocks bigger than
+    stage3_prefetch_bucket_size are never prefetched, so one buffer holds them (only the last is
+    kept); without overlap_comm also one gradient buffer, not two. Same losses and weights as one
+    process."""
     steps, block = 4, unit_numels(partition_units(deeper_model(5)))["blocks.0"]
     configs = [{"stage3_max_reuse_distance": 10**9},
-               {"stage3_max_reuse_distance": 10**9, "stage3_max_live_parameters": 3 * block + 64}]
+               {"stage3_max_reuse_distance": 10**9, "stage3_max_live_parameters": 3 * block + 64},
+               {"stage3_prefetch_bucket_size": block - 1}, {"overlap_comm": False}]
     ref_losses, ref_state = reference(deeper_model(5), steps)
     results = run_ranks(_keep_gathered_run, 4, args=(configs, steps), ranks_per_node=2)[0]
     resident = 2  # embeddings and norms: one forward gather per step each
-    for (losses, state, forward, backward, described), kept in zip(results, (5, 3)):
+    for (losses, state, forward, backward, described, _, _), kept in zip(results, (5, 3, 1, 1)):
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, kept
         assert max((state[k] - ref_state[k]).abs().max().item() for k in state) < 1e-5, kept
         assert (forward, backward) == ((5 + resident) * steps, (5 - kept) * steps), kept
         assert f"{kept} of 5 blocks gathered at once" in described
+    (*_, overlapped, padded), (*_, synchronous, _) = results[2:]
+    assert overlapped - synchronous == padded * 4  # the second fp32 gradient buffer of a block
+
+
+def test_each_parameter_is_bound_right_before_its_module_runs():
+    """A parameter's view through the unit's gate is made by its module's pre-hook, after the
+    modules before it ran: autograd then adds its gradient into the unit's buffer right after that
+    module's backward, instead of holding every gradient of the block until the block's backward
+    ends (autograd runs nodes made earlier last). Seen in the autograd sequence numbers."""
+    engine = Zero3Engine(deeper_model(2), ZeroConfig(stage=3, communication_data_type="fp32"))
+    linears = [m for m in engine.module.blocks[0].modules() if isinstance(m, nn.Linear)]
+    made = []  # (sequence number of the weight's view, of the module's output), in call order
+    hooks = [m.register_forward_hook(lambda m, a, out: made.append(
+        (m.weight.grad_fn._sequence_nr(), out.grad_fn._sequence_nr()))) for m in linears]
+    engine.backward(lm_loss(engine(batches(1)[0][:2, :-1]), batches(1)[0][:2, 1:]))
+    for h in hooks:
+        h.remove()
+    engine.close()
+    assert len(made) == len(linears) >= 3
+    for (_, previous_output), (weight, _) in zip(made, made[1:]):
+        assert weight > previous_output
 
 
 def _cross_step_run(rank, world, steps, edit, across=True):
