@@ -532,11 +532,11 @@ def test_largest_model_trials_are_killed_past_the_budget():
 
 def test_largest_model_result_and_markdown(monkeypatch, tmp_path):
     """memory.py --largest from (fake) trials: each runtime's largest n_layer and its parameters, the losses
-    compared with ours at a common n_layer (not today's: other initial weights), the ratios of target M2 (ours:
-    our best setting) and the table."""
+    compared with ours at a common n_layer (not today's: other initial weights), the ratios of target M2 (against
+    the peers our best row without activation checkpointing, against today any) and the table."""
     from scripts.bench import memory
 
-    limits = {"today": 4, "ours": 11, "ours-sync": 12, "fsdp2": 9, "deepspeed": 7}
+    limits = {"today": 4, "ours": 11, "ours-sync": 12, "ours-sync-ac": 13, "fsdp2": 9, "deepspeed": 7}
 
     def trial(key, n, base, args, root):
         fit = n <= limits[key]
@@ -556,7 +556,7 @@ def test_largest_model_result_and_markdown(monkeypatch, tmp_path):
     assert rows["deepspeed"]["loss_vs_ours"] == pytest.approx(1e-6) and rows["deepspeed"]["loss_vs_ours_at"] == 4
     assert "loss_vs_ours" not in rows["today"] and rows["ours-sync"]["loss_vs_ours_at"] == 8
     assert result["vs_best_peer"] == rows["ours-sync"]["params"] / rows["fsdp2"]["params"]
-    assert result["vs_today"] == rows["ours-sync"]["params"] / rows["today"]["params"] > 2
+    assert result["vs_today"] == rows["ours-sync-ac"]["params"] / rows["today"]["params"] > 2  # any of ours
     assert result["target_met"] is True
     text = memory.markdown(result)
     assert "| ours: ZeRO-3 (fp32 wire), meta model" in text and "target M2" in text and "11, 12 no" in text
