@@ -158,8 +158,8 @@ def zero3_cross_node_bytes(numels: dict[str, int], mesh: Mesh, node_aware: bool,
     # per shard: once to each remote node (node-aware), else to each peer on another node
     remote = mesh.num_nodes - 1 if node_aware else world - mesh.ranks_per_node
     position = {b: i for i, b in enumerate(sorted({int(n.split(".")[1]) for n in numels if n.startswith("blocks.")}))}
-    prefetched = any(numels[n] <= ZeroConfig.stage3_prefetch_bucket_size for n in numels if n.startswith("blocks."))
-    held = ZeroConfig.prefetch_depth + 1 if prefetched else 1  # blocks the rotating buffers hold (_buffer_count)
+    held = rotating_buffer_count([[numels[n] for n in numels if n.split(".")[:2] == ["blocks", str(b)]]
+                                  for b in position], ZeroConfig(stage=3))  # blocks the buffers hold
 
     def passes(name: str) -> tuple[int, int]:
         if not name.startswith("blocks."):  # resident: gathered once per step and kept
@@ -172,6 +172,18 @@ def zero3_cross_node_bytes(numels: dict[str, int], mesh: Mesh, node_aware: bool,
     return {"forward gather": sum(passes(n)[0] * cross(n) for n in numels),
             "backward gather": sum(passes(n)[1] * cross(n) for n in numels),
             "gradient reduce": micro_batches * sum(cross(n) for n in numels if not n.endswith(FROZEN_SUFFIX))}
+
+
+def rotating_buffer_count(blocks: list[list[int]], cfg: ZeroConfig) -> int:
+    """Rotating weight buffers for blocks whose units have these element counts (a list per block):
+    the computing block's and the prefetched ones (none are prefetched without overlap_comm, or
+    when no unit fits stage3_prefetch_bucket_size), or more to keep the last blocks of the forward
+    gathered for the backward (stage3_max_reuse_distance: block p of n is used again after
+    2 (n - 1 - p) blocks' parameters), within stage3_max_live_parameters. Never more than the blocks."""
+    block = max((sum(units) for units in blocks), default=1)
+    prefetched = cfg.overlap_comm and any(n <= cfg.stage3_prefetch_bucket_size for units in blocks for n in units)
+    kept = min(cfg.stage3_max_reuse_distance // (2 * block) + 1, cfg.stage3_max_live_parameters // block)
+    return max(1, min(len(blocks), max(cfg.prefetch_depth + 1 if prefetched else 1, kept)))
 
 
 def block_gathers(i: int, blocks: int, held: int, micro_batches: int) -> tuple[int, int]:
@@ -255,7 +267,7 @@ class Zero3Engine(Runtime):
         self.blocks = [u for group in self.block_groups for u in group]
         self.resident = [self.units[n] for base in ("embedding", "norms") for n in (base, base + FROZEN_SUFFIX)
                          if n in self.units]
-        self._slots = self._buffer_count()
+        self._slots = rotating_buffer_count([[u.padded_numel for u in group] for group in self.block_groups], cfg)
         for u in self.units.values():
             if u.delta_codec is not None:  # every unit (resident ones too) keeps its references
                 u.enable_secondary(self.mesh.ranks_per_node, self.mesh.node)
@@ -284,18 +296,6 @@ class Zero3Engine(Runtime):
 
     # ------------------------------------------------------------------ buffers
 
-    def _buffer_count(self) -> int:
-        """Rotating weight buffers: the computing block's and the prefetched ones (none are prefetched
-        without overlap_comm, or when no block fits stage3_prefetch_bucket_size), or more to keep
-        the last blocks of the forward gathered for the backward (stage3_max_reuse_distance: block
-        p of n is used again after 2 (n - 1 - p) blocks' parameters), within
-        stage3_max_live_parameters. Never more than the blocks."""
-        cfg, n = self.config, len(self.block_groups)
-        block = max((sum(u.padded_numel for u in group) for group in self.block_groups), default=1)
-        prefetched = cfg.overlap_comm and any(u.padded_numel <= cfg.stage3_prefetch_bucket_size for u in self.blocks)
-        kept = min(cfg.stage3_max_reuse_distance // (2 * block) + 1, cfg.stage3_max_live_parameters // block)
-        return max(1, min(n, max(cfg.prefetch_depth + 1 if prefetched else 1, kept)))
-
     def _new_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, device=self.device)
 
@@ -305,7 +305,7 @@ class Zero3Engine(Runtime):
         return unit.codec.dtype == self.param_dtype and unit.gather_order(self.comm) is None
 
     def _allocate_buffers(self) -> None:
-        """The rotating byte buffers shared by the blocks (`_buffer_count`), each holding one block's
+        """The rotating byte buffers shared by the blocks (`rotating_buffer_count`), each holding one block's
         units side by side (gathered bytes, and decoded weights when those differ in dtype), and the
         gradient buffers: two with overlap_comm (a block's gradients are written while the one before
         is still being reduced from the other), else one; a resident unit has buffers of its own."""
