@@ -30,12 +30,11 @@ from pathlib import Path
 
 import torch
 
-from export.quantized import _check_bits, _check_vocab, _fp32_weights, _tokenizer, is_quantized, on_grid
-from kernels import pack_codes, quantize, unpack_codes
+from export.quantized import _check_bits, _check_vocab, _fp32_weights, _tokenizer, is_quantized
+from kernels import WEIGHT_SCALE_DTYPE, on_grid, pack_codes, quantize, unpack_codes
 from models.config import ModelConfig
 from models.hf import add_fast_tokenizer, config_to_hf, staged_directory, to_hf_state_dict
 from models.streaming import SafetensorsWriter
-from zeropp.quantized import WEIGHT_SCALE_DTYPE
 
 FORMAT = "pack-quantized"
 _EMBEDDINGS = ("embed.tokens.weight", "embed.positions.weight")  # nn.Embedding in transformers: no "Linear" match

@@ -34,12 +34,11 @@ import gguf
 import numpy as np
 import torch
 from data.tokenizer import SentencePieceTokenizer, Tokenizer, load_tokenizer
-from kernels import BITS, dequantize, num_blocks, packed_bytes, quantize, unpack_codes
+from kernels import BITS, WEIGHT_SCALE_DTYPE, dequantize, num_blocks, on_grid, packed_bytes, quantize, unpack_codes
 from models.config import ModelConfig
 from models.hf import hf_weights, replace_output, staged_directory
 from models.streaming import LazyTensors, SafetensorsFile, SafetensorsWriter, return_freed_memory_to_the_os
 from models.transformer import Transformer, rope_inv_freq
-from zeropp.quantized import WEIGHT_SCALE_DTYPE
 
 LOWBIT_FORMAT, LOWBIT_VERSION = "zeropp-lowbit", 1
 LOWBIT_META, LOWBIT_WEIGHTS = "quantization.json", "model.safetensors"
@@ -81,12 +80,6 @@ def _fp32_weights(weights, config: ModelConfig) -> LazyTensors:
 def is_quantized(tensor: torch.Tensor) -> bool:
     """Matrices (linear and embedding weights) are exported as codes; vectors stay fp32."""
     return tensor.dim() == 2
-
-
-def on_grid(tensor: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
-    """dequant(quant(tensor)) in fp32: the values a qwZ forward computes with."""
-    q = quantize(tensor.reshape(-1).float(), bits, block_size, scale_dtype=WEIGHT_SCALE_DTYPE)
-    return q.dequantize().view(tensor.shape)
 
 
 def dequantized_state_dict(weights, config: ModelConfig, bits: int, block_size: int,

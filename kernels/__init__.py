@@ -2,11 +2,13 @@
 
 from kernels.quant import (
     BITS,
+    WEIGHT_SCALE_DTYPE,
     QuantizedTensor,
     dequant_reduce,
     dequant_reduce_quant,
     dequantize,
     num_blocks,
+    on_grid,
     pack_codes,
     packed_bytes,
     quantize,
@@ -16,11 +18,13 @@ from kernels.quant import (
 
 __all__ = [
     "BITS",
+    "WEIGHT_SCALE_DTYPE",
     "QuantizedTensor",
     "dequant_reduce",
     "dequant_reduce_quant",
     "dequantize",
     "num_blocks",
+    "on_grid",
     "pack_codes",
     "packed_bytes",
     "quantize",

@@ -17,6 +17,7 @@ import torch
 
 BITS = (8, 6, 4, 3, 2)
 SCALE_DTYPES = (torch.float32, torch.float16)
+WEIGHT_SCALE_DTYPE = torch.float16  # quantized weights' scales (qwZ, the exports): what GGUF's Q8_0/Q4_0 store
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FP16_MAX = 65504.0
 IMPLS = ("auto", "torch", "triton")
@@ -103,6 +104,12 @@ def dequantize(codes, scales, numel, bits, block_size, *, out=None, dtype=torch.
     else:
         _dequant_sum(codes, scales, 1, numel, bits, block_size, out, accumulate)
     return out
+
+
+def on_grid(tensor: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
+    """dequant(quant(tensor)) in fp32: the values a qwZ forward computes with (fp16 scales, WEIGHT_SCALE_DTYPE)."""
+    q = quantize(tensor.reshape(-1).float(), bits, block_size, scale_dtype=WEIGHT_SCALE_DTYPE)
+    return q.dequantize().view(tensor.shape)
 
 
 def dequant_reduce(codes, scales, k, numel, bits, block_size, *, out=None, accumulate=False,

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import kernels as K
-from tests.kernels.test_quant import received, sample, stage_view
+from kernels.samples import received, sample, stage_view
 
 if not hasattr(dist, "all_gather_single"):  # torch < 2.13 (e.g. a GPU image's 2.11): its older name
     dist.all_gather_single = dist.all_gather_into_tensor

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from data.tokenizer import load_tokenizer
+from kernels import on_grid
 from models.config import ModelConfig
 from models.hf import save_hf_checkpoint
 from models.lora import LoRALinear, apply_lora
@@ -396,8 +397,6 @@ def checkpoint_weights(path: str | Path, as_trained: bool = False) -> tuple[Mode
     grid = trained_grid(state) if as_trained else None
     frozen = set()
     if grid is not None:
-        from export.quantized import on_grid  # export/ imports this module
-
         if state["config"]["zero_optimization"].get("zero_quantized_nontrainable_weights"):
             frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
 

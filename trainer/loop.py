@@ -27,6 +27,7 @@ from data.datasets import IGNORE_INDEX, ResumableBatchSampler
 from models.config import ModelConfig, flops_per_token
 from models.hf import hf_model_on_meta
 from models.lora import apply_lora
+from models.peft import load_peft_adapter
 from models.transformer import Transformer
 from models.streaming import return_freed_memory_to_the_os
 from models.weights import InitWeights, WeightSource, materialize
@@ -270,8 +271,6 @@ class Trainer:
                 raise ConfigError(f"finetune.lora: {e}") from e
             materialize(model, InitWeights(model), only=lambda name: ".lora_" in name)
             if lora.init_from:
-                from export.peft import load_peft_adapter  # export/ imports trainer.checkpoint
-
                 try:
                     load_peft_adapter(model, lora.init_from)
                 except (OSError, ValueError) as e:

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import dequantize, num_blocks, packed_bytes, quantize
-
-WEIGHT_SCALE_DTYPE = torch.float16  # what GGUF's Q8_0/Q4_0 store: the export stays bit-exact
+from kernels import WEIGHT_SCALE_DTYPE, dequantize, num_blocks, packed_bytes, quantize
 
 
 class PlainCodec:

@@ -7,12 +7,11 @@ import torch
 from safetensors.torch import load_file
 
 from export.compressed import export_compressed_tensors
-from export.quantized import dequantized_state_dict, on_grid
-from kernels import quantize, unpack_codes
+from export.quantized import dequantized_state_dict
+from kernels import WEIGHT_SCALE_DTYPE, on_grid, quantize, unpack_codes
 from models.hf import load_hf_checkpoint
 from models.transformer import Transformer
 from tests.models.conftest import VOCAB, make_hf_model
-from zeropp.quantized import WEIGHT_SCALE_DTYPE
 
 ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors (PyPI) is needed to read the export back")
 

@@ -6,9 +6,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from export.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_peft_adapter, save_peft_adapter
+from export.peft import save_peft_adapter
 from models.hf import load_hf_checkpoint
 from models.lora import LoRALinear, apply_lora
+from models.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_peft_adapter
 from tests.models.conftest import VOCAB, make_hf_model
 from tests.trainer.test_finetune import ft_args, ft_config, hf_config, synthetic, tokenizer_dir  # noqa: F401 (fixtures)
 

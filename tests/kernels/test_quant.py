@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import kernels as K
+from kernels.samples import received, sample, stage_view  # the inputs scripts/check_cuda.py checks on a GPU too
 
 ROOT = Path(__file__).resolve().parents[2]
 FP16_MAX = 65504.0
@@ -62,19 +63,6 @@ def ref_pack(codes, bits):
 def ref_dequantize(codes, scales, numel, bits, block_size):
     half = 2 ** (bits - 1)
     return [_f32((c - half) * scales[n // block_size]) for n, c in enumerate(codes[:numel])]
-
-
-def sample(numel, dtype, seed=0):
-    """Gaussian values in 64-blocks: one all zero, one whose fp16 scale underflows to 0, one
-    with exact .5 ties at 8 bits, then one whose fp16 scale is subnormal (x / s gets clamped)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(numel, generator=g) * 3
-    x[64:128] = 0
-    x[128:192] *= 1e-30
-    x[200:208] = torch.tensor([0.125, 0.375, 0.625, 0.875, -0.375, -0.625, 31.75, -31.75])  # s = 0.25
-    x[256:] *= 1e-6
-    x[256] = 1.06e-5  # fp16 scale: 1.4 subnormal steps rounds to 1, so x / s = 178 gets clamped
-    return x.to(dtype)
 
 
 BITS_DTYPES = [(bits, dtype, sdt) for bits in K.BITS for dtype in (torch.float32, torch.bfloat16)
@@ -164,12 +152,6 @@ def test_caller_buffers_and_out():
 # ---------------------------------------------------------------- fused entry points vs composition
 
 
-def stage_view(A, B, S, c, dtype, seed=0):
-    """Stage s of an [A, B, S, c] buffer: a non-contiguous [A, B, c] view."""
-    x = torch.randn(A, B, S, c, generator=torch.Generator().manual_seed(seed)).to(dtype)
-    return x[:, :, 1]
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantize_transposed_equals_quantize_of_the_copy(dtype):
     x3d = stage_view(3, 4, 2, 128, dtype)
@@ -178,13 +160,6 @@ def test_quantize_transposed_equals_quantize_of_the_copy(dtype):
         got = K.quantize_transposed(x3d, bits, 64, scale_dtype=torch.float16)
         want = K.quantize(x3d.transpose(0, 1).contiguous().flatten(), bits, 64, scale_dtype=torch.float16)
         assert torch.equal(got.codes, want.codes) and torch.equal(got.scales, want.scales)
-
-
-def received(k, numel, bits, bs, scale_dtype=torch.float32):
-    """k quantized tensors back to back, as an all-to-all delivers them."""
-    parts = [K.quantize(torch.randn(numel, generator=torch.Generator().manual_seed(i)) * (i + 1), bits, bs,
-                        scale_dtype=scale_dtype) for i in range(k)]
-    return parts, torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts])
 
 
 @pytest.mark.parametrize("bits,out_bits", [(4, 4), (8, 4), (2, 8)])
