@@ -9,12 +9,12 @@ Stages hand their results to the next as Hugging Face directories under `train.o
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
-from trainer.config import ConfigError, InputPath, ModelSection, OptimSection
+from trainer.config import (ConfigError, HeldOutSection, InputPath, ModelSection, OptimSection, ResumeConfig,
+                            RunSection, check_held_out, check_optim_section, check_run_section)
 from zeropp.config import ZeroConfig, ZeroConfigError
 
 STAGES = ("sft", "reward", "dpo", "ppo", "grpo")
@@ -34,7 +34,7 @@ class ModelsSection:
 
 
 @dataclass
-class DataSection:
+class DataSection(HeldOutSection):
     # A built-in verifiable task (rlhf.tasks: "arithmetic", "word"): prompts, demonstrations,
     # preference pairs and the reward all come from code; no data files. "" uses the files below.
     task: str = ""
@@ -47,34 +47,6 @@ class DataSection:
     prompts: Annotated[str | None, InputPath()] = None
     max_len: int = 256  # prompt + response tokens per sequence
     max_prompt_len: int = 128  # ppo / grpo prompts are cut to their last max_prompt_len tokens
-    valid_fraction: float = 0.05  # share of the pairs or prompts held out for accuracy / margins / validation loss
-
-
-@dataclass
-class TrainSection:
-    seed: int = 1234  # initial weights, data order, sampling
-    precision: Literal["auto", "fp32", "bf16"] = "auto"  # "auto": bf16 autocast where bf16 is native (CUDA, avx512_bf16 CPUs), else fp32
-    micro_batch_size: int = 8  # per rank: sequences (sft, dpo pairs, reward pairs) or prompts (ppo, grpo)
-    log_interval: int = 1  # steps between log lines (console, metrics.jsonl, TensorBoard)
-    eval_interval: int = 50  # steps between held-out evaluations; also at the last step
-    eval_batches: int = 10  # micro-batches of the held-out split per evaluation
-    checkpoint_interval: int = 0  # steps between checkpoints; 0: only at the end
-    out_dir: str = "runs/rlhf"  # each stage writes <out_dir>/<stage>/ (checkpoints, metrics, hf)
-    tensorboard: bool = True  # write TensorBoard scalars to <out_dir>/<stage>/tensorboard
-    progress_bar: bool = True  # a tqdm bar on rank 0
-    # The scheduler's warning signal (Slurm --signal): checkpoint at the end of the current step
-    # and exit cleanly. "" disables.
-    preempt_signal: str = "SIGUSR1"
-    peak_tflops: float = 1.0  # peak of the hardware in TFLOP/s per rank, for MFU
-    # Seconds a collective may wait for the other ranks before this rank fails and names what it
-    # waited in (a dead or frozen rank ends the job in minutes, not gloo's default 30).
-    dist_timeout: float = 600.0
-    # Recompute the trained models' transformer blocks' activations in the backward instead of
-    # keeping them (docs/activation_checkpointing.md): "none", "full" (every block) or "every_k"
-    # (every k-th block). Models a stage does not train (the reference, a given reward model)
-    # keep no activations anyway and run as they are.
-    activation_checkpointing: Literal["none", "full", "every_k"] = "none"
-    activation_checkpointing_every: int = 2  # every_k's k: blocks k, 2k, ... (counted from 1) are checkpointed
 
 
 @dataclass
@@ -150,12 +122,19 @@ class GRPOSection:
     scale_rewards: bool = True  # divide by the group's std (DeepSeekMath; TRL scale_rewards)
 
 
+def _train_section() -> RunSection:
+    """The trainer's shared keys (trainer.config.RunSection), with rlhf.py's own defaults where they
+    differ: a log line per step (stages are short), an evaluation every 50 steps, its own out_dir."""
+    return RunSection(log_interval=1, eval_interval=50, out_dir="runs/rlhf")
+
+
 @dataclass
-class RLHFConfig:
+class RLHFConfig(ResumeConfig):
     model: ModelSection = field(default_factory=ModelSection)  # the shape of a fresh base (models.base unset) only
     models: ModelsSection = field(default_factory=ModelsSection)  # where each stage's models come from
     data: DataSection = field(default_factory=DataSection)  # a built-in task, or preference pairs and prompts
-    train: TrainSection = field(default_factory=TrainSection)  # batches, logging, evaluation, checkpoints
+    # Batches, logging, evaluation, checkpoints: train.py's shared keys (each stage writes <out_dir>/<stage>/).
+    train: RunSection = field(default_factory=_train_section)
     # AdamW and its schedule for every stage; the learning rate is each stage's own (sft.lr, ...).
     optim: OptimSection = field(default_factory=lambda: OptimSection(
         warmup_steps=0, decay="constant", weight_decay=0.0, beta2=0.95))
@@ -167,8 +146,6 @@ class RLHFConfig:
     ppo: PPOSection = field(default_factory=PPOSection)  # PPO: actor, critic, reference and reward model
     dpo: DPOSection = field(default_factory=DPOSection)  # DPO on preference pairs
     grpo: GRPOSection = field(default_factory=GRPOSection)  # GRPO: groups of samples per prompt, no critic
-    # As train.py's: a checkpoint dir, "latest" or "auto" (of the stage that runs).
-    resume: Annotated[str | None, InputPath(("latest", "auto"))] = None
 
     def stage_dir(self, stage: str) -> Path:
         return Path(self.train.out_dir) / stage
@@ -184,27 +161,23 @@ def check(cfg: RLHFConfig, stage: str) -> None:
     """Values no stage can use are errors that name the key."""
     if stage not in STAGES:
         raise ConfigError(f"unknown stage {stage!r}: expected one of {', '.join(STAGES)}")
-    for key, value in (("train.micro_batch_size", cfg.train.micro_batch_size), ("sft.steps", cfg.sft.steps),
+    for key, value in (("sft.steps", cfg.sft.steps),
                        ("reward.steps", cfg.reward.steps), ("ppo.steps", cfg.ppo.steps),
                        ("dpo.steps", cfg.dpo.steps), ("grpo.steps", cfg.grpo.steps),
                        ("ppo.epochs", cfg.ppo.epochs), ("ppo.mini_batches", cfg.ppo.mini_batches),
                        ("grpo.group_size", cfg.grpo.group_size), ("grpo.iterations", cfg.grpo.iterations),
                        ("generation.max_new_tokens", cfg.generation.max_new_tokens),
                        ("data.max_len", cfg.data.max_len), ("data.max_prompt_len", cfg.data.max_prompt_len),
-                       ("train.log_interval", cfg.train.log_interval),
-                       ("train.eval_interval", cfg.train.eval_interval)):
+                       # checked again by check_run_section; rlhf.py's wording of it (tests pin it) first
+                       ("train.activation_checkpointing_every", cfg.train.activation_checkpointing_every)):
         if value < 1:
             raise ConfigError(f"{key} must be at least 1, got {value}")
-    if cfg.train.activation_checkpointing_every < 1:
-        raise ConfigError(f"train.activation_checkpointing_every must be at least 1, got "
-                          f"{cfg.train.activation_checkpointing_every}")
-    if not (math.isfinite(cfg.train.dist_timeout) and cfg.train.dist_timeout > 0):
-        raise ConfigError(f"train.dist_timeout must be a finite number of seconds > 0, got {cfg.train.dist_timeout}")
+    check_run_section(cfg.train)  # the shared keys: checked as train.py checks them
+    check_optim_section(cfg.optim)
+    check_held_out(cfg.data)
     if cfg.data.max_prompt_len >= cfg.data.max_len:
         raise ConfigError(f"data.max_prompt_len {cfg.data.max_prompt_len} must be below data.max_len "
                           f"{cfg.data.max_len} (room for the response)")
-    if not 0.0 < cfg.data.valid_fraction < 1.0:
-        raise ConfigError(f"data.valid_fraction must be in (0, 1), got {cfg.data.valid_fraction}")
     if cfg.generation.temperature < 0:
         raise ConfigError(f"generation.temperature must be >= 0, got {cfg.generation.temperature}")
     if not 0.0 < cfg.generation.top_p <= 1.0:

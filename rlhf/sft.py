@@ -11,7 +11,7 @@ import dataclasses
 
 from rlhf.config import RLHFConfig
 from rlhf.data import base_model_dir, sft_file
-from trainer.config import Config
+from trainer.config import Config, RunSection, TrainSection
 from trainer.distributed import DistEnv
 from trainer.loop import Trainer
 
@@ -25,15 +25,10 @@ def sft_config(cfg: RLHFConfig, env: DistEnv) -> Config:
     out.data.seq_len = cfg.data.max_len - 1
     out.data.valid_fraction = cfg.data.valid_fraction
     out.optim = dataclasses.replace(cfg.optim, lr=cfg.sft.lr)
-    t = cfg.train
-    out.train = dataclasses.replace(
-        out.train, steps=cfg.sft.steps, micro_batch_size=t.micro_batch_size, grad_accum=cfg.sft.grad_accum,
-        seed=t.seed, precision=t.precision, log_interval=t.log_interval, eval_interval=t.eval_interval,
-        eval_batches=t.eval_batches, checkpoint_interval=t.checkpoint_interval, out_dir=str(cfg.stage_dir("sft")),
-        tensorboard=t.tensorboard, progress_bar=t.progress_bar, preempt_signal=t.preempt_signal,
-        peak_tflops=t.peak_tflops, dist_timeout=t.dist_timeout, export_hf=True, eval_at_start=True,
-        activation_checkpointing=t.activation_checkpointing,
-        activation_checkpointing_every=t.activation_checkpointing_every)
+    shared = {f.name: getattr(cfg.train, f.name) for f in dataclasses.fields(RunSection)}  # every shared key
+    shared["out_dir"] = str(cfg.stage_dir("sft"))
+    out.train = TrainSection(**shared, steps=cfg.sft.steps, grad_accum=cfg.sft.grad_accum, export_hf=True,
+                             eval_at_start=True)
     out.zero_optimization = cfg.zero_optimization
     out.resume = cfg.resume
     return out

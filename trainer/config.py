@@ -37,6 +37,7 @@ from typing import Annotated, Any, Iterable, Literal
 import yaml
 
 from models.lora import DEFAULT_TARGETS
+from trainer.preemption import signal_number
 from zeropp.config import TensorParallelConfig, ZeroConfig
 
 DEBUG_ENV = "ZEROPP_DEBUG"  # set to 1 (or pass --debug) to see the traceback of an error
@@ -70,7 +71,16 @@ class ModelSection:
 
 
 @dataclass
-class DataSection:
+class HeldOutSection:
+    """The data key every entry point shares (train.py / finetune.py's data, rlhf.py's data)."""
+
+    # Share of the data held out for evaluation: the validation loss (train.py, finetune.py), the
+    # held-out pairs' accuracy / margin or the prompts held out (rlhf.py).
+    valid_fraction: float = 0.05
+
+
+@dataclass
+class DataSection(HeldOutSection):
     # "default" (the embedded corpus), a text/json/jsonl(.gz) file, or a Megatron .bin/.idx
     # prefix made by scripts/preprocess_data.py; for a fine-tune, the SFT data set (docs/finetune.md).
     path: Annotated[str, InputPath(("default",))] = "default"
@@ -80,7 +90,6 @@ class DataSection:
     tokenizer: Annotated[str | None, InputPath()] = None
     vocab_size: int = 4096  # of the SentencePiece model trained when data.tokenizer is None
     seq_len: int = 128  # tokens per training sample (a fine-tune: the longest example; longer ones are cut)
-    valid_fraction: float = 0.05  # share of the data held out for the validation loss
     cache_dir: str = "cache"  # tokenized data and trained tokenizers, reused by later runs
     workers: int = 2  # processes that tokenize the corpus
 
@@ -99,22 +108,24 @@ class OptimSection:
 
 
 @dataclass
-class TrainSection:
-    steps: int = 200  # optimizer steps of the whole run
-    micro_batch_size: int = 8  # samples per rank and forward/backward
-    grad_accum: int = 1  # micro-batches accumulated per optimizer step
-    seed: int = 1234  # initial weights, data order and dropout
+class RunSection:
+    """The keys every training loop shares (train.py / finetune.py's `train`, rlhf.py's `train` for
+    every stage): declared, defaulted and checked (check_run_section) once. A program whose default
+    differs sets it where it builds the section (rlhf.config.RLHFConfig.train)."""
+
+    # Per rank and forward/backward: samples (train.py, finetune.py); rlhf.py: sequences (sft),
+    # preference pairs (reward, dpo) or prompts (ppo, grpo).
+    micro_batch_size: int = 8
+    seed: int = 1234  # initial weights, data order, dropout and (rlhf.py) sampling
     # "auto": bf16 autocast where the hardware multiplies bf16 natively (CUDA; a CPU with
     # avx512_bf16 / amx_bf16 / Arm bf16), fp32 elsewhere; master weights stay fp32 (docs/training.md).
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     log_interval: int = 10  # steps between log lines (console, metrics.jsonl, TensorBoard)
-    eval_interval: int = 100  # steps between validation losses; also evaluates at the last step
-    eval_batches: int = 10  # global batches of the fixed validation set per evaluation
+    eval_interval: int = 100  # steps between evaluations (validation loss, held-out pairs); also at the last step
+    eval_batches: int = 10  # global batches of the fixed validation (held-out) set per evaluation
     checkpoint_interval: int = 0  # steps between checkpoints; 0: only at the end
-    out_dir: str = "runs/default"  # checkpoints/, metrics.jsonl, tensorboard/ and hf/ go here
-    # A fresh run (no `resume`) refuses an out_dir that holds another run's checkpoints or
-    # metrics; true deletes them first (checkpoints/, metrics.jsonl, tensorboard/, hf/).
-    overwrite: bool = False
+    # checkpoints/, metrics.jsonl, tensorboard/ and hf/ go here (rlhf.py: each stage's under <out_dir>/<stage>/)
+    out_dir: str = "runs/default"
     tensorboard: bool = True  # write TensorBoard scalars to <out_dir>/tensorboard
     progress_bar: bool = True  # a tqdm bar on rank 0
     # Peak of the hardware in TFLOP/s per rank, for MFU. On CPU a rough figure suffices.
@@ -122,13 +133,9 @@ class TrainSection:
     # The scheduler's warning signal (Slurm --signal): checkpoint at the end of the current
     # step and exit cleanly. "" disables.
     preempt_signal: str = "SIGUSR1"
-    # At the end, also write the final weights as a Hugging Face directory: <out_dir>/hf
-    # (LoRA adapters merged into the weights).
-    export_hf: bool = False
-    # Also evaluate before the first step (step 0): the starting point of a fine-tune.
-    eval_at_start: bool = False
-    # A step whose loss or gradient norm is not finite is skipped (no update); this many in a
-    # row stop the run with an error (the last checkpoint stays the newest).
+    # A step whose loss or gradient norm is not finite (on any rank) is skipped (no update); this
+    # many in a row stop the run with an error (the last checkpoint stays the newest). rlhf.py:
+    # a step is one optimizer step of a stage (PPO / GRPO take several per rollout).
     max_nonfinite_steps: int = 5
     # Seconds a collective may wait for the other ranks before this rank fails and names what
     # it waited in: long enough for a checkpoint save or an evaluation on one rank, short
@@ -137,9 +144,26 @@ class TrainSection:
     # Recompute transformer blocks' activations in the backward instead of keeping them from the
     # forward (docs/activation_checkpointing.md): "none"; "full": every block; "every_k": every
     # k-th block (train.activation_checkpointing_every). Saves activation memory for one more
-    # forward of those blocks; the loss and gradients are the same.
+    # forward of those blocks; the loss and gradients are the same. Models a run does not train
+    # (rlhf.py's reference, a given reward model) keep no activations anyway and run as they are.
     activation_checkpointing: Literal["none", "full", "every_k"] = "none"
     activation_checkpointing_every: int = 2  # every_k's k: blocks k, 2k, ... (counted from 1) are checkpointed
+
+
+@dataclass
+class TrainSection(RunSection):
+    """train.py / finetune.py's `train`: the shared keys (RunSection) and the ones of one run of steps."""
+
+    steps: int = 200  # optimizer steps of the whole run
+    grad_accum: int = 1  # micro-batches accumulated per optimizer step
+    # A fresh run (no `resume`) refuses an out_dir that holds another run's checkpoints or
+    # metrics; true deletes them first (checkpoints/, metrics.jsonl, tensorboard/, hf/).
+    overwrite: bool = False
+    # At the end, also write the final weights as a Hugging Face directory: <out_dir>/hf
+    # (LoRA adapters merged into the weights).
+    export_hf: bool = False
+    # Also evaluate before the first step (step 0): the starting point of a fine-tune.
+    eval_at_start: bool = False
 
 
 @dataclass
@@ -173,7 +197,16 @@ class FinetuneSection:
 
 
 @dataclass
-class Config:
+class ResumeConfig:
+    """The top-level key every entry point shares."""
+
+    # A checkpoint directory to continue from; "latest": out_dir's latest checkpoint (rlhf.py:
+    # the running stage's); "auto": the latest if there is one, else start fresh (requeued jobs).
+    resume: Annotated[str | None, InputPath(("latest", "auto"))] = None
+
+
+@dataclass
+class Config(ResumeConfig):
     model: ModelSection = field(default_factory=ModelSection)  # the model to pretrain (a preset and its shape)
     data: DataSection = field(default_factory=DataSection)  # the corpus or SFT data set and its tokenizer
     optim: OptimSection = field(default_factory=OptimSection)  # AdamW and the learning-rate schedule
@@ -183,16 +216,12 @@ class Config:
     # Megatron-style tensor parallelism with AccTFM (docs/tensor_parallel.md).
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     finetune: FinetuneSection = field(default_factory=FinetuneSection)  # fine-tuning a Hugging Face model
-    # A checkpoint directory to continue from; "latest": out_dir's latest checkpoint;
-    # "auto": the latest if there is one, else start fresh (requeued jobs).
-    resume: Annotated[str | None, InputPath(("latest", "auto"))] = None
 
 
 # ----------------------------------------------------------------------------- values
 
-def _ranges(cfg: Config) -> list[tuple[str, float, str, bool]]:
-    """(key, value, what is expected, whether it holds) for every numeric key with a range."""
-    o, t = cfg.optim, cfg.train
+def _optim_ranges(o: OptimSection) -> list[tuple[str, float, str, bool]]:
+    """(key, value, what is expected, whether it holds) for every key of `optim` with a range."""
     finite = math.isfinite
     return [
         ("optim.lr", o.lr, "a finite number > 0", finite(o.lr) and o.lr > 0),
@@ -204,6 +233,13 @@ def _ranges(cfg: Config) -> list[tuple[str, float, str, bool]]:
         ("optim.eps", o.eps, "a finite number > 0", finite(o.eps) and o.eps > 0),
         ("optim.clip_grad", o.clip_grad, "a finite number >= 0 (0 disables clipping)",
          finite(o.clip_grad) and o.clip_grad >= 0),
+    ]
+
+
+def _run_ranges(t: RunSection) -> list[tuple[str, float, str, bool]]:
+    """The same for the shared `train` keys (RunSection)."""
+    finite = math.isfinite
+    return [
         ("train.eval_batches", t.eval_batches, "an integer >= 1", t.eval_batches >= 1),
         ("train.checkpoint_interval", t.checkpoint_interval, "an integer >= 0 (0: only at the end)",
          t.checkpoint_interval >= 0),
@@ -216,12 +252,42 @@ def _ranges(cfg: Config) -> list[tuple[str, float, str, bool]]:
     ]
 
 
+def _refuse(ranges: list[tuple[str, float, str, bool]]) -> None:
+    for key, value, expected, ok in ranges:
+        if not ok:
+            raise ConfigError(f"{key}: value {value!r} is out of range; expected {expected}")
+
+
+def check_optim_section(o: OptimSection) -> None:
+    """The one check of `optim` (train.py, finetune.py and every rlhf.py stage)."""
+    _refuse(_optim_ranges(o))
+
+
+def check_run_section(t: RunSection) -> None:
+    """The one check of the shared `train` keys (RunSection): train.py, finetune.py and rlhf.py call it."""
+    for key, value in (("train.micro_batch_size", t.micro_batch_size), ("train.log_interval", t.log_interval),
+                       ("train.eval_interval", t.eval_interval)):
+        if value < 1:
+            raise ConfigError(f"{key} must be at least 1, got {value}")
+    _refuse(_run_ranges(t))
+    try:
+        if t.preempt_signal:
+            signal_number(t.preempt_signal)
+    except ValueError as e:
+        raise ConfigError(f"train.preempt_signal: {e}") from None
+
+
+def check_held_out(d: HeldOutSection) -> None:
+    """The one check of data.valid_fraction (HeldOutSection)."""
+    if not 0.0 < d.valid_fraction < 1.0:
+        raise ConfigError(f"data.valid_fraction must be in (0, 1), got {d.valid_fraction}")
+
+
 def check_values(cfg: Config) -> None:
     """Refuse values of the right type that no run can use (a negative learning rate trains
     backwards, eval_batches 0 crashes after the last step, before the final save)."""
-    for key, value, expected, ok in _ranges(cfg):
-        if not ok:
-            raise ConfigError(f"{key}: value {value!r} is out of range; expected {expected}")
+    check_optim_section(cfg.optim)
+    check_run_section(cfg.train)
 
 
 # ----------------------------------------------------------------------------- conversion

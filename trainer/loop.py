@@ -34,7 +34,7 @@ from models.weights import InitWeights, WeightSource, materialize
 from trainer.activation_checkpointing import apply_activation_checkpointing, describe as describe_checkpointing
 from trainer.checkpoint import (FULL, LATEST, CheckpointError, export_hf, export_note, load_checkpoint, read_state,
                                 recover, resolve_checkpoint, save_checkpoint)
-from trainer.config import Config, ConfigError, LoraSection, check_values, pop_debug, to_dict
+from trainer.config import Config, ConfigError, LoraSection, check_held_out, check_values, pop_debug, to_dict
 from trainer.distributed import (DistEnv, LauncherError, PeerError, all_gather_objects, all_reduce_sum, barrier,
                                  init_distributed, is_peer_failure)
 from trainer.finetune_data import FinetuneData, prepare_finetuning
@@ -42,7 +42,7 @@ from trainer.memory import baseline_bytes, peak_bytes, predicted_peak
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer, lr_at
 from trainer.precision import autocast_for, compute_dtype
-from trainer.preemption import PreemptionSignal, signal_number
+from trainer.preemption import PreemptionSignal
 from trainer.pretrain_data import DataError, PretrainData, prepare_pretraining
 from data.sources import MissingKeyError
 from zeropp import build_runtime
@@ -128,13 +128,11 @@ def _lora_state(lora: LoraSection) -> dict | None:
 def _check(cfg: Config) -> None:
     check_values(cfg)
     t = cfg.train
-    for key, value in (("train.steps", t.steps), ("train.micro_batch_size", t.micro_batch_size),
-                       ("train.grad_accum", t.grad_accum), ("train.log_interval", t.log_interval),
-                       ("train.eval_interval", t.eval_interval), ("data.seq_len", cfg.data.seq_len)):
+    for key, value in (("train.steps", t.steps), ("train.grad_accum", t.grad_accum),
+                       ("data.seq_len", cfg.data.seq_len)):
         if value < 1:
             raise ConfigError(f"{key} must be at least 1, got {value}")
-    if not 0.0 < cfg.data.valid_fraction < 1.0:
-        raise ConfigError(f"data.valid_fraction must be in (0, 1), got {cfg.data.valid_fraction}")
+    check_held_out(cfg.data)
     try:
         cfg.zero_optimization.validate()
         cfg.tensor_parallel.validate()
@@ -143,11 +141,6 @@ def _check(cfg: Config) -> None:
                                   "tensor_parallel.size 1")
     except ZeroConfigError as e:
         raise ConfigError(str(e)) from None
-    try:
-        if t.preempt_signal:
-            signal_number(t.preempt_signal)
-    except ValueError as e:
-        raise ConfigError(f"train.preempt_signal: {e}") from None
     _check_finetune(cfg)
 
 
