@@ -40,6 +40,7 @@ from trainer.distributed import (DistEnv, LauncherError, PeerError, all_gather_o
 from trainer.finetune_data import FinetuneData, prepare_finetuning
 from trainer.memory import baseline_bytes, peak_bytes, predicted_peak
 from trainer.metrics import MetricsLogger
+from trainer.nonfinite import NonFiniteError, NonFiniteSteps, nonfinite_tensors
 from trainer.optim import build_optimizer, lr_at
 from trainer.precision import autocast_for, compute_dtype
 from trainer.preemption import PreemptionSignal
@@ -49,11 +50,6 @@ from zeropp import build_runtime
 from zeropp.config import ZeroConfigError
 from zeropp.engine import UnsupportedModelError
 from zeropp.topology import TopologyError
-
-
-class NonFiniteError(RuntimeError):
-    """Training diverged: too many steps in a row had a non-finite loss or gradient norm, or the
-    weights themselves are not finite (then nothing is saved)."""
 
 
 @dataclass
@@ -191,7 +187,8 @@ class Trainer:
         self.step_timings: dict[str, float] = {}  # and the seconds it spent outside compute, by kind
         self.step = 0
         self.consumed_samples = 0
-        self.nonfinite_streak = 0  # steps in a row skipped for a non-finite loss or gradient norm
+        # The one non-finite policy (trainer.nonfinite): skip, count, log, stop after max_nonfinite_steps in a row.
+        self.nonfinite = NonFiniteSteps(cfg.train.max_nonfinite_steps)
         self.last_step_skipped = False
         self.saved: Path | None = None  # the newest checkpoint of ckpt_root this run wrote or resumed
         self.saved_step = -1  # and its step
@@ -300,6 +297,7 @@ class Trainer:
                                   f"resume from an earlier checkpoint")
         self.step = state["step"]
         self.consumed_samples = state["consumed_samples"]
+        self.nonfinite.skipped = state.get("skipped", 0)  # written since the non-finite policy was shared
         self.resumed_from = path
         if path.parent.resolve() == self.ckpt_root.resolve():
             self.saved, self.saved_step = path, self.step
@@ -307,12 +305,7 @@ class Trainer:
     def nonfinite_tensors(self) -> list[str]:
         """Names of weights and optimizer states that hold a NaN or an infinity, on any rank
         (every rank calls it: one gather)."""
-        names = {p: n for n, p in self.runtime.module.named_parameters()}
-        mine = [names.get(p, "a parameter") for p in names if not torch.isfinite(p.detach()).all()]
-        mine += [f"{names.get(p, 'a parameter')}.{key}" for p, state in self.optimizer.state.items()
-                 for key, v in state.items() if torch.is_tensor(v) and v.is_floating_point()
-                 and not torch.isfinite(v).all()]
-        return [f"rank {r}: {n}" for r, part in enumerate(all_gather_objects(mine)) for n in part]
+        return nonfinite_tensors([(self.runtime.module, self.optimizer)])
 
     @property
     def global_batch(self) -> int:
@@ -351,8 +344,9 @@ class Trainer:
         grad_norm = runtime.clip_grad_norm_(cfg.optim.clip_grad if cfg.optim.clip_grad > 0 else float("inf")).item()
         loss = all_reduce_sum(total).item() / self.copies
         # Both are global, so every rank takes the same decision: a non-finite one skips the update
-        # (the batch is consumed, the weights and optimizer state stay as they were).
-        self.last_step_skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        # (the batch is consumed, the weights and optimizer state stay as they were); the policy
+        # logs it, and raises NonFiniteError at train.max_nonfinite_steps in a row.
+        self.last_step_skipped = not self.nonfinite.allow(self.step + 1, {"loss": loss, "grad norm": grad_norm})
         if not self.last_step_skipped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -360,13 +354,6 @@ class Trainer:
         self.step_timings = dict(runtime.timings)
         self.step += 1
         self.consumed_samples += self.global_batch
-        self.nonfinite_streak = self.nonfinite_streak + 1 if self.last_step_skipped else 0
-        if self.nonfinite_streak >= cfg.train.max_nonfinite_steps:
-            raise NonFiniteError(
-                f"{self.nonfinite_streak} steps in a row (up to step {self.step}) had a non-finite loss or gradient "
-                f"norm (last: loss {loss}, grad norm {grad_norm}); their updates were skipped and nothing was saved "
-                f"from them (train.max_nonfinite_steps {cfg.train.max_nonfinite_steps}). Lower optim.lr or set "
-                f"optim.clip_grad, and resume from the last checkpoint")
         return loss, grad_norm, anyone_stops, n_tokens
 
     def comm_scalars(self) -> dict[str, float]:
@@ -422,6 +409,7 @@ class Trainer:
         state = {
             "format": self.runtime.checkpoint_format,
             "consumed_samples": self.consumed_samples,
+            "skipped": self.nonfinite.skipped,
             "config": to_dict(self.cfg),
             "model_config": dataclasses.asdict(self.model_cfg),
             "world_size": self.env.world_size,
@@ -452,6 +440,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         result = TrainResult()
         log = MetricsLogger(t, self.env.is_main, start_step=self.step)
+        self.nonfinite.say = log.info
         preemption = PreemptionSignal(t.preempt_signal)
         if self.env.is_main:
             name = cfg.finetune.hf_checkpoint or cfg.model.preset
@@ -505,10 +494,8 @@ class Trainer:
             result.losses[self.step] = loss
             for note in self.runtime.take_notes():
                 log.info(note)
-            if self.last_step_skipped:
+            if self.last_step_skipped:  # logged by the non-finite policy
                 result.skipped_steps.append(self.step)
-                log.info(f"step {self.step}: loss {loss} / grad norm {grad_norm} is not finite: update skipped "
-                         f"({self.nonfinite_streak} in a row; at {t.max_nonfinite_steps} the run stops)")
             window_steps += 1
             window_tokens += n_tokens
             log.advance()
@@ -527,6 +514,7 @@ class Trainer:
                     "MFU %": 100 * tflops / t.peak_tflops,
                     "memory (MB)": peak_bytes(self.env.device) / 2**20,
                     **self.comm_scalars(),
+                    "skipped steps": self.nonfinite.skipped,
                 }, total_steps=t.steps)
                 window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
             if self.step % t.eval_interval == 0 or self.step == t.steps:
