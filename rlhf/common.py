@@ -10,7 +10,6 @@ trainer can drive runs RLHF too.
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 
 import torch
@@ -24,11 +23,12 @@ from models.weights import WeightSource
 from rlhf.config import RLHFConfig
 from rlhf.losses import token_logprobs
 from trainer.activation_checkpointing import apply_activation_checkpointing
-from trainer.checkpoint import load_checkpoint, read_state, resolve_checkpoint, save_checkpoint
+from trainer.checkpoint import CheckpointError, load_checkpoint, read_state, resolve_checkpoint, save_checkpoint
 from trainer.config import ConfigError, TrainSection, to_dict
 from trainer.distributed import DistEnv, all_reduce_sum, barrier, init_distributed
 from trainer.precision import autocast_for
 from trainer.metrics import MetricsLogger
+from trainer.nonfinite import NonFiniteError, NonFiniteSteps, nonfinite_tensors
 from trainer.optim import build_optimizer, lr_at
 from zeropp import build_runtime
 
@@ -93,19 +93,20 @@ class ModelRuntime:
         with autocast_for(self.precision, self.env.device):
             return self.runtime(tokens, attention_mask=attention_mask)
 
-    def step(self, step: int) -> float:
-        """Clip (optim.clip_grad), step at the schedule's learning rate, zero the gradients;
-        returns the gradient norm before clipping."""
+    def clip_gradients(self) -> float:
+        """Clip the gradients (optim.clip_grad); returns their global norm before clipping."""
+        clip = self.optim_cfg.clip_grad
+        return self.runtime.clip_grad_norm_(clip if clip > 0 else float("inf")).item()
+
+    def apply(self, step: int) -> None:
+        """Step at the schedule's learning rate of optimizer step `step`, zero the gradients."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(step, self.steps, self.optim_cfg)
-        clip = self.optim_cfg.clip_grad
-        norm = self.runtime.clip_grad_norm_(clip if clip > 0 else float("inf"))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm.item()
 
     def skip_step(self) -> None:
-        """Drop the gradients of a step that must not be taken (a non-finite loss)."""
+        """Drop the gradients of a step that must not be taken (a non-finite loss or gradient norm)."""
         self.optimizer.zero_grad(set_to_none=True)
 
     def full_model(self) -> Transformer:
@@ -156,10 +157,28 @@ def comm_scalars(models: list[ModelRuntime]) -> dict[str, float]:
             "cross-node sent (MB)": sum(e["cross_node_sent"] for e in totals) / 2**20}
 
 
-def all_finite(*values: float) -> bool:
-    """Whether every rank's values are finite (one all-reduce): a NaN anywhere stops every rank's step."""
-    bad = sum(not math.isfinite(v) for v in values)
-    return global_sum(bad)[0] == 0
+def optimizer_step(models: list[ModelRuntime], step: int, losses: dict[str, float], nonfinite: NonFiniteSteps,
+                   label: int | str) -> tuple[bool, list[float]]:
+    """One optimizer step of the trained `models` under the one non-finite policy (trainer.nonfinite),
+    as trainer.loop takes it: every model's gradients clipped, then all of them step, or none does when
+    a loss (`losses`: global values, the same on every rank) or a gradient norm is not finite. `label`:
+    the step as the log names it. Returns (whether they stepped, their gradient norms)."""
+    norms = [m.clip_gradients() for m in models]
+    names = ["grad norm"] if len(models) == 1 else [f"{m.name} grad norm" for m in models]
+    ok = nonfinite.allow(label, {**losses, **dict(zip(names, norms))})
+    for m in models:
+        if ok:
+            m.apply(step)
+        else:
+            m.skip_step()
+    return ok, norms
+
+
+def update_label(first_step: int, i: int, updates: int) -> str:
+    """How the log names update `i` of the rollout whose `updates` optimizer steps start at
+    `first_step`: the rollout's step (counted from 1), and which of its updates."""
+    rollout = first_step // updates + 1
+    return str(rollout) if updates == 1 else f"{rollout} (update {i + 1} of {updates})"
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -184,6 +203,10 @@ class StageCheckpoint:
             if extra_tensors is not None:
                 extra_tensors(directory)
 
+        bad = nonfinite_tensors((m.module, m.optimizer) for m in trainable)
+        if bad:
+            raise NonFiniteError(f"step {step}: non-finite values in {', '.join(bad[:5])}; not saving them "
+                                 f"(the newest checkpoint stays the previous one)")
         full = {**state, "stage": self.stage, "config": to_dict(self.cfg), "world_size": self.env.world_size,
                 "format": trainable[0].runtime.checkpoint_format,
                 "models": {m.name: dataclasses.asdict(m.config) for m in models}}
@@ -214,7 +237,12 @@ class StageCheckpoint:
             if read_extra is not None:
                 read_extra(directory)
 
-        return load_checkpoint(path, trainable[0].optimizer, read, self.env.rank)
+        state = load_checkpoint(path, trainable[0].optimizer, read, self.env.rank)
+        bad = nonfinite_tensors((m.module, m.optimizer) for m in trainable)
+        if bad:
+            raise CheckpointError(f"resume: checkpoint {path} holds non-finite values in {', '.join(bad[:5])}; "
+                                  f"resume from an earlier checkpoint")
+        return state
 
 
 def open_log(cfg: RLHFConfig, stage: str, steps: int, env: DistEnv, start_step: int) -> MetricsLogger:

@@ -13,19 +13,23 @@ import time
 
 import torch
 
-from rlhf.common import (ModelRuntime, all_finite, global_max, global_sum, load_model, sequence_logprobs,
-                         tokenizer_of)
+from rlhf.common import (ModelRuntime, global_max, global_sum, load_model, optimizer_step, sequence_logprobs,
+                         tokenizer_of, update_label)
 from rlhf.config import GRPOSection, RLHFConfig
-from rlhf.data import load_prompts, task
 from rlhf.losses import entropy_from_logits, grpo_advantages, grpo_loss, kl_estimate
 from rlhf.online import OnlineAlgorithm, run_online
 from rlhf.rollout import RolloutBatch, global_masked_mean, logprobs
+from trainer.config import RunSection
 from trainer.distributed import DistEnv
+from trainer.nonfinite import NonFiniteSteps
 
 
 def grpo_update(actor: ModelRuntime, batch: RolloutBatch, advantages: torch.Tensor, ref_logp: torch.Tensor | None,
-                cfg: GRPOSection, first_step: int) -> tuple[dict[str, float], int]:
-    """`cfg.iterations` optimizer steps on one generation; returns statistics and skipped steps."""
+                cfg: GRPOSection, first_step: int, nonfinite: NonFiniteSteps | None = None
+                ) -> tuple[dict[str, float], int]:
+    """`cfg.iterations` optimizer steps on one generation under the non-finite policy `nonfinite`
+    (trainer.nonfinite; None: a fresh one with the default limit); returns statistics and skipped steps."""
+    nonfinite = nonfinite or NonFiniteSteps(RunSection.max_nonfinite_steps)
     mask = batch.mask
     n_tokens = global_sum(mask.sum().item())[0]
     old_logp = logprobs(actor, batch) if cfg.iterations > 1 else None
@@ -43,11 +47,9 @@ def grpo_update(actor: ModelRuntime, batch: RolloutBatch, advantages: torch.Tens
             kl = kl_estimate(logp, ref_logp, "k3") if ref_logp is not None else torch.zeros_like(logp)
             sums += torch.tensor([(loss * mask).sum().item(), (clipped * mask).sum().item(), (kl * mask).sum().item(),
                                   (entropy_from_logits(logits) * mask).sum().item()], dtype=torch.float64)
-        if all_finite(total.item()):
-            actor.step(first_step + i)
-        else:
-            actor.skip_step()
-            skipped += 1
+        ok, _ = optimizer_step([actor], first_step + i, {"loss": global_sum(total.item())[0]}, nonfinite,
+                               update_label(first_step, i, cfg.iterations))
+        skipped += not ok
     loss, clipped, kl, entropy = (v / max(n_tokens, 1.0) / cfg.iterations for v in global_sum(*sums))
     return {"loss": loss, "clip fraction": clipped, "kl": kl, "entropy": entropy, "logprob gap": gap}, skipped
 
@@ -58,7 +60,8 @@ class GRPO(OnlineAlgorithm):
     name = "grpo"
     loss_keys = ("loss",)
 
-    def __init__(self, cfg: RLHFConfig, env: DistEnv):
+    def __init__(self, cfg: RLHFConfig, env: DistEnv, tokenizer):
+        super().__init__(cfg, env, tokenizer)
         g, sft = cfg.grpo, cfg.sft_path()
         self.g, self.steps, self.samples_per_prompt = g, g.steps, g.group_size
         torch.manual_seed(cfg.train.seed)
@@ -72,24 +75,22 @@ class GRPO(OnlineAlgorithm):
                                              lr=None)
         self.models = [m for m in (self.actor, self.reference, self.reward_model) if m is not None]
 
-    def update(self, step: int, batch: RolloutBatch, rewards: torch.Tensor) -> tuple[dict[str, float], int]:
+    def headline(self) -> str:
+        source = f"the reward model {self.cfg.reward_path()}" if self.reward_model else f"task {self.cfg.data.task}"
+        return f"actor {self.cfg.sft_path()}, reward from {source}"
+
+    def learn(self, step: int, batch: RolloutBatch, rewards: torch.Tensor, nonfinite) -> dict[str, float]:
         g = self.g
         advantages = grpo_advantages(rewards, g.group_size, g.scale_rewards)
         ref_logp = logprobs(self.reference, batch) if self.reference is not None else None
         start = time.perf_counter()
-        stats, skipped = grpo_update(self.actor, batch, advantages, ref_logp, g, step * g.iterations)
+        stats, _ = grpo_update(self.actor, batch, advantages, ref_logp, g, step * g.iterations, nonfinite)
         seconds = global_max(time.perf_counter() - start)
         groups = rewards.view(-1, g.group_size)
         flat = (groups == groups[:, :1]).all(dim=1).sum().item()
         return {**stats, "zero-advantage groups": global_sum(flat)[0] / global_sum(groups.shape[0])[0],
-                "training tokens/s": global_sum(batch.attention_mask.sum().item() * g.iterations)[0] / seconds}, \
-            skipped
+                "training tokens/s": global_sum(batch.attention_mask.sum().item() * g.iterations)[0] / seconds}
 
 
 def run_grpo(cfg: RLHFConfig, env: DistEnv) -> dict:
-    tokenizer = tokenizer_of(cfg.sft_path())
-    prompts = load_prompts(cfg, tokenizer, env)
-    algo = GRPO(cfg, env)
-    source = f"the reward model {cfg.reward_path()}" if algo.reward_model else f"task {cfg.data.task}"
-    return run_online(algo, cfg, env, prompts, tokenizer, task(cfg), algo.reward_model,
-                      f"actor {cfg.sft_path()}, reward from {source}")
+    return run_online(GRPO(cfg, env, tokenizer_of(cfg.sft_path())))

@@ -1,138 +1,113 @@
-"""The loop PPO and GRPO share: prompts -> rollout -> rewards -> the algorithm's update, with
-the logging, checkpoints, preemption and export around it.
+"""The step PPO and GRPO share: prompts -> rollout -> rewards -> the algorithm's update.
 
-An `OnlineAlgorithm` (rlhf.ppo.PPO, rlhf.grpo.GRPO) owns its models and its update; this loop
-owns everything else, so both stages log the same rollout statistics, resume the same way and
-stop the same way on the scheduler's signal.
+An `OnlineAlgorithm` (rlhf.ppo.PPO, rlhf.grpo.GRPO) owns its models and its `learn`; this class
+owns the rest of the step, and the one loop skeleton (trainer.skeleton.run_stage) the logging,
+checkpoints, the non-finite policy, preemption and the export around it, as for every stage.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from abc import ABC, abstractmethod
-from pathlib import Path
+from abc import abstractmethod
 
 import torch
 
-from data.datasets import ResumableBatchSampler
 from data.tokenizer import Tokenizer
-from rlhf.common import ModelRuntime, StageCheckpoint, all_finite, comm_scalars, global_max, global_sum, open_log
+from rlhf.common import ModelRuntime, comm_scalars, global_max, global_sum
 from rlhf.config import RLHFConfig
-from rlhf.data import Prompts, write_samples
+from rlhf.data import Prompts, load_prompts, task, write_samples
 from rlhf.rollout import RolloutBatch, generate, global_stats, model_rewards, response_text, task_rewards
+from rlhf.stage import RLHFStage
 from rlhf.tasks import VerifiableTask
 from trainer.distributed import DistEnv
-from trainer.preemption import PreemptionSignal
+from trainer.metrics import MetricsLogger
+from trainer.nonfinite import NonFiniteSteps
+from trainer.skeleton import run_stage
 
 
-class OnlineAlgorithm(ABC):
-    """What a stage plugs into `run_online`."""
+class OnlineAlgorithm(RLHFStage):
+    """A stage that learns from its own rollouts (rlhf.ppo.PPO, rlhf.grpo.GRPO), run by the one loop
+    skeleton (trainer.skeleton.run_stage). Each step samples `samples_per_prompt` responses to
+    `train.micro_batch_size` prompts per rank, rewards them (the reward model, or the task's code)
+    and hands them to the algorithm's `learn`; this class owns everything else of the step, so both
+    stages log the same rollout statistics."""
 
-    name: str  # the stage: its directory under out_dir
     steps: int  # rollouts
     actor: ModelRuntime
-    models: list[ModelRuntime]  # every model of the stage (checkpoints hold the trainable ones)
+    reward_model: ModelRuntime | None = None  # None: the task's code rewards
     samples_per_prompt: int = 1
     loss_keys: tuple[str, ...] = ()  # metrics that must be finite
 
+    def __init__(self, cfg: RLHFConfig, env: DistEnv, tokenizer: Tokenizer):
+        super().__init__(cfg, env)
+        self.tokenizer = tokenizer
+        self.prompts: Prompts = load_prompts(cfg, tokenizer, env)
+        self.train_indices = self.prompts.train_indices
+        self.task: VerifiableTask | None = task(cfg)
+        self.samples_file = self.stage_dir / "samples.jsonl"
+        self.last: tuple[RolloutBatch, torch.Tensor] | None = None  # the last step's rollout and rewards
+
     @abstractmethod
-    def update(self, step: int, batch: RolloutBatch, rewards: torch.Tensor) -> tuple[dict[str, float], int]:
-        """Train on one rollout; returns its metrics and how many optimizer steps were skipped."""
+    def learn(self, step: int, batch: RolloutBatch, rewards: torch.Tensor,
+              nonfinite: NonFiniteSteps) -> dict[str, float]:
+        """Train on one rollout (its optimizer steps decided by `nonfinite`); returns its metrics."""
 
-    def state_dict(self) -> dict:
-        """What the stage's checkpoints hold besides the models (a KL controller, ...)."""
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-
-    def save_tensors(self, directory: Path) -> None:
-        """This rank's extra tensors (an EMA) into a checkpoint directory."""
-
-    def load_tensors(self, directory: Path) -> None:
-        pass
+    @abstractmethod
+    def headline(self) -> str:
+        """Where the stage's models come from, for the first log line."""
 
     def resumed_at(self, step: int) -> None:
         """Called once before the first rollout with the step the run starts from."""
 
-    def export(self, out_dir: Path, tokenizer_dir: Path, tokenizer: Tokenizer) -> None:
-        self.actor.export(out_dir / "hf", tokenizer_dir, tokenizer)
+    def start(self, log: MetricsLogger, step: int) -> None:
+        self.resumed_at(step)
+        micro, world = self.cfg.train.micro_batch_size, self.env.world_size
+        log.info(f"{self.name}: {self.headline()} | {self.prompts.source} | world size {world} | {micro * world} "
+                 f"prompts x {self.samples_per_prompt} samples per step | runtime: {self.actor.runtime.describe()}")
 
-
-def run_online(algo: OnlineAlgorithm, cfg: RLHFConfig, env: DistEnv, prompts: Prompts, tokenizer: Tokenizer,
-               task: VerifiableTask | None, reward_model: ModelRuntime | None, headline: str) -> dict:
-    """`algo.steps` rollouts of `train.micro_batch_size` prompts per rank (each sampled
-    `algo.samples_per_prompt` times), rewarded by the reward model or the task; returns the
-    per-step metrics."""
-    ckpt = StageCheckpoint(cfg, algo.name, env)
-    step = consumed = skipped = 0
-    path = ckpt.resume_path()
-    if path is not None:
-        state = ckpt.load(path, algo.models, algo.load_tensors)
-        step, consumed, skipped = state["step"], state["consumed_samples"], state["skipped"]
-        algo.load_state_dict(state)
-    algo.resumed_at(step)
-    micro = cfg.train.micro_batch_size
-    batches = iter(ResumableBatchSampler(prompts.train_indices, micro, env.rank, env.world_size, cfg.train.seed,
-                                         consumed_samples=consumed))
-    log = open_log(cfg, algo.name, algo.steps, env, step)
-    log.info(f"{algo.name}: {headline} | {prompts.source} | world size {env.world_size} | {micro * env.world_size} "
-             f"prompts x {algo.samples_per_prompt} samples per step | runtime: {algo.actor.runtime.describe()}")
-    preemption = PreemptionSignal(cfg.train.preempt_signal)
-    samples_file = cfg.stage_dir(algo.name) / "samples.jsonl"
-    history = []
-    while step < algo.steps:
+    def update(self, step: int, batches, nonfinite: NonFiniteSteps) -> dict[str, float]:
+        prompts, tokenizer, task_ = self.prompts, self.tokenizer, self.task
         start = time.perf_counter()
-        for m in algo.models:
-            m.runtime.ledger.reset()
-        indices = [i for i in next(batches) for _ in range(algo.samples_per_prompt)]
-        batch, gen = generate(algo.actor, [prompts.tokens[i] for i in indices], [prompts.texts[i] for i in indices],
-                              cfg.generation, tokenizer)
-        generation_mb = comm_scalars(algo.models)["cross-node sent (MB)"]
+        indices = [i for i in next(batches) for _ in range(self.samples_per_prompt)]
+        batch, gen = generate(self.actor, [prompts.tokens[i] for i in indices], [prompts.texts[i] for i in indices],
+                              self.cfg.generation, tokenizer)
+        generation_mb = comm_scalars(self.models)["cross-node sent (MB)"]
         generation_seconds = global_max(time.perf_counter() - start)
-        rewards = model_rewards(reward_model, batch) if reward_model else task_rewards(task, batch, tokenizer)
-        metrics, bad = algo.update(step, batch, rewards)
-        skipped += bad
+        rewards = model_rewards(self.reward_model, batch) if self.reward_model else task_rewards(task_, batch, tokenizer)
+        metrics = self.learn(step, batch, rewards, nonfinite)
         rows = global_sum(len(indices))[0]
         reward_mean, reward_std = global_stats(rewards)
         metrics = {"reward": reward_mean, "reward std": reward_std, **metrics,
                    "response length": global_sum(batch.mask.sum().item())[0] / rows}
-        if task is not None and reward_model is not None:
-            metrics["task reward"] = global_stats(task_rewards(task, batch, tokenizer))[0]
+        if task_ is not None and self.reward_model is not None:
+            metrics["task reward"] = global_stats(task_rewards(task_, batch, tokenizer))[0]
         metrics.update({
             "generation tokens/s": global_sum(gen.new_tokens)[0] / generation_seconds,
             "inference copy (MB)": gen.inference_bytes / 2**20,
             "elapsed time per iteration (ms)": (time.perf_counter() - start) * 1e3,
             "cross-node generation (MB)": generation_mb,
-            "cross-node training (MB)": comm_scalars(algo.models)["cross-node sent (MB)"] - generation_mb
-            - metrics.get("cross-node experience (MB)", 0.0),
-            "skipped steps": skipped})
-        if not all_finite(reward_mean, *(metrics[k] for k in algo.loss_keys)):
-            log.info(f"step {step + 1}: non-finite reward or loss ("
-                     + ", ".join(f"{k} {metrics[k]}" for k in ("reward", *algo.loss_keys))
+            "cross-node training (MB)": comm_scalars(self.models)["cross-node sent (MB)"] - generation_mb
+            - metrics.get("cross-node experience (MB)", 0.0)})
+        if not all(math.isfinite(v) for v in (reward_mean, *(metrics[k] for k in self.loss_keys))):
+            # what made the updates non-finite (each skipped update has its own line: trainer.nonfinite)
+            self.log.info(f"step {step + 1}: non-finite reward or loss ("
+                     + ", ".join(f"{k} {metrics[k]}" for k in ("reward", *self.loss_keys))
                      + "): its updates were skipped")
-        step += 1
-        consumed += micro * env.world_size
-        history.append(metrics)
-        if step % cfg.train.log_interval == 0 or step == algo.steps:
-            log.scalars(step, metrics, total_steps=algo.steps)
-            if env.is_main:
-                write_samples(samples_file, [{"step": step, "prompt": t, "response": response_text(tokenizer, r),
-                                              "reward": float(s)} for t, r, s in
-                                             zip(batch.prompt_texts[:2], batch.responses[:2], rewards[:2])])
-        log.advance()
-        stop = global_sum(float(preemption.received))[0] > 0
-        interval = cfg.train.checkpoint_interval
-        if (interval and step % interval == 0) or step == algo.steps or stop:
-            saved = ckpt.save(step, algo.models, {"consumed_samples": consumed, "skipped": skipped,
-                                                  **algo.state_dict()}, algo.save_tensors)
-            if stop and step != algo.steps:
-                log.info(f"preempted at step {step}: saved checkpoint {saved}")
-                break
-    preemption.close()
-    log.close()
-    if step == algo.steps:
-        algo.export(cfg.stage_dir(algo.name), cfg.sft_path(), tokenizer)
-    for m in algo.models:
-        m.close()
-    return {"history": history}
+        self.last = (batch, rewards)
+        return metrics
+
+    def logged(self, step: int) -> None:
+        if self.env.is_main and self.last is not None:
+            batch, rewards = self.last
+            write_samples(self.samples_file, [{"step": step, "prompt": t, "response": response_text(self.tokenizer, r),
+                                               "reward": float(s)} for t, r, s in
+                                              zip(batch.prompt_texts[:2], batch.responses[:2], rewards[:2])])
+
+    def export(self) -> None:
+        self.actor.export(self.stage_dir / "hf", self.cfg.sft_path(), self.tokenizer)
+
+
+def run_online(algo: OnlineAlgorithm) -> dict:
+    """`algo.steps` rollouts through the loop skeleton; returns the per-step metrics."""
+    return {"history": run_stage(algo, algo.cfg.train).history}

@@ -15,14 +15,17 @@ import torch
 from safetensors.torch import save_file
 
 from data.datasets import IGNORE_INDEX, ResumableBatchSampler, collate_preference
-from rlhf.common import (ModelRuntime, StageCheckpoint, all_finite, comm_scalars, global_sum, load_model, open_log,
-                         score_model, sequence_logprobs, tokenizer_of)
+from rlhf.common import (ModelRuntime, comm_scalars, global_sum, load_model, optimizer_step, score_model,
+                         sequence_logprobs, tokenizer_of)
 from rlhf.config import RLHFConfig
 from rlhf.data import Preferences, load_preferences
 from rlhf.losses import diverging_reward_loss, dpo_loss, last_token_scores, pairwise_reward_loss
+from rlhf.stage import RLHFStage
 from trainer.distributed import DistEnv, all_reduce_sum
+from trainer.metrics import MetricsLogger
+from trainer.nonfinite import NonFiniteSteps
+from trainer.skeleton import run_stage
 from zeropp.checkpoint import read_safetensors
-from trainer.preemption import PreemptionSignal
 
 
 def _pair_batch(prefs: Preferences, indices: list[int], pad_id: int, device) -> dict[str, torch.Tensor]:
@@ -123,26 +126,54 @@ class _DPOObjective:
         return dpo_loss(chosen, rejected, ref_chosen, ref_rejected, self.cfg.dpo.beta, self.cfg.dpo.label_smoothing)
 
 
-def run_pairs(stage: str, cfg: RLHFConfig, env: DistEnv) -> dict:
-    """Train the reward model (stage "reward") or the DPO policy (stage "dpo"); export it to
-    <out_dir>/<stage>/hf; returns the held-out accuracy and margin before and after."""
-    tokenizer = tokenizer_of(cfg.sft_path())
-    prefs = load_preferences(cfg, tokenizer, env)
-    objective = _ScoreObjective(cfg, env) if stage == "reward" else _DPOObjective(cfg, env)
-    model = objective.model
-    steps = cfg.reward.steps if stage == "reward" else cfg.dpo.steps
-    micro = cfg.train.micro_batch_size
-    ckpt = StageCheckpoint(cfg, stage, env)
-    step, consumed = 0, 0
-    path = ckpt.resume_path()
-    if path is not None:
-        state = ckpt.load(path, objective.models)
-        step, consumed = state["step"], state["consumed_samples"]
+class PairStage(RLHFStage):
+    """The reward or DPO stage: `objective` turns a batch of pairs into per-pair losses and scores;
+    this class makes the step's update and metrics of them and the held-out evaluation."""
 
-    objective.prepare(prefs, tokenizer.pad_id, env, micro, cfg.stage_dir(stage))
+    def __init__(self, stage: str, cfg: RLHFConfig, env: DistEnv):
+        self.name = stage
+        super().__init__(cfg, env)
+        self.tokenizer = tokenizer_of(cfg.sft_path())
+        self.prefs = load_preferences(cfg, self.tokenizer, env)
+        self.train_indices = self.prefs.train_indices
+        self.objective = _ScoreObjective(cfg, env) if stage == "reward" else _DPOObjective(cfg, env)
+        self.model = self.objective.model
+        self.models = self.objective.models
+        self.steps = cfg.reward.steps if stage == "reward" else cfg.dpo.steps
 
-    def evaluate() -> dict[str, float]:
-        per_rank = min(micro, max(1, len(prefs.valid_indices) // env.world_size))
+    def _batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        return _pair_batch(self.prefs, indices, self.tokenizer.pad_id, self.env.device)
+
+    def start(self, log: MetricsLogger, step: int) -> None:
+        cfg, env, micro = self.cfg, self.env, self.cfg.train.micro_batch_size
+        self.objective.prepare(self.prefs, self.tokenizer.pad_id, env, micro, self.stage_dir)
+        log.info(f"{self.name}: {self.model.config.arch} from {cfg.sft_path()} | data {self.prefs.source}: "
+                 f"{len(self.prefs.train_indices)} train / {len(self.prefs.valid_indices)} held-out pairs | world "
+                 f"size {env.world_size} | {micro * env.world_size} pairs per step | runtime: "
+                 f"{self.model.runtime.describe()}")
+
+    def update(self, step: int, batches, nonfinite: NonFiniteSteps) -> dict[str, float]:
+        start = time.perf_counter()
+        indices = next(batches)
+        batch = self._batch(indices)
+        losses, chosen, rejected = self.objective.losses(batch, indices)
+        pairs = self.samples_per_step
+        loss = losses.sum() / pairs  # the mean over the global batch of pairs
+        self.model.runtime.backward(loss)
+        loss_sum, correct, margin, chosen_sum, rejected_sum, tokens = global_sum(
+            loss.item(), (chosen > rejected).sum().item(), (chosen - rejected).sum().item(), chosen.sum().item(),
+            rejected.sum().item(), batch["attention_mask"].sum().item())
+        _, (norm,) = optimizer_step([self.model], step, {"loss": loss_sum}, nonfinite, step + 1)
+        seconds = time.perf_counter() - start
+        return {"loss": loss_sum, "accuracy": correct / pairs, "margin": margin / pairs, "chosen": chosen_sum / pairs,
+                "rejected": rejected_sum / pairs, "grad norm": norm,
+                "learning rate": self.model.optimizer.param_groups[0]["lr"], "tokens/s": tokens / seconds,
+                "elapsed time per iteration (ms)": seconds * 1e3, **comm_scalars(self.models)}
+
+    def evaluate(self) -> dict[str, float]:
+        """Loss, accuracy and margin on (at most train.eval_batches global batches of) the held-out pairs."""
+        cfg, env, prefs = self.cfg, self.env, self.prefs
+        per_rank = min(cfg.train.micro_batch_size, max(1, len(prefs.valid_indices) // env.world_size))
         sampler = ResumableBatchSampler(prefs.valid_indices, per_rank, env.rank, env.world_size, cfg.train.seed,
                                         shuffle=False)
         batches = iter(sampler)
@@ -151,72 +182,24 @@ def run_pairs(stage: str, cfg: RLHFConfig, env: DistEnv) -> dict:
         with torch.no_grad():
             for _ in range(n):
                 indices = next(batches)
-                batch = _pair_batch(prefs, indices, tokenizer.pad_id, env.device)
-                losses, chosen, rejected = objective.losses(batch, indices)
+                losses, chosen, rejected = self.objective.losses(self._batch(indices), indices)
                 totals += torch.tensor([losses.sum().item(), (chosen > rejected).sum().item(),
                                         (chosen - rejected).sum().item(), len(indices)], dtype=torch.float64)
         loss, correct, margin, pairs = global_sum(*totals)
         return {"held-out loss": loss / pairs, "held-out accuracy": correct / pairs, "held-out margin": margin / pairs,
                 "held-out pairs": pairs}
 
-    log = open_log(cfg, stage, steps, env, step)
-    if env.is_main:
-        log.info(f"{stage}: {model.config.arch} from {cfg.sft_path()} | data {prefs.source}: "
-                 f"{len(prefs.train_indices)} train / {len(prefs.valid_indices)} held-out pairs | world size "
-                 f"{env.world_size} | {micro * env.world_size} pairs per step | runtime: {model.runtime.describe()}")
-    result = {"start": evaluate()} if step == 0 else {}
-    if result:
-        log.scalars(0, result["start"], total_steps=steps)
-    sampler = ResumableBatchSampler(prefs.train_indices, micro, env.rank, env.world_size, cfg.train.seed,
-                                    consumed_samples=consumed)
-    batches = iter(sampler)
-    preemption = PreemptionSignal(cfg.train.preempt_signal)
-    skipped = 0
-    while step < steps:
-        start = time.perf_counter()
-        for m in objective.models:
-            m.runtime.ledger.reset()
-        indices = next(batches)
-        batch = _pair_batch(prefs, indices, tokenizer.pad_id, env.device)
-        losses, chosen, rejected = objective.losses(batch, indices)
-        pairs = micro * env.world_size
-        loss = losses.sum() / pairs  # the mean over the global batch of pairs
-        model.runtime.backward(loss)
-        loss_sum, correct, margin, chosen_sum, rejected_sum, stop = global_sum(
-            loss.item(), (chosen > rejected).sum().item(), (chosen - rejected).sum().item(), chosen.sum().item(),
-            rejected.sum().item(), float(preemption.received))
-        if not all_finite(loss.item()):
-            model.skip_step()
-            skipped += 1
-            log.info(f"step {step + 1}: non-finite loss {loss_sum} on some rank: step skipped, not trained on")
-            norm = float("nan")
-        else:
-            norm = model.step(step)
-        step += 1
-        consumed += pairs
-        if step % cfg.train.log_interval == 0 or step == steps:
-            tokens = global_sum(batch["attention_mask"].sum().item())[0]
-            seconds = time.perf_counter() - start
-            log.scalars(step, {"loss": loss_sum, "accuracy": correct / pairs, "margin": margin / pairs,
-                               "chosen": chosen_sum / pairs, "rejected": rejected_sum / pairs, "grad norm": norm,
-                               "learning rate": model.optimizer.param_groups[0]["lr"],
-                               "tokens/s": tokens / seconds, "elapsed time per iteration (ms)": seconds * 1e3,
-                               **comm_scalars(objective.models),
-                               "skipped steps": skipped}, total_steps=steps)
-        log.advance()
-        if step % cfg.train.eval_interval == 0 and step != steps:
-            log.scalars(step, evaluate(), total_steps=steps)
-        interval = cfg.train.checkpoint_interval
-        if (interval and step % interval == 0) or step == steps or stop:
-            saved = ckpt.save(step, objective.models, {"consumed_samples": consumed, "skipped": skipped})
-            if stop and step != steps:
-                log.info(f"preempted at step {step}: saved checkpoint {saved}")
-                preemption.close()
-                log.close()
-                return {"preempted": True}
-    result["end"] = evaluate()
-    log.scalars(step, result["end"], total_steps=steps)
-    preemption.close()
-    log.close()
-    model.export(cfg.stage_dir(stage) / "hf", cfg.sft_path(), tokenizer)
-    return result
+    def export(self) -> None:
+        self.model.export(self.stage_dir / "hf", self.cfg.sft_path(), self.tokenizer)
+
+
+def run_pairs(stage: str, cfg: RLHFConfig, env: DistEnv) -> dict:
+    """Train the reward model (stage "reward") or the DPO policy (stage "dpo"); export it to
+    <out_dir>/<stage>/hf; returns the held-out accuracy and margin before and after."""
+    result = run_stage(PairStage(stage, cfg, env), cfg.train)
+    if result.preempted:
+        return {"preempted": True}
+    out = {"end": result.evaluations[result.step]}
+    if 0 in result.evaluations:
+        out["start"] = result.evaluations[0]
+    return out

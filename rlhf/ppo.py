@@ -19,15 +19,17 @@ from safetensors.torch import save_file
 
 from data.datasets import ResumableBatchSampler, SFTDataset, collate_sft
 from models.transformer import lm_loss
-from rlhf.common import (ModelRuntime, all_finite, comm_scalars, global_max, global_sum, load_model, score_model,
-                         sequence_logprobs, tokenizer_of)
+from rlhf.common import (ModelRuntime, comm_scalars, global_max, global_sum, load_model, optimizer_step, score_model,
+                         sequence_logprobs, tokenizer_of, update_label)
 from rlhf.config import PPOSection, RLHFConfig
-from rlhf.data import load_prompts, sft_file, task
+from rlhf.data import sft_file
 from rlhf.losses import (approx_kl, entropy_from_logits, gae, kl_controller, ppo_policy_loss, shape_rewards,
                          value_loss)
 from rlhf.online import OnlineAlgorithm, run_online
 from rlhf.rollout import RolloutBatch, global_masked_mean, global_whiten, logprobs, values_of
+from trainer.config import RunSection
 from trainer.distributed import DistEnv
+from trainer.nonfinite import NonFiniteSteps
 from zeropp.checkpoint import read_safetensors
 
 
@@ -53,10 +55,13 @@ def make_experience(batch: RolloutBatch, scores: torch.Tensor, old_logp: torch.T
 
 
 def ppo_update(actor: ModelRuntime, critic: ModelRuntime, exp: Experience, cfg: PPOSection, first_step: int,
-               ptx=None) -> tuple[dict[str, float], int]:
+               ptx=None, nonfinite: NonFiniteSteps | None = None) -> tuple[dict[str, float], int]:
     """`cfg.epochs` passes over the rollout in `cfg.mini_batches` splits, one actor and one critic
-    optimizer step each; returns the statistics and how many steps were skipped (non-finite)."""
+    optimizer step each, under the non-finite policy `nonfinite` (trainer.nonfinite; None: a fresh one
+    with the default limit); returns the statistics and how many steps were skipped (non-finite)."""
     B = exp.batch.tokens.shape[0]
+    nonfinite = nonfinite or NonFiniteSteps(RunSection.max_nonfinite_steps)
+    updates = cfg.epochs * cfg.mini_batches
     # token sums of the policy loss, value loss, clipped, approx kl, entropy; tokens
     sums = torch.zeros(6, dtype=torch.float64)
     skipped, step = 0, first_step
@@ -82,13 +87,10 @@ def ppo_update(actor: ModelRuntime, critic: ModelRuntime, exp: Experience, cfg: 
                                       (approx_kl(logp, exp.old_logp[rows]) * mask).sum().item(),
                                       (entropy_from_logits(logits) * mask).sum().item(), mask.sum().item()],
                                      dtype=torch.float64)
-            if all_finite(actor_loss.item(), critic_loss.item()):
-                actor.step(step)
-                critic.step(step)
-            else:
-                actor.skip_step()
-                critic.skip_step()
-                skipped += 1
+            losses = dict(zip(("actor loss", "critic loss"), global_sum(actor_loss.item(), critic_loss.item())))
+            ok, _ = optimizer_step([actor, critic], step, losses, nonfinite,
+                                   update_label(first_step, step - first_step, updates))
+            skipped += not ok
             step += 1
     policy, value, clipped, kl, entropy, tokens = global_sum(*sums)
     tokens = max(tokens, 1.0)
@@ -150,7 +152,8 @@ class PPO(OnlineAlgorithm):
     loss_keys = ("policy loss", "value loss")
 
     def __init__(self, cfg: RLHFConfig, env: DistEnv, tokenizer):
-        self.cfg, self.p, self.env, self.tokenizer = cfg, cfg.ppo, env, tokenizer
+        super().__init__(cfg, env, tokenizer)
+        self.p = cfg.ppo
         p, sft = cfg.ppo, cfg.sft_path()
         self.steps = p.steps
         self.updates_per_rollout = p.epochs * p.mini_batches
@@ -177,7 +180,11 @@ class PPO(OnlineAlgorithm):
             consumed = step * self.updates_per_rollout * self.cfg.train.micro_batch_size * self.env.world_size
             self.ptx = _ptx_batches(self.cfg, self.tokenizer, self.env, consumed)
 
-    def update(self, step: int, batch: RolloutBatch, rewards: torch.Tensor) -> tuple[dict[str, float], int]:
+    def headline(self) -> str:
+        source = f"the reward model {self.cfg.reward_path()}" if self.reward_model else f"task {self.cfg.data.task}"
+        return f"actor and reference {self.cfg.sft_path()}, critic and reward from {source}"
+
+    def learn(self, step: int, batch: RolloutBatch, rewards: torch.Tensor, nonfinite) -> dict[str, float]:
         before = comm_scalars(self.models)["cross-node sent (MB)"]
         old_logp = logprobs(self.actor, batch)
         ref_logp = logprobs(self.reference, batch)
@@ -186,7 +193,8 @@ class PPO(OnlineAlgorithm):
         exp, kl = make_experience(batch, rewards, old_logp, ref_logp, old_values, self.kl_ctl.coef, self.p)
         experience_mb = comm_scalars(self.models)["cross-node sent (MB)"] - before
         start = time.perf_counter()
-        stats, skipped = ppo_update(self.actor, self.critic, exp, self.p, step * self.updates_per_rollout, self.ptx)
+        stats, _ = ppo_update(self.actor, self.critic, exp, self.p, step * self.updates_per_rollout, self.ptx,
+                              nonfinite)
         seconds = global_max(time.perf_counter() - start)
         if self.ema is not None:
             self.ema.update()
@@ -197,7 +205,7 @@ class PPO(OnlineAlgorithm):
         return {"kl": kl_per_sequence, "kl coef": coef, **stats,
                 "logprob gap": global_masked_mean((old_logp - batch.generation_logp).abs(), batch.mask),
                 "training tokens/s": global_sum(batch.attention_mask.sum().item() * self.p.epochs)[0] / seconds,
-                "cross-node experience (MB)": experience_mb}, skipped
+                "cross-node experience (MB)": experience_mb}
 
     def state_dict(self) -> dict:
         return {"kl_controller": self.kl_ctl.state_dict()}
@@ -213,16 +221,11 @@ class PPO(OnlineAlgorithm):
         if self.ema is not None:
             self.ema.load(directory)
 
-    def export(self, out_dir, tokenizer_dir, tokenizer) -> None:
-        super().export(out_dir, tokenizer_dir, tokenizer)
+    def export(self) -> None:
+        super().export()
         if self.ema is not None:
-            self.ema.export(out_dir / "hf-ema", tokenizer_dir, tokenizer)
+            self.ema.export(self.stage_dir / "hf-ema", self.cfg.sft_path(), self.tokenizer)
 
 
 def run_ppo(cfg: RLHFConfig, env: DistEnv) -> dict:
-    tokenizer = tokenizer_of(cfg.sft_path())
-    prompts = load_prompts(cfg, tokenizer, env)
-    algo = PPO(cfg, env, tokenizer)
-    source = f"the reward model {cfg.reward_path()}" if algo.reward_model else f"task {cfg.data.task}"
-    return run_online(algo, cfg, env, prompts, tokenizer, task(cfg), algo.reward_model,
-                      f"actor and reference {cfg.sft_path()}, critic and reward from {source}")
+    return run_online(PPO(cfg, env, tokenizer_of(cfg.sft_path())))

@@ -1,8 +1,9 @@
 """The rlhf.py stages: PPO and GRPO updates split over ranks equal one process's, a resumed PPO
-run continues bit-exactly, a NaN reward is skipped, DPO raises the held-out margin, GRPO runs,
-and the whole pipeline runs on 2 x 2 ranks."""
+run continues bit-exactly, a NaN reward is skipped, a non-finite step is handled as pretraining
+handles it, DPO raises the held-out margin, GRPO runs, and the whole pipeline runs on 2 x 2 ranks."""
 
 import json
+import re
 import runpy
 import shutil
 from pathlib import Path
@@ -219,3 +220,93 @@ def test_grpo_runs_on_a_task_and_logs_its_statistics(tmp_path, monkeypatch):
     last = [r for r in rows if "zero-advantage groups" in r][-1]
     assert last["step"] == 2 and 0 <= last["zero-advantage groups"] <= 1 and last["kl"] >= 0
     assert (tmp_path / "grpo" / "hf" / "config.json").is_file()
+
+
+def _nan_grad_norm_at(steps):
+    """A build_runtime whose runtimes' clip_grad_norm_ (the global gradient norm) is NaN at the
+    optimizer steps (counted from 1, over every runtime it built) in `steps`: the hook
+    tests/trainer/test_reliability.py injects a non-finite step with."""
+    from zeropp import build_runtime
+
+    calls = [0]
+
+    def build(*args, **kwargs):
+        runtime = build_runtime(*args, **kwargs)
+        clip = runtime.clip_grad_norm_
+
+        def clip_grad_norm_(max_norm):
+            norm = clip(max_norm)
+            calls[0] += 1
+            return torch.tensor(float("nan")) if calls[0] in steps else norm
+
+        runtime.clip_grad_norm_ = clip_grad_norm_
+        return runtime
+
+    return build
+
+
+def _rlhf_with_nan_grad_norm(rank, world, argv, steps):
+    import rlhf.common
+
+    rlhf.common.build_runtime = _nan_grad_norm_at(steps)  # the stages' models (sft runs through trainer.loop)
+    _main(rank, world, argv)
+
+
+def _pretrain_with_nan_grad_norm(rank, world, argv, steps):
+    from trainer.config import parse_args
+    from trainer.loop import Trainer
+
+    trainer = Trainer(parse_args(argv), build_runtime=_nan_grad_norm_at(steps))
+    try:
+        return trainer.run().skipped_steps
+    finally:
+        trainer.close()
+
+
+SKIP_LINE = re.compile(r"step (\d+): loss (\S+) / grad norm nan is not finite: update skipped "
+                       r"\((\d+) in a row; at (\d+) the run stops\)")
+
+
+def test_a_non_finite_step_is_handled_as_in_pretraining(tmp_path, monkeypatch, capfd):
+    """trainer.nonfinite's one policy: a NaN gradient norm at step 3 skips that update in the reward
+    stage exactly as in pretraining (same line, same "skipped steps", weights kept), and
+    train.max_nonfinite_steps in a row stop an rlhf.py stage as they stop train.py."""
+    monkeypatch.chdir(ROOT)
+    common = ["--train.log_interval", "1", "--train.checkpoint_interval", "1"]
+    run_ranks(_rlhf_with_nan_grad_norm, world_size=1, args=(["reward", *_tiny(tmp_path / "rlhf", *common)], {3}))
+    rlhf_out = capfd.readouterr().out
+    text = tmp_path / "text.txt"
+    text.write_text("say cat:cat say dog:dog say fish:fish\n" * 400)
+    pretrain = ["--data.path", str(text), "--data.tokenizer", str(tmp_path / "rlhf" / "sft" / "hf"),
+                "--data.seq_len", "16", "--data.cache_dir", str(tmp_path / "cache"), "--data.workers", "1",
+                "--train.micro_batch_size", "4", "--train.steps", "4", "--train.eval_interval", "4",
+                "--train.eval_batches", "1", "--train.out_dir", str(tmp_path / "pretrain"), "--train.progress_bar",
+                "false", "--train.tensorboard", "false", "--train.precision", "fp32", *common]
+    assert run_ranks(_pretrain_with_nan_grad_norm, world_size=1, args=(pretrain, {3}))[0] == [3]
+    pretrain_out = capfd.readouterr().out
+
+    for out_dir, log in ((tmp_path / "pretrain", pretrain_out), (tmp_path / "rlhf" / "reward", rlhf_out)):
+        rows = [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
+        assert [r["skipped steps"] for r in rows if "skipped steps" in r] == [0, 0, 1, 1], out_dir
+        lines = SKIP_LINE.findall(log)
+        assert [(step, streak, limit) for step, _, streak, limit in lines] == [("3", "1", "5")], (out_dir, log)
+        # the skipped update left the weights and optimizer state as they were; the next one did not
+        ckpts = out_dir / "checkpoints"
+        shards = {s: {p.relative_to(ckpts / f"step_0000000{s}"): load_file(p)
+                      for p in sorted((ckpts / f"step_0000000{s}").rglob("*.safetensors"))} for s in (2, 3, 4)}
+        assert shards[2] and shards[2].keys() == shards[3].keys()
+        for name, tensors in shards[2].items():
+            assert all(torch.equal(t, shards[3][name][k]) for k, t in tensors.items()), (out_dir, name)
+        assert any(not torch.equal(t, shards[4][name][k]) for name, tensors in shards[3].items()
+                   for k, t in tensors.items())
+        assert json.loads((ckpts / "step_00000004" / "state.json").read_text())["skipped"] == 1
+
+    # Every step non-finite: both stop with NonFiniteError at train.max_nonfinite_steps in a row.
+    with pytest.raises(AssertionError, match=r"2 steps in a row \(up to step 2\) had a non-finite loss or gradient"):
+        run_ranks(_rlhf_with_nan_grad_norm, world_size=1,
+                  args=(["reward", *_tiny(tmp_path / "diverged", "--models.sft", str(tmp_path / "rlhf" / "sft" / "hf"),
+                                          "--train.max_nonfinite_steps", "2")], set(range(1, 100))))
+    with pytest.raises(AssertionError, match=r"2 steps in a row \(up to step 2\) had a non-finite loss or gradient"):
+        run_ranks(_pretrain_with_nan_grad_norm, world_size=1,
+                  args=([*pretrain, "--train.out_dir", str(tmp_path / "diverged_pretrain"),
+                         "--train.max_nonfinite_steps", "2"], set(range(1, 100))))

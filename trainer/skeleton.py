@@ -1,0 +1,149 @@
+"""The skeleton of a training loop, once: resume, the resumable batch sampler, the log, the
+evaluations, the non-finite policy, preemption, checkpoint intervals, the export and the close.
+
+A `Stage` plugs in only what differs: how the step's batches become an update and its metrics,
+evaluation, what its checkpoints hold (`resume` / `save`) and its export. Every rlhf.py stage
+that learns (reward model, DPO, PPO, GRPO; rlhf/stage.py) runs through `run_stage`; the SFT stage,
+train.py and finetune.py run through trainer.loop.Trainer, which follows the same order and the
+same non-finite policy (trainer.nonfinite).
+
+One step, in order: the stage's `begin_step` (its ledgers reset), `update` (reads the step's
+micro-batches from the sampler, decides through the non-finite policy, steps the optimizers),
+the log line every `train.log_interval` steps and at the last one, an evaluation every
+`train.eval_interval` steps (and after the last one), then the ranks agree on the preemption
+signal and a checkpoint is written every `train.checkpoint_interval` steps, at the last step and
+when preempted (then the loop ends, without the export).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from data.datasets import ResumableBatchSampler
+from trainer.config import RunSection
+from trainer.distributed import all_reduce_sum
+from trainer.metrics import MetricsLogger
+from trainer.nonfinite import NonFiniteSteps
+from trainer.preemption import PreemptionSignal
+
+
+class Stage(ABC):
+    """What a training loop plugs into `run_stage`."""
+
+    steps: int  # steps of the whole run (for rlhf.py's ppo / grpo: rollouts)
+    train_indices: Sequence[int]  # the training split the resumable sampler draws from
+    data_parallel: tuple[int, int]  # (this rank's data-parallel rank, the data-parallel size)
+    samples_per_step: int  # samples of the training split one step consumes, all ranks together
+
+    @abstractmethod
+    def resume(self) -> dict | None:
+        """Load the checkpoint the config's `resume` names into the models; its state ("step",
+        "consumed_samples", "skipped" and the stage's own), or None: a fresh start."""
+
+    @abstractmethod
+    def save(self, step: int, state: dict) -> Path:
+        """Checkpoint step `step` with `state` (data position, skipped steps) and the stage's own."""
+
+    @abstractmethod
+    def open_log(self, step: int) -> MetricsLogger:
+        """The run's logger, starting at `step`."""
+
+    def start(self, log: MetricsLogger, step: int) -> None:
+        """After the resume, before the first step: the headline, what the stage prepares."""
+
+    def begin_step(self) -> None:
+        """Before each step (the runtimes' ledgers reset: the step's traffic is what they hold)."""
+
+    @abstractmethod
+    def update(self, step: int, batches: Iterator[list[int]], nonfinite: NonFiniteSteps) -> dict[str, float]:
+        """Step `step` + 1: read its micro-batches from `batches`, compute the loss and gradients, and
+        update the weights unless `nonfinite.allow(...)` says no; returns the step's metrics."""
+
+    def logged(self, step: int) -> None:
+        """After the log line of step `step` (extra records, e.g. decoded samples)."""
+
+    def evaluate(self) -> dict[str, float] | None:
+        """Held-out metrics (every rank calls it); None: the stage has no evaluation."""
+        return None
+
+    def export(self) -> None:
+        """After the last step (not when preempted): the stage's final artefacts."""
+
+    def close(self) -> None:
+        """Release the runtimes (also after an error)."""
+
+
+@dataclass
+class StageResult:
+    step: int = 0  # the step the run ended at
+    preempted: bool = False  # stopped early by the scheduler's warning signal
+    checkpoint: Path | None = None  # the last checkpoint written
+    history: list[dict[str, float]] = field(default_factory=list)  # every step's metrics
+    evaluations: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> held-out metrics (0: before)
+
+
+def run_stage(stage: Stage, t: RunSection) -> StageResult:
+    """Run `stage` to its last step (or to the preemption signal) under the shared keys `t`."""
+    result = StageResult()
+    try:
+        _steps(stage, t, result)
+        if not result.preempted:
+            stage.export()
+    finally:
+        stage.close()
+    return result
+
+
+def _steps(stage: Stage, t: RunSection, result: StageResult) -> None:
+    preemption = PreemptionSignal(t.preempt_signal)
+    log = None
+    try:
+        state = stage.resume() or {}
+        step, consumed = state.get("step", 0), state.get("consumed_samples", 0)
+        log = stage.open_log(step)
+        nonfinite = NonFiniteSteps(t.max_nonfinite_steps, skipped=state.get("skipped", 0), say=log.info)
+        stage.start(log, step)
+
+        def evaluate(at: int) -> None:
+            metrics = stage.evaluate()
+            if metrics is not None:
+                result.evaluations[at] = metrics
+                log.scalars(at, metrics, total_steps=stage.steps)
+
+        if step == 0:
+            evaluate(0)
+        rank, size = stage.data_parallel
+        batches = iter(ResumableBatchSampler(stage.train_indices, t.micro_batch_size, rank, size, t.seed,
+                                             consumed_samples=consumed))
+        while step < stage.steps:
+            stage.begin_step()
+            metrics = stage.update(step, batches, nonfinite)
+            step += 1
+            consumed += stage.samples_per_step
+            metrics["skipped steps"] = nonfinite.skipped
+            result.history.append(metrics)
+            if step % t.log_interval == 0 or step == stage.steps:
+                log.scalars(step, metrics, total_steps=stage.steps)
+                stage.logged(step)
+            log.advance()
+            if step % t.eval_interval == 0 and step != stage.steps:
+                evaluate(step)
+            stop = all_reduce_sum(torch.tensor([float(preemption.received)], dtype=torch.float64)).item() > 0
+            if (t.checkpoint_interval and step % t.checkpoint_interval == 0) or step == stage.steps or stop:
+                result.checkpoint = stage.save(step, {"consumed_samples": consumed, "skipped": nonfinite.skipped})
+                if stop and step != stage.steps:
+                    log.info(f"preempted at step {step}: saved checkpoint {result.checkpoint}")
+                    result.preempted = True
+                    break
+        result.step = step
+        if not result.preempted:
+            evaluate(step)  # after the last step (also when a finished run is resumed)
+    finally:
+        preemption.close()
+        if log is not None:
+            log.close()
