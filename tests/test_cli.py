@@ -1,11 +1,19 @@
-"""The entry points as a user runs them: train.py, finetune.py and rlhf.py in a subprocess (--help,
-one-line user errors, --debug), finetune.lora.init_from, and the end-of-run cross-node report."""
+"""The entry points as a user runs them: train.py, finetune.py and rlhf.py (--help, one-line user
+errors, --debug), finetune.lora.init_from, and the end-of-run cross-node report.
 
+Each entry point runs once in a real interpreter (a bad key: exit status, stderr, no traceback);
+the other cases call its main() here, with what the interpreter does at the end of a run
+(call_entry), which spares an interpreter start and a torch import per case."""
+
+import functools
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
+import traceback
+import warnings
 from pathlib import Path
 
 import pytest
@@ -27,6 +35,49 @@ def run_entry(script: str, *args: str, cwd: Path, **env) -> subprocess.Completed
                           text=True, timeout=300)
 
 
+@functools.cache
+def entry_module(script: str):
+    """The entry point's module, loaded from its file (`import rlhf` is the rlhf package)."""
+    spec = importlib.util.spec_from_file_location(f"entry_{Path(script).stem}", ROOT / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def call_entry(capfd, script: str, *args: str, cwd: Path, **env) -> subprocess.CompletedProcess:
+    """run_entry in this process: `script`'s main(argv) in `cwd` with `env` (ZEROPP_DEBUG unset
+    otherwise), then what the interpreter does when a script ends: SystemExit's code is the exit
+    status (a message is printed to stderr, status 1), an uncaught exception prints its traceback
+    (status 1); warnings go to stderr under the interpreter's default filters. stdout and stderr
+    are captured at the file descriptors, so C++ and library output counts too."""
+    main = entry_module(script).main
+    capfd.readouterr()
+    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+        mp.chdir(cwd)
+        mp.delenv("ZEROPP_DEBUG", raising=False)
+        for key, value in env.items():
+            mp.setenv(key, value)
+        warnings.resetwarnings()
+        warnings.simplefilter("default")
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.simplefilter("ignore", category)
+        warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: sys.stderr.write(
+            warnings.formatwarning(message, category, filename, lineno, line))
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as e:
+            code = 0 if e.code is None else e.code
+            if not isinstance(code, int):
+                print(code, file=sys.stderr)
+                code = 1
+        except Exception:  # noqa: BLE001  (the interpreter's last resort)
+            traceback.print_exc()
+            code = 1
+    out = capfd.readouterr()
+    return subprocess.CompletedProcess([script, *args], code, out.out, out.err)
+
+
 # --- --help -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("script,cfg,shown,hidden", [
@@ -34,9 +85,10 @@ def run_entry(script: str, *args: str, cwd: Path, **env) -> subprocess.Completed
     ("finetune.py", Config(), ("finetune", "finetune.lora", "optim"), ("model", "data.vocab_size", "data.json_key")),
     ("rlhf.py", RLHFConfig(), ("models", "ppo", "grpo", "generation"), ("finetune", "tensor_parallel")),
 ], ids=["train", "finetune", "rlhf"])
-def test_help_shows_usage_and_every_key_with_type_default_and_description(script, cfg, shown, hidden, tmp_path):
+def test_help_shows_usage_and_every_key_with_type_default_and_description(script, cfg, shown, hidden, tmp_path,
+                                                                          capfd):
     for flag in ("-h", "--help"):
-        result = run_entry(script, flag, cwd=tmp_path)
+        result = call_entry(capfd, script, flag, cwd=tmp_path)
         assert result.returncode == 0, result.stderr
         assert result.stdout.startswith(f"usage: python {script}")
         out = result.stdout
@@ -51,7 +103,7 @@ def test_help_shows_usage_and_every_key_with_type_default_and_description(script
         first_words = " ".join(doc.split()[:4])
         assert first_words in " ".join(out.split()), (key, first_words)  # the description
     if script == "rlhf.py":  # after a stage too
-        assert run_entry(script, "ppo", "--help", cwd=tmp_path).stdout == out
+        assert call_entry(capfd, script, "ppo", "--help", cwd=tmp_path).stdout == out
 
 
 def test_every_config_class_documents_every_field():
@@ -79,36 +131,39 @@ def one_line_error(result, *expected: str) -> str:
     ("finetune.py", ["--finetune.lora.rank", "4"], "finetune.lora.rank"),
     ("rlhf.py", ["ppo", "--ppo.epochz", "2"], "ppo.epochz"),
 ], ids=["train", "finetune", "rlhf"])
-def test_a_bad_key_is_one_line_and_debug_shows_the_traceback(script, args, key, tmp_path):
+def test_a_bad_key_is_one_line_and_debug_shows_the_traceback(script, args, key, tmp_path, capfd):
+    """In a real interpreter (the script's `__main__`, its exit status and all it writes to stderr),
+    and in this process with --debug or ZEROPP_DEBUG=1."""
     one_line_error(run_entry(script, *args, cwd=tmp_path), f"{script}: config error: unknown config key {key!r}")
-    for result in (run_entry(script, *args, "--debug", cwd=tmp_path),
-                   run_entry(script, *args, cwd=tmp_path, ZEROPP_DEBUG="1")):
+    for result in (call_entry(capfd, script, *args, "--debug", cwd=tmp_path),
+                   call_entry(capfd, script, *args, cwd=tmp_path, ZEROPP_DEBUG="1")):
         assert result.returncode != 0
         assert "Traceback (most recent call last)" in result.stderr and key in result.stderr
 
 
-def test_run_errors_are_one_line_naming_file_key_and_value(hf_dirs, synthetic, tmp_path):
+def test_run_errors_are_one_line_naming_file_key_and_value(hf_dirs, synthetic, tmp_path, capfd):
     """Data, LoRA target, model type and checkpoint errors raised inside the run: one line, exit 1."""
-    one_line_error(run_entry("train.py", "--data.path", str(tmp_path / "absent.txt"), cwd=tmp_path),
+    one_line_error(call_entry(capfd, "train.py", "--data.path", str(tmp_path / "absent.txt"), cwd=tmp_path),
                    "train.py: error: data.path", "absent.txt", "no such file")
     base = ft_args(hf_dirs["llama"], synthetic, tmp_path / "out")
-    one_line_error(run_entry("finetune.py", *base, "--finetune.lora.r", "4", "--finetune.lora.targets", "q_proj,qkv",
-                             cwd=tmp_path), "finetune.py: error: finetune.lora:", "['qkv'] match no nn.Linear")
+    one_line_error(call_entry(capfd, "finetune.py", *base, "--finetune.lora.r", "4", "--finetune.lora.targets",
+                              "q_proj,qkv", cwd=tmp_path),
+                   "finetune.py: error: finetune.lora:", "['qkv'] match no nn.Linear")
     bert = tmp_path / "bert"
     shutil.copytree(hf_dirs["llama"], bert)
     (bert / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 640}))
-    one_line_error(run_entry("finetune.py", *ft_args(bert, synthetic, tmp_path / "out"), cwd=tmp_path),
+    one_line_error(call_entry(capfd, "finetune.py", *ft_args(bert, synthetic, tmp_path / "out"), cwd=tmp_path),
                    "finetune.hf_checkpoint", "config.json: model_type='bert' is not supported")
-    one_line_error(run_entry("finetune.py", *base, "--resume", str(tmp_path / "nowhere"), cwd=tmp_path),
+    one_line_error(call_entry(capfd, "finetune.py", *base, "--resume", str(tmp_path / "nowhere"), cwd=tmp_path),
                    "resume:", "nowhere is not a checkpoint directory")
-    result = run_entry("finetune.py", *base, "--resume", str(tmp_path / "nowhere"), "--debug", cwd=tmp_path)
+    result = call_entry(capfd, "finetune.py", *base, "--resume", str(tmp_path / "nowhere"), "--debug", cwd=tmp_path)
     assert result.returncode != 0 and "Traceback" in result.stderr
 
 
-def test_rlhf_run_errors_are_one_line(tmp_path):
-    one_line_error(run_entry("rlhf.py", "rl", cwd=tmp_path), "unknown stage 'rl'")
-    one_line_error(run_entry("rlhf.py", "dpo", "--data.preferences", str(tmp_path / "pairs.jsonl"),
-                             "--models.sft", str(tmp_path / "no_sft"), cwd=tmp_path),
+def test_rlhf_run_errors_are_one_line(tmp_path, capfd):
+    one_line_error(call_entry(capfd, "rlhf.py", "rl", cwd=tmp_path), "unknown stage 'rl'")
+    one_line_error(call_entry(capfd, "rlhf.py", "dpo", "--data.preferences", str(tmp_path / "pairs.jsonl"),
+                              "--models.sft", str(tmp_path / "no_sft"), cwd=tmp_path),
                    "models.sft", "no_sft: no Hugging Face model there")
 
 
