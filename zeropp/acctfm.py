@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from kernels import pack_codes, unpack_codes
+from zeropp.comm import Comm
 
 SCALE_DTYPE = torch.float32  # one U0 per group of rows, sent as its 4 raw bytes
 METHODS = ("gather", "two_step")
@@ -228,8 +229,8 @@ def _sum_payloads(bufs: torch.Tensor, rows: int, cols: int, bits: int, group_row
     return total
 
 
-def _world(group) -> int:
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+def _world(comm: Comm | None, group: str) -> int:
+    return comm.mesh.size(group) if comm is not None else 1
 
 
 def _check_method(method: str) -> None:
@@ -267,9 +268,12 @@ class CompressedWork:
         return self._result
 
 
-def all_reduce_compressed(x: torch.Tensor, group=None, bits: int = 4, group_rows: int | None = 1,
-                          method: str = "gather", async_op: bool = False) -> torch.Tensor | CompressedWork:
-    """The sum over the ranks of `group` of their `x` (same shape everywhere), sent piecewise-quantized.
+def all_reduce_compressed(x: torch.Tensor, comm: Comm | None = None, group: str = "world", bits: int = 4,
+                          group_rows: int | None = 1, method: str = "gather", async_op: bool = False,
+                          tag: str = "compressed all-reduce") -> torch.Tensor | CompressedWork:
+    """The sum over the ranks of `comm`'s mesh group `group` of their `x` (same shape everywhere),
+    sent piecewise-quantized (without a comm: a group of one). The collectives go through `comm`,
+    recorded in its ledger under `tag`.
 
     Every rank returns the same bits: the sum is built only from bytes all ranks hold, decoded
     and added in rank order in fp32 (each rank's own term included, as sent). Returns a new
@@ -284,15 +288,16 @@ def all_reduce_compressed(x: torch.Tensor, group=None, bits: int = 4, group_rows
     of the payload instead of W-1 times it, and adds one re-quantization's error. Async, it
     overlaps the all-to-all; its all-gather runs in wait().
     """
-    work = all_reduce_compressed_blocks([(x, bits)], group, group_rows, method, async_op=True)
+    work = all_reduce_compressed_blocks([(x, bits)], comm, group, group_rows, method, async_op=True, tag=tag)
     if async_op:
         return CompressedWork(lambda: work.wait()[0])
     return work.wait()[0]
 
 
-def all_reduce_compressed_blocks(blocks: Sequence[tuple[torch.Tensor, int]], group=None,
-                                 group_rows: int | None = 1, method: str = "gather",
-                                 async_op: bool = False) -> list[torch.Tensor] | CompressedWork:
+def all_reduce_compressed_blocks(blocks: Sequence[tuple[torch.Tensor, int]], comm: Comm | None = None,
+                                 group: str = "world", group_rows: int | None = 1, method: str = "gather",
+                                 async_op: bool = False, tag: str = "compressed all-reduce"
+                                 ) -> list[torch.Tensor] | CompressedWork:
     """all_reduce_compressed of several tensors, each at its own bits, in one message.
 
     `blocks` is [(x, bits), ...]; returns the list of sums (each x's shape and dtype), with
@@ -305,7 +310,7 @@ def all_reduce_compressed_blocks(blocks: Sequence[tuple[torch.Tensor, int]], gro
     for _, bits in blocks:
         _check_bits(bits)
     _group_size(1, group_rows)  # checks group_rows
-    world = _world(group)
+    world = _world(comm, group)
     live = [i for i, (x, _) in enumerate(blocks) if x.numel() > 0]
     if world == 1 or not live:
         return CompressedWork(lambda: [x.clone() for x, _ in blocks]) if async_op else [x.clone() for x, _ in blocks]
@@ -321,7 +326,7 @@ def all_reduce_compressed_blocks(blocks: Sequence[tuple[torch.Tensor, int]], gro
         sizes = [payload_bytes(*shapes[i], blocks[i][1], group_rows) for i in live]
         mine = torch.cat([_to_payload(flats[i], blocks[i][1], group_rows) for i in live])
         everyone = torch.empty(world * mine.numel(), dtype=torch.uint8, device=device)
-        work = dist.all_gather_single(everyone, mine, group=group, async_op=True)
+        work = comm.all_gather(everyone, mine, group=group, tag=tag, async_op=True)
 
         def finish() -> list[torch.Tensor]:
             work.wait()
@@ -339,7 +344,7 @@ def all_reduce_compressed_blocks(blocks: Sequence[tuple[torch.Tensor, int]], gro
         # Destination by destination, every block's chunk for it: one all-to-all of equal pieces.
         send = torch.cat([_to_payload(parts[i][d], blocks[i][1], group_rows) for d in range(world) for i in live])
         received = torch.empty_like(send)
-        work = dist.all_to_all_single(received, send, group=group, async_op=True)
+        work = comm.all_to_all(received, send, group=group, tag=tag, async_op=True)
 
         def finish() -> list[torch.Tensor]:
             work.wait()
@@ -351,7 +356,7 @@ def all_reduce_compressed_blocks(blocks: Sequence[tuple[torch.Tensor, int]], gro
                 offset += size
             mine = torch.cat(summed)
             everyone = torch.empty(world * mine.numel(), dtype=torch.uint8, device=device)
-            dist.all_gather_single(everyone, mine, group=group)
+            comm.all_gather(everyone, mine, group=group, tag=tag)
             per_rank, sums, offset = everyone.view(world, -1), {}, 0
             for i, size in zip(live, sizes):
                 decoded = [_from_payload(buf, chunks[i], shapes[i][1], blocks[i][1], group_rows)
@@ -406,8 +411,9 @@ def keep_count(tokens: int, keep_ratio: float) -> int:
     return min(tokens, max(1, math.floor(keep_ratio * tokens + 0.5)))
 
 
-def topk_token_mask(scores: torch.Tensor, keep_ratio: float, group=None) -> torch.Tensor:
-    """bool [B, T]: per sequence the keep_count(T, keep_ratio) tokens of highest score over `group`.
+def topk_token_mask(scores: torch.Tensor, keep_ratio: float, comm: Comm | None = None, group: str = "world",
+                    tag: str = "top-k scores") -> torch.Tensor:
+    """bool [B, T]: per sequence the keep_count(T, keep_ratio) tokens of highest score over `comm`'s `group`.
 
     The ranks' scores are all-gathered and summed in rank order (not all_reduce, whose sum
     may differ in the last bit between ranks), so every rank ranks the same numbers; ties go
@@ -418,10 +424,10 @@ def topk_token_mask(scores: torch.Tensor, keep_ratio: float, group=None) -> torc
     batch, tokens = scores.shape
     kept = keep_count(tokens, keep_ratio)
     scores = scores.float().contiguous()
-    world = _world(group)
+    world = _world(comm, group)
     if world > 1:
         everyone = torch.empty(world * scores.numel(), dtype=torch.float32, device=scores.device)
-        dist.all_gather_single(everyone, scores.view(-1), group=group)
+        comm.all_gather(everyone, scores.view(-1), group=group, tag=tag)
         scores = torch.zeros_like(scores)
         for part in everyone.view(world, batch, tokens):
             scores += part
@@ -557,9 +563,11 @@ def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> tuple[floa
     return alpha, beta
 
 
-def measure_alpha_beta(group=None, sizes: Sequence[int] = tuple(1 << s for s in range(12, 23, 2)),
-                       repeats: int = 5, op: str = "all_reduce", device=None) -> tuple[float, float]:
-    """(alpha, beta) of `op` on `group`, timed: the median of `repeats` calls per size in bytes.
+def measure_alpha_beta(comm: Comm, group: str = "world", sizes: Sequence[int] = tuple(1 << s for s in range(12, 23, 2)),
+                       repeats: int = 5, op: str = "all_reduce", device=None,
+                       tag: str = "link measurement") -> tuple[float, float]:
+    """(alpha, beta) of `op` on `comm`'s mesh group `group`, timed: the median of `repeats` calls per
+    size in bytes (the calls are in `comm`'s ledger under `tag`).
 
     op "all_reduce" times an fp32 all-reduce of `size` bytes; "all_gather" an all-gather of
     `size` bytes from each rank (what all_reduce_compressed's gather method sends). Every
@@ -569,14 +577,14 @@ def measure_alpha_beta(group=None, sizes: Sequence[int] = tuple(1 << s for s in 
     if op not in ("all_reduce", "all_gather"):
         raise ValueError(f"op must be 'all_reduce' or 'all_gather', got {op!r}")
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
-    world = dist.get_world_size(group)
+        device = torch.device("cuda", torch.cuda.current_device()) if comm.backend == "nccl" else "cpu"
+    world = comm.mesh.size(group)
     nbytes, medians = [], []
     for size in sizes:
         buf = torch.zeros(max(1, size // 4), dtype=torch.float32, device=device)
         out = torch.empty(world * buf.numel(), dtype=torch.float32, device=device)
-        run = (lambda: dist.all_reduce(buf, group=group)) if op == "all_reduce" else \
-            (lambda: dist.all_gather_single(out, buf, group=group))
+        run = (lambda: comm.all_reduce(buf, group, tag)) if op == "all_reduce" else \
+            (lambda: comm.all_gather(out, buf, group, tag))
         run()  # warm-up, and lines the ranks up
         samples = []
         for _ in range(repeats):
@@ -588,7 +596,7 @@ def measure_alpha_beta(group=None, sizes: Sequence[int] = tuple(1 << s for s in 
         nbytes.append(buf.numel() * 4)
         medians.append(statistics.median(samples))
     slowest = torch.tensor(medians, dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    comm.all_reduce(slowest, group, tag, op=dist.ReduceOp.MAX)
     return fit_alpha_beta(nbytes, slowest.tolist())
 
 

@@ -36,7 +36,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from models.streaming import LazyTensors, SafetensorsFile, lazy_file
-from zeropp.unit import Unit
+from zeropp.unit import Secondary, Unit
 
 MANIFEST = "manifest.json"
 FORMAT = "zeropp-zero3-v1"
@@ -84,7 +84,7 @@ def save_shards(engine, directory: str | Path, optimizer) -> None:
             (scalars if value.dim() == 0 else shaped).setdefault(key, value)
     tensors = {REDUCER + k: v.detach().cpu() for k, v in engine.reducer.state_dict().items()}
     for name, unit in engine.units.items():
-        if unit.delta_codec is not None and unit.secondary_version >= 0:
+        if unit.delta_codec is not None and unit.secondary_state is not Secondary.EMPTY:
             tensors[REFERENCES + name] = unit.secondary.detach().cpu().clone()
             tensors[f"{REFERENCES}{name}.current"] = torch.tensor(unit.references_current())
         tensors[f"{name}.master"] = unit.master_shard().detach().cpu()
@@ -468,3 +468,39 @@ def load_full_tensors(model: torch.nn.Module, optimizer, weights: dict[str, torc
         by_param.setdefault(name, {})[state_key] = tensor
     for name, entries in by_param.items():
         optimizer.state[params[name]] = {k: v.to(params[name].device) for k, v in entries.items()}
+
+
+def unshard(engine, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full tensors from per-parameter local pieces shaped like the registered parameters (the
+    parameters themselves, an EMA of them, ...), by their names in `model.named_parameters()`;
+    every rank calls it with the same names and gets them all."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    out = {}
+    for u in engine.units.values():
+        mine = {names[id(p)]: slot for slot, p, _ in u.params if names[id(p)] in tensors}
+        if not mine:
+            continue
+        shard = torch.zeros(u.shard_numel, dtype=torch.float32, device=engine.device)
+        lo = u.shard_start
+        for name, slot in mine.items():
+            a = max(lo, slot.offset)
+            piece = tensors[name].reshape(-1)
+            shard[a - lo:a - lo + piece.numel()] = piece
+        full = torch.empty(u.padded_numel, dtype=torch.float32, device=engine.device)
+        engine.comm.all_gather(full, shard, tag="consolidate")
+        for name, slot in mine.items():
+            out[name] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+    return out
+
+
+def full_state_dict(engine) -> dict[str, torch.Tensor]:
+    """Every parameter of the model, full, on every rank (one unit gathered at a time)."""
+    out = {}
+    for u in engine.units.values():
+        full = torch.empty(u.padded_numel, dtype=torch.float32, device=engine.device)
+        engine.comm.all_gather(full, u.master_shard(), tag="consolidate")
+        for slot in u.slots:
+            tensor = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+            for name in slot.alias_names:
+                out[name] = tensor
+    return out

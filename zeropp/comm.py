@@ -39,8 +39,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from kernels import dequant_reduce, dequant_reduce_quant, dequantize, num_blocks, packed_bytes, quantize_transposed
-from zeropp.topology import Mesh
+from zeropp.topology import GLOBAL_GROUPS, Mesh
 
 
 @dataclass
@@ -150,40 +149,47 @@ class Comm:
             return (nodes - 1) * chunk_bytes + (local - 1) * nodes * chunk_bytes, (nodes - 1) * chunk_bytes
         return (self.mesh.size(group) - 1) * chunk_bytes, self.mesh.remote_members(group) * chunk_bytes
 
-    def _record(self, tag: str, dtype: torch.dtype, chunk_bytes: int, group: str, node_aware: bool = False) -> None:
+    def record(self, tag: str, dtype: torch.dtype, chunk_bytes: int, group: str, node_aware: bool = False) -> None:
+        """Ledger a collective that moves one `chunk_bytes` chunk between each pair of members of `group`."""
         sent, cross = self.volume(chunk_bytes, group, node_aware)
         self.ledger.record(tag, dtype, sent, sent, cross, cross)
 
     # ------------------------------------------------------------------ collectives
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, group: str = "dp", tag: str = "all-gather",
-                   async_op: bool = False, node_aware: bool = False):
+                   async_op: bool = False, node_aware: bool = False, thread: bool = False, record: bool = True):
         """`out` (1-D, n x shard) receives every member's shard, in group-rank order; with
-        `node_aware` (a caller that reorders as it decodes) in `gather_order` for the dp group."""
+        `node_aware` (a caller that reorders as it decodes) in `gather_order` for the dp group.
+        `thread`: called from work on the communication thread (its twin groups); `record` False:
+        the caller recorded it already (when it was issued: `record`)."""
         n = self.mesh.size(group)
         node_aware = node_aware and group == "dp" and self.node_aware
-        self._record(tag, shard.dtype, shard.numel() * shard.element_size(), group, node_aware)
+        if record:
+            self.record(tag, shard.dtype, shard.numel() * shard.element_size(), group, node_aware)
         if node_aware:
             return self._on_thread(lambda: self._node_aware_all_gather(out, shard), async_op)
         if n == 1:
             out.copy_(shard)
             return _DoneWork() if async_op else None
-        if self.backend == "gloo":
-            return self._exchange_all_gather(out, shard, group, async_op)
-        return dist.all_gather_single(out, shard, group=self.mesh.group(group), async_op=async_op)
+        # The exchange saves a gathered unit of memory on the ZeRO groups. Tensor parallelism's
+        # small messages keep gloo's own all-gather: with the exchange, TP's pipelined compressed
+        # all-reduces under DDP (TP 2 x DP 2) hung in the backward, unexplained so far.
+        if self.backend == "gloo" and group not in GLOBAL_GROUPS:
+            return self._exchange_all_gather(out, shard, group, async_op, thread)
+        return dist.all_gather_single(out, shard, group=self.mesh.group(group, thread=thread), async_op=async_op)
 
-    def _exchange_all_gather(self, out, shard, group, async_op):
+    def _exchange_all_gather(self, out, shard, group, async_op, thread=False):
         """gloo: each member sends its shard straight to every other one, received in place in `out`
         (the same bytes as gloo's ring; its all-gather receives into a flat copy of `out` first, a
         whole gathered unit more of memory). Point-to-point ops progress without a waiting thread."""
-        members, pg = self.mesh.members(group), self.mesh.group(group)
+        members, pg = self.mesh.members(group), self.mesh.group(group, thread=thread)
         me = self.mesh.group_rank(group)
         pieces = out.view(len(members), -1)
         pieces[me].copy_(shard)
         ops = []
         for i, member in enumerate(members):
             if i != me:
-                peer = self.mesh.global_ranks[member]
+                peer = self.mesh.global_rank(group, member)
                 ops += [dist.P2POp(dist.isend, shard, peer, pg), dist.P2POp(dist.irecv, pieces[i], peer, pg)]
         works = dist.batch_isend_irecv(ops)
         done = CallbackWork(lambda: [w.wait() for w in works])
@@ -199,40 +205,19 @@ class Comm:
         dist.all_gather_single(across, shard, group=m.group("inter_node", thread=True))
         dist.all_gather_single(out, across, group=m.group("intra_node", thread=True))
 
-    def delta_gather(self, out: torch.Tensor, references: torch.Tensor, sent: torch.Tensor | None, codec,
-                     tag: str, async_op: bool):
-        """qwZ deltas: bring this node's copy of the weights up to date, then gather it inside the node.
+    @property
+    def threaded(self) -> bool:
+        """Whether work handed to run() goes to the communication thread (gloo) and so must use the
+        mesh's twin groups (`thread=True` below)."""
+        return self._executor is not None
 
-        `references` holds, in the communication dtype, the shards of the ranks with this local
-        rank, one per node in node order (hpZ's secondary partition). `sent` is this rank's
-        update: the codes of its shard's change (`codec`: QuantizedCodec) or, with `codec`
-        None, the shard's values themselves (the first time, or after a load); None when the
-        references are current. It is all-gathered across nodes (same local rank) and applied
-        to `references`; then `out` receives the node's references in local-rank-major order
-        (`local_major_order`). Every holder of a shard applies the same bytes the same way, so
-        the copies stay identical, the sender's included."""
-        m = self.mesh
-        if sent is None:  # only inside the node, as hpZ's backward gather: not queued behind the reduces
-            return self.all_gather(out, references, group="intra_node", tag=tag, async_op=async_op)
-        self._record(tag, sent.dtype, sent.numel() * sent.element_size(), "inter_node")
-        self._record(tag, references.dtype, references.numel() * references.element_size(), "intra_node")
-        threaded = self._executor is not None
-
-        def work():
-            across = torch.empty(m.num_nodes * sent.numel(), dtype=sent.dtype, device=sent.device)
-            dist.all_gather_single(across, sent, group=m.group("inter_node", thread=threaded))
-            if codec is None:
-                references.copy_(across)
-            else:
-                change = torch.empty(references.numel(), dtype=torch.float32, device=references.device)
-                codec.decode(across, change, m.num_nodes)
-                references.copy_(change.add_(references))  # 14x faster than references.add_(change) in bf16
-            dist.all_gather_single(out, references, group=m.group("intra_node", thread=threaded))
-
-        if threaded:
-            return self._on_thread(work, async_op)
-        work()
-        return _DoneWork() if async_op else None
+    def run(self, work, async_op: bool):
+        """Run `work` (a function issuing collectives) on the communication thread, or inline
+        where there is none (NCCL); with async_op a handle whose wait() waits for it."""
+        if self._executor is None:
+            work()
+            return _DoneWork() if async_op else None
+        return self._on_thread(work, async_op)
 
     def _on_thread(self, work, async_op):
         future = self._executor.submit(work)
@@ -253,7 +238,7 @@ class Comm:
         """
         n = self.mesh.size(group)
         node_aware = group == "dp" and self.node_aware
-        self._record(tag, full.dtype, full.numel() // n * full.element_size(), group, node_aware)
+        self.record(tag, full.dtype, full.numel() // n * full.element_size(), group, node_aware)
         if node_aware:
             return self._on_thread(lambda: self._node_aware_reduce_scatter(out, full, accumulate, accumulate_dtype),
                                    async_op)
@@ -307,8 +292,8 @@ class Comm:
         n, r = len(members), mesh.group_rank(group)
         partial = chunks[(r - 1) % n].to(accumulate_dtype)
         pg = mesh.group(group, thread=True)
-        to_rank = mesh.global_ranks[members[(r + 1) % n]]
-        from_rank = mesh.global_ranks[members[(r - 1) % n]]
+        to_rank = mesh.global_rank(group, members[(r + 1) % n])
+        from_rank = mesh.global_rank(group, members[(r - 1) % n])
         send = partial.to(wire_dtype).contiguous()
         recv = torch.empty_like(send)
         for k in range(n - 1):
@@ -323,99 +308,28 @@ class Comm:
                 send = partial.to(wire_dtype)
         return partial
 
-    def quantized_reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, bits: int, block_size: int,
-                                 hops: int = 2, stages: int = 1, tag: str = "quantized reduce-scatter",
-                                 async_op: bool = False, error: torch.Tensor | None = None):
-        """qgZ: `out` (fp32) += the sum over DP ranks of chunk `rank` of `full`, over quantized all-to-alls.
-
-        hops=1: quantize, one all-to-all over all ranks, dequantize and sum. hops=2 (ZeRO++
-        section 3.3): reorder the chunks node-major -> local-rank-major while quantizing, an
-        all-to-all inside the node, dequantize + sum + requantize, an all-to-all across nodes
-        (same local rank), dequantize + sum. `stages` > 1 cuts every chunk into that many
-        slices and pipelines them: the inter-node hop of slice s runs while the intra-node hop
-        of slice s+1 does (paper Algorithm 2). The chunk length must be a multiple of
-        block_size x stages (the engine pads units so). `error` (fp32, like `full`), when given,
-        receives what the first hop's quantization lost: full - dequant(quant(full)), for error
-        feedback.
-        """
-        work = lambda: self._qgz(out, full, bits, block_size, hops, stages, tag, error)  # noqa: E731
-        if self._executor is None:
-            work()
-            return _DoneWork() if async_op else None
-        future = self._executor.submit(work)
-        if async_op:
-            return _FutureWork(future)
-        future.result()
-        return None
-
-    def quantized_reduce_scatter_volume(self, numel: int, bits: int, block_size: int, hops: int = 2,
-                                        stages: int = 1) -> tuple[int, int]:
-        """(bytes sent, of which cross-node) by one quantized_reduce_scatter of `numel` elements: the
-        all-to-alls of codes and fp32 scales that _qgz records."""
-        m = self.mesh
-        one_hop = hops == 1 or m.num_nodes == 1 or m.ranks_per_node == 1
-        sub = numel // m.world_size // stages
-        hops_made = [("dp", m.world_size * sub)] if one_hop else \
-            [("intra_node", m.world_size * sub), ("inter_node", m.num_nodes * sub)]
-        sent = cross = 0
-        for group, elements in hops_made:
-            n = m.size(group)
-            for chunk in (packed_bytes(elements, bits, block_size) // n, num_blocks(elements, block_size) // n * 4):
-                s, c = self.volume(chunk, group)
-                sent, cross = sent + stages * s, cross + stages * c
-        return sent, cross
-
-    def _qgz(self, out, full, bits, block_size, hops, stages, tag, error):
-        m = self.mesh
-        world, nodes, local = m.world_size, m.num_nodes, m.ranks_per_node
-        if hops == 1 or nodes == 1 or local == 1:
-            nodes, local, hops = 1, world, 1  # one all-to-all over everybody
-        sub = full.numel() // world // stages
-        pending = []
-        for s in range(stages):
-            # [node, local rank, slice] -> quantized in [local rank, node, slice] order
-            view = full.view(nodes, local, stages, sub)[:, :, s]
-            q = quantize_transposed(view, bits, block_size)
-            if error is not None:  # the codes hold [local rank, node, slice]: compare in that order
-                sent = dequantize(q.codes, q.scales, view.numel(), bits, block_size).view(local, nodes, sub)
-                error.view(nodes, local, stages, sub)[:, :, s].copy_(view - sent.transpose(0, 1))
-            first = "dp" if hops == 1 else "intra_node"
-            codes, scales = self._exchange(q.codes, q.scales, first, tag, async_op=False)
-            if hops == 1:
-                dequant_reduce(codes, scales, local, sub, bits, block_size, out=out[s * sub:(s + 1) * sub],
-                               accumulate=True)
-                continue
-            partial = dequant_reduce_quant(codes, scales, local, nodes * sub, bits, block_size)
-            pending.append((s, *self._exchange(partial.codes, partial.scales, "inter_node", tag, async_op=True)))
-        for s, codes, scales, works in pending:
-            for w in works:
-                w.wait()
-            dequant_reduce(codes, scales, nodes, sub, bits, block_size, out=out[s * sub:(s + 1) * sub],
-                           accumulate=True)
-
-    def _exchange(self, codes, scales, group, tag, async_op):
-        """All-to-all of equal chunks of codes and of scales (on the caller's thread's groups)."""
-        recv_codes, recv_scales = torch.empty_like(codes), torch.empty_like(scales)
-        pg = self.mesh.group(group, thread=self._executor is not None)
-        works = [self._record_a2a(recv, sent, group, tag, pg, async_op)
-                 for recv, sent in ((recv_codes, codes), (recv_scales, scales))]
-        return (recv_codes, recv_scales, works) if async_op else (recv_codes, recv_scales)
-
     def _record_a2a(self, out, inp, group, tag, pg, async_op):
         n = self.mesh.size(group)
-        self._record(tag, inp.dtype, inp.numel() // n * inp.element_size(), group)
+        self.record(tag, inp.dtype, inp.numel() // n * inp.element_size(), group)
         if n == 1:
             out.copy_(inp)
             return _DoneWork()
         work = dist.all_to_all_single(out, inp, group=pg, async_op=async_op)
         return work if async_op else _DoneWork()
 
-    def all_reduce(self, tensor: torch.Tensor, group: str = "dp", tag: str = "all-reduce", async_op: bool = False):
+    def all_reduce(self, tensor: torch.Tensor, group: str = "dp", tag: str = "all-reduce", async_op: bool = False,
+                   op=dist.ReduceOp.SUM):
         n = self.mesh.size(group)
         self.record_all_reduce(tag, tensor.dtype, tensor.numel() * tensor.element_size(), group)
         if n == 1:
             return _DoneWork() if async_op else None
-        return dist.all_reduce(tensor, group=self.mesh.group(group), async_op=async_op)
+        return dist.all_reduce(tensor, op=op, group=self.mesh.group(group), async_op=async_op)
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, group: str = "dp", tag: str = "all-to-all",
+                   async_op: bool = False, thread: bool = False):
+        """`inp` cut into n equal chunks, chunk i to member i; `out` receives member i's in chunk i.
+        `thread`: called from work on the communication thread (its twin groups)."""
+        return self._record_a2a(out, inp, group, tag, self.mesh.group(group, thread=thread), async_op)
 
     def record_all_reduce(self, tag: str, dtype: torch.dtype, nbytes: int, group: str = "dp") -> None:
         """Ledger an all-reduce of `nbytes` over `group` (also one that a library hook issues itself)."""

@@ -26,10 +26,10 @@ from zeropp.checkpoint import (FULL, CheckpointError, load_full, load_full_tenso
                                save_full)
 from zeropp.comm import Comm, CommLedger
 from zeropp.config import ZeroConfig
-from zeropp.engine import partition_units, unit_numels, zero3_cross_node_bytes
+from zeropp.plan import partition_units, unit_numels, zero3_cross_node_bytes
 from zeropp.runtime import Runtime, Timings, clip_by_norm_, squared_norm
 from zeropp.separate import Separate
-from zeropp.topology import Mesh, build_mesh, new_group
+from zeropp.topology import Mesh, mesh_from_config, new_group
 
 
 class DDPRuntime(Runtime):
@@ -47,7 +47,7 @@ class DDPRuntime(Runtime):
         self.mesh = self.comm = self._ddp = self.compressor = self._powersgd = None
         self.ledger = CommLedger()
         if mesh is not None or self.world_size > 1:
-            self.mesh = mesh or build_mesh(ranks_per_node=self.config.ranks_per_node, thread_groups=False)
+            self.mesh = mesh or mesh_from_config(self.config)
             self.comm = Comm(self.mesh, self.ledger)
         if self.world_size > 1 and any(p.requires_grad for p in model.parameters()):  # a frozen model: no DDP
             device = device or torch.device("cpu")

@@ -8,6 +8,9 @@ qwZ (ZeRO++ section 3.1): the shard is block-quantized (kernels.quantize, fp16 s
 one byte buffer per rank, codes then scales, so one all-gather moves both. Every rank
 dequantizes the same bytes, so all ranks - and the backward pass, and an export of the
 model - see exactly dequant(quant(W)).
+
+qwZ deltas (`delta_gather`): each node keeps a copy of the weights (hpZ's secondary partition,
+the "references"); only the quantized change since the last gather crosses nodes.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from kernels import WEIGHT_SCALE_DTYPE, dequantize, num_blocks, packed_bytes, quantize
+from zeropp.comm import Comm
 
 
 class PlainCodec:
@@ -74,3 +78,35 @@ class QuantizedCodec:
             codes, scales = self._split(per_rank[p], shard_numel)
             dequantize(codes, scales, shard_numel, self.bits, self.block_size, dtype=out.dtype,
                        out=out[r * shard_numel:(r + 1) * shard_numel])
+
+
+def delta_gather(comm: Comm, out: torch.Tensor, references: torch.Tensor, sent: torch.Tensor | None,
+                 codec: QuantizedCodec | None, tag: str, async_op: bool):
+    """qwZ deltas: bring this node's copy of the weights up to date, then gather it inside the node.
+
+    `references` holds, in the communication dtype, the shards of the ranks with this local rank,
+    one per node in node order. `sent` is this rank's update: the codes of its shard's change
+    (`codec`) or, with `codec` None, the shard's values themselves (the first time, or after a
+    load); None when the references are current. It is all-gathered across nodes (same local
+    rank) and applied to `references`; then `out` receives the node's references in
+    local-rank-major order (`Comm.local_major_order`). Every holder of a shard applies the same
+    bytes the same way, so the copies stay identical, the sender's included."""
+    m = comm.mesh
+    if sent is None:  # only inside the node, as hpZ's backward gather: not queued behind the reduces
+        return comm.all_gather(out, references, group="intra_node", tag=tag, async_op=async_op)
+    # Recorded now, as issued (the work may run on the communication thread after the caller moved on).
+    comm.record(tag, sent.dtype, sent.numel() * sent.element_size(), "inter_node")
+    comm.record(tag, references.dtype, references.numel() * references.element_size(), "intra_node")
+
+    def work():
+        across = torch.empty(m.num_nodes * sent.numel(), dtype=sent.dtype, device=sent.device)
+        comm.all_gather(across, sent, "inter_node", tag, thread=comm.threaded, record=False)
+        if codec is None:
+            references.copy_(across)
+        else:
+            change = torch.empty(references.numel(), dtype=torch.float32, device=references.device)
+            codec.decode(across, change, m.num_nodes)
+            references.copy_(change.add_(references))  # 14x faster than references.add_(change) in bf16
+        comm.all_gather(out, references, "intra_node", tag, thread=comm.threaded, record=False)
+
+    return comm.run(work, async_op)

@@ -6,9 +6,8 @@ reducer owns the wire format, the collectives, and any state it keeps between st
 (`state_dict`, saved per rank in sharded checkpoints and restored exactly on resume).
 
   ExactReduceScatter   the gradient in the communication dtype, reduce-scattered (ZeRO-3)
-  QuantizedReduce      qgZ: block-quantized all-to-all, 1 hop or 2 (inside the node, then
-                       across), optionally pipelined; with error feedback, the local
-                       quantization error of each step is added to the next step's gradient
+  QuantizedReduce      qgZ (zeropp.qgz): block-quantized all-to-all, 1 hop or 2 (inside the
+                       node, then across), optionally pipelined; with error feedback
   ProjectedReduce      SEPARATE (zeropp.separate): a reduce-scatter of random projections,
                        1/CR of the gradient; each rank reconstructs its own shard
 """
@@ -17,9 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from zeropp.comm import Comm, CallbackWork
-from zeropp.runtime import Timings
-from zeropp.separate import Separate
+from zeropp.comm import Comm
 
 TAG = "gradient reduce"
 
@@ -63,105 +60,3 @@ class ExactReduceScatter(GradientReducer):
     def volume(self, numel: int) -> tuple[int, int]:
         chunk = numel // self.comm.mesh.world_size * self.wire_dtype.itemsize
         return self.comm.volume(chunk, "dp", node_aware=True)
-
-
-class QuantizedReduce(GradientReducer):
-    """qgZ (ZeRO++ section 3.3, Comm.quantized_reduce_scatter), with optional error feedback."""
-
-    def __init__(self, comm: Comm, bits: int, block_size: int, hops: int, stages: int, error_feedback: bool):
-        self.comm, self.bits, self.block_size = comm, bits, block_size
-        self.hops, self.stages, self.error_feedback = hops, stages, error_feedback
-        self.errors: dict[str, torch.Tensor] = {}  # unit -> last step's local quantization error (fp32)
-
-    def reduce(self, unit, shard, grad, async_op):
-        error = None
-        if self.error_feedback:  # h = g + e; the first hop then writes e <- h - dequant(quant(h))
-            error = self.errors.get(unit)
-            if error is None:
-                error = self.errors[unit] = torch.zeros(grad.numel(), dtype=torch.float32, device=grad.device)
-            # A step skipped for non-finite gradients left non-finite residuals: drop those (no sync).
-            torch.nan_to_num_(error, nan=0.0, posinf=0.0, neginf=0.0)
-            grad.add_(error)  # grad is the engine's scratch buffer of this backward
-        return self.comm.quantized_reduce_scatter(shard, grad, self.bits, self.block_size, hops=self.hops,
-                                                  stages=self.stages, tag=TAG, async_op=async_op, error=error)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {f"{unit}.error": e for unit, e in self.errors.items()}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        unexpected = [k for k in state if not k.endswith(".error")] if self.error_feedback else sorted(state)
-        if unexpected:
-            raise ValueError(f"qgZ{' with' if self.error_feedback else ' without'} error feedback cannot load "
-                             f"reducer state {unexpected[:4]}")
-        self.errors = {k[:-len(".error")]: v.float() for k, v in state.items()}
-
-    def volume(self, numel: int) -> tuple[int, int]:
-        return self.comm.quantized_reduce_scatter_volume(numel, self.bits, self.block_size, self.hops, self.stages)
-
-    def describe(self) -> str:
-        ef = " + error feedback" if self.error_feedback else ""
-        return f"qgZ int{self.bits}, {self.hops} hop(s){ef}"
-
-
-class ProjectedReduce(GradientReducer):
-    """SEPARATE on the ZeRO reduce path: the unit's gradient, as `world` shard rows, is projected
-    blockwise; the projections are reduce-scattered (in the communication dtype) and each rank
-    adds the reconstruction of its own shard. G-SEPARATE's measuring rounds also reduce-scatter
-    the exact gradient and all-reduce three sums for the cosine similarity."""
-
-    def __init__(self, comm: Comm, compressor: Separate, wire_dtype: torch.dtype, timings: Timings,
-                 qgz: QuantizedReduce | None = None):
-        self.comm, self.compressor, self.wire_dtype, self.timings = comm, compressor, wire_dtype, timings
-        self.qgz = qgz  # when set, the projections go through qgZ's quantized all-to-all instead
-        self.cosines: dict[str, float] = {}  # G-SEPARATE: each unit's last measured cosine
-
-    def reduce(self, unit, shard, grad, async_op):
-        world, rank = self.comm.mesh.size("dp"), self.comm.mesh.group_rank("dp")
-        exact = exact_work = None
-        if self.compressor.adapt_round(unit):  # the raw gradient's exact mean, before e is added
-            exact = torch.zeros_like(shard)
-            exact_work = self.comm.reduce_scatter(exact, grad.to(self.wire_dtype), tag=TAG + " (exact, G-SEPARATE)",
-                                                  async_op=True, accumulate=True)
-        with self.timings.timer("gradient compression"):
-            rnd = self.compressor.compress(unit, grad.view(world, -1))
-        per_chunk = rnd.projections.shape[1]
-        if self.qgz is None:
-            summed = torch.zeros(per_chunk, device=shard.device)
-            work = self.comm.reduce_scatter(summed, rnd.projections.to(self.wire_dtype).reshape(-1), tag=TAG,
-                                            async_op=True, accumulate=True)
-        else:  # qgZ needs whole quantization blocks (per stage) in every chunk: pad the projections
-            align = self.qgz.block_size * self.qgz.stages
-            padded = torch.zeros(world, -(-per_chunk // align) * align, device=shard.device)
-            padded[:, :per_chunk] = rnd.projections
-            summed_padded = torch.zeros(padded.shape[1], device=shard.device)
-            work = self.qgz.reduce(unit, summed_padded, padded.reshape(-1), async_op=True)
-            summed = summed_padded[:per_chunk]
-
-        def finish():
-            work.wait()
-            with self.timings.timer("gradient compression"):
-                estimate = self.compressor.decompress(rnd, summed, rank)
-            shard.add_(estimate)
-            if exact is not None:
-                exact_work.wait()
-                sums = torch.stack([(estimate * exact).sum(), estimate.square().sum(), exact.square().sum()]).double()
-                self.comm.all_reduce(sums, tag="G-SEPARATE cosine")
-                cosine = float(sums[0] / (sums[1].sqrt() * sums[2].sqrt()).clamp_min(1e-30))
-                self.cosines[unit] = cosine
-                self.compressor.adapt(unit, cosine)
-
-        if async_op:
-            return CallbackWork(finish)
-        finish()
-        return None
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.compressor.state_dict()
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.compressor.load_state_dict(state)
-
-    def describe(self) -> str:
-        if self.qgz is not None:
-            return f"projections over {self.qgz.describe()}"
-        return f"a reduce-scatter of projections ({str(self.wire_dtype).replace('torch.', '')})"

@@ -13,7 +13,8 @@ P_k is fresh every round k and common to all ranks: it is drawn from (seed, key,
 sent. The gradient is viewed as `chunks` rows (the ZeRO shards; one row under DDP) and each row
 is cut into blocks of b elements, the last one zero-padded, so a block never straddles two
 shards: the reduce-scatter of the projections hands each rank the summed projections of its own
-shard's blocks, and it reconstructs only its shard. The error term needs this rank's own
+shard's blocks, and it reconstructs only its shard (`ProjectedReduce`, the ZeRO reducer; DDP's
+comm hook all-reduces the projections of a bucket). The error term needs this rank's own
 P^T P h over the whole unit, computed in the same pass as the projection.
 
 Two projections (`projection`):
@@ -34,7 +35,10 @@ from dataclasses import dataclass
 
 import torch
 
+from zeropp.comm import CallbackWork, Comm
 from zeropp.config import DTYPES, GradientCompression
+from zeropp.reducers import TAG, GradientReducer
+from zeropp.runtime import Timings
 
 _DRAW_NUMEL = 1 << 22  # Gaussian directions generated per draw (16 MB of fp32)
 
@@ -260,3 +264,67 @@ class Separate:
 
     def error_bytes(self) -> int:
         return sum(e.numel() * e.element_size() for e in self.errors.values())
+
+
+class ProjectedReduce(GradientReducer):
+    """SEPARATE on the ZeRO reduce path: the unit's gradient, as `world` shard rows, is projected
+    blockwise; the projections are reduce-scattered (in the communication dtype) and each rank
+    adds the reconstruction of its own shard. G-SEPARATE's measuring rounds also reduce-scatter
+    the exact gradient and all-reduce three sums for the cosine similarity."""
+
+    def __init__(self, comm: Comm, compressor: Separate, wire_dtype: torch.dtype, timings: Timings,
+                 qgz: GradientReducer | None = None):
+        self.comm, self.compressor, self.wire_dtype, self.timings = comm, compressor, wire_dtype, timings
+        self.qgz = qgz  # zeropp.qgz.QuantizedReduce: when set, the projections go through it instead
+        self.cosines: dict[str, float] = {}  # G-SEPARATE: each unit's last measured cosine
+
+    def reduce(self, unit, shard, grad, async_op):
+        world, rank = self.comm.mesh.size("dp"), self.comm.mesh.group_rank("dp")
+        exact = exact_work = None
+        if self.compressor.adapt_round(unit):  # the raw gradient's exact mean, before e is added
+            exact = torch.zeros_like(shard)
+            exact_work = self.comm.reduce_scatter(exact, grad.to(self.wire_dtype), tag=TAG + " (exact, G-SEPARATE)",
+                                                  async_op=True, accumulate=True)
+        with self.timings.timer("gradient compression"):
+            rnd = self.compressor.compress(unit, grad.view(world, -1))
+        per_chunk = rnd.projections.shape[1]
+        if self.qgz is None:
+            summed = torch.zeros(per_chunk, device=shard.device)
+            work = self.comm.reduce_scatter(summed, rnd.projections.to(self.wire_dtype).reshape(-1), tag=TAG,
+                                            async_op=True, accumulate=True)
+        else:  # qgZ needs whole quantization blocks (per stage) in every chunk: pad the projections
+            align = self.qgz.block_size * self.qgz.stages
+            padded = torch.zeros(world, -(-per_chunk // align) * align, device=shard.device)
+            padded[:, :per_chunk] = rnd.projections
+            summed_padded = torch.zeros(padded.shape[1], device=shard.device)
+            work = self.qgz.reduce(unit, summed_padded, padded.reshape(-1), async_op=True)
+            summed = summed_padded[:per_chunk]
+
+        def finish():
+            work.wait()
+            with self.timings.timer("gradient compression"):
+                estimate = self.compressor.decompress(rnd, summed, rank)
+            shard.add_(estimate)
+            if exact is not None:
+                exact_work.wait()
+                sums = torch.stack([(estimate * exact).sum(), estimate.square().sum(), exact.square().sum()]).double()
+                self.comm.all_reduce(sums, tag="G-SEPARATE cosine")
+                cosine = float(sums[0] / (sums[1].sqrt() * sums[2].sqrt()).clamp_min(1e-30))
+                self.cosines[unit] = cosine
+                self.compressor.adapt(unit, cosine)
+
+        if async_op:
+            return CallbackWork(finish)
+        finish()
+        return None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.compressor.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.compressor.load_state_dict(state)
+
+    def describe(self) -> str:
+        if self.qgz is not None:
+            return f"projections over {self.qgz.describe()}"
+        return f"a reduce-scatter of projections ({str(self.wire_dtype).replace('torch.', '')})"

@@ -12,6 +12,8 @@ Groups, looked up by name (`mesh.group(name)`, `mesh.members(name)`):
   secondary   a block of `secondary_size` consecutive DP ranks (hpZ's secondary partition;
               by default a node)
   tp          the tensor-parallel ranks of this rank (one rank when tp is 1)
+  world       every rank (tp x dp)
+`tp` and `world` list global ranks, the others DP ranks (`mesh.global_rank(name, member)`).
 On gloo, every group also has a twin (`mesh.group(name, thread=True)`) for the communication
 thread's point-to-point traffic, so it never interleaves with the main thread's collectives.
 """
@@ -25,7 +27,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-GROUPS = ("dp", "intra_node", "inter_node", "secondary", "tp")
+from zeropp.config import ZeroConfig
+
+GROUPS = ("dp", "intra_node", "inter_node", "secondary", "tp", "world")
+GLOBAL_GROUPS = ("tp", "world")  # their members are global ranks
 
 
 class TopologyError(ValueError):
@@ -71,6 +76,11 @@ class Mesh:
     _groups: dict[tuple[str, bool], object] = field(default_factory=dict)  # (name, thread) -> process group
 
     @property
+    def tp_crosses_nodes(self) -> bool:
+        """Whether this rank's tensor-parallel group spans nodes."""
+        return self.remote_members("tp") > 0
+
+    @property
     def num_nodes(self) -> int:
         return self.world_size // self.ranks_per_node
 
@@ -85,24 +95,31 @@ class Mesh:
     def node_of(self, dp_rank: int) -> int:
         return dp_rank // self.ranks_per_node
 
+    def global_rank(self, name: str, member: int) -> int:
+        """The global rank of a member of group `name` (as `members(name)` lists it)."""
+        return member if name in GLOBAL_GROUPS else self.global_ranks[member]
+
     def group(self, name: str, thread: bool = False):
         """The process group `name`; thread=True: its twin for the communication thread (the group
         itself where the mesh was built without twins)."""
         return self._groups[name, thread and (name, True) in self._groups]
 
     def members(self, name: str) -> list[int]:
-        """DP ranks of this rank's group `name`, in group-rank order."""
+        """DP ranks (global ranks for tp and world) of this rank's group `name`, in group-rank order."""
         return self._members[name]
 
     def size(self, name: str) -> int:
         return len(self._members[name])
 
     def group_rank(self, name: str) -> int:
-        return self._members[name].index(self.rank)
+        me = dist.get_rank() if name in GLOBAL_GROUPS else self.rank
+        return self._members[name].index(me)
 
     def remote_members(self, name: str) -> int:
-        """How many members of group `name` sit on another node than this rank (the ledger's cross-node share)."""
-        return sum(self.node_of(m) != self.node for m in self._members[name])
+        """How many members of group `name` sit on another node than this rank (the ledger's cross-node
+        share). Global ranks are node-major too: a node holds ranks_per_node x tp_size of them."""
+        per_node = self.ranks_per_node * self.tp_size
+        return sum(self.global_rank(name, m) // per_node != self.node for m in self._members[name])
 
     def describe(self) -> str:
         """The layout; the secondary partition only where one was asked for (hpZ), not the
@@ -156,7 +173,7 @@ def build_mesh(ranks_per_node: int | None = None, secondary_size: int | None = N
                 group = new_group([d * tp + t for t in range(tp)])
                 if d == mesh.rank:
                     mesh._groups["tp", thread] = group
-        for name in GROUPS[:-1]:
+        for name in GROUPS[:4]:
             if name == "secondary" and sec == rpn:  # one node: the intra-node group itself
                 mesh._groups[name, thread], mesh._members[name] = mesh._groups["intra_node", thread], \
                     mesh._members["intra_node"]
@@ -167,4 +184,19 @@ def build_mesh(ranks_per_node: int | None = None, secondary_size: int | None = N
                         new_group([d * tp + t for d in block])
                     if t == tp_index and mesh.rank in block:
                         mesh._groups[name, thread], mesh._members[name] = group, block
+    mesh._groups["world", False], mesh._members["world"] = dist.group.WORLD, list(range(world))
     return mesh
+
+
+def mesh_from_config(zero: ZeroConfig, tp: int = 1) -> Mesh:
+    """The run's one layout, from `zero_optimization` (and `tensor_parallel.size`): its ranks per
+    node (else the launcher's), hpZ's secondary group (`zero_hpz_partition_size`: 0 one node, n > 1
+    n ranks, 1 off), tensor-parallel groups of `tp` consecutive ranks inside a node, and the
+    communication thread's twins where ZeRO-3 runs on gloo. Every runtime is built on it."""
+    rpn = zero.ranks_per_node
+    if rpn is not None and rpn % tp:
+        raise TopologyError(f"tensor_parallel.size={tp} must divide zero_optimization.ranks_per_node={rpn}: "
+                            f"a tensor-parallel group lives inside a node")
+    return build_mesh(ranks_per_node=rpn // tp if rpn else None, tp=tp,
+                      secondary_size=zero.zero_hpz_partition_size if zero.zero_hpz_partition_size > 1 else None,
+                      thread_groups=None if zero.stage == 3 else False)

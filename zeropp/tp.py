@@ -32,7 +32,6 @@ its output. AccTFM changes how those all-reduces run:
 from __future__ import annotations
 
 import json
-import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -45,10 +44,10 @@ import torch.nn.functional as F
 from models.transformer import MLP, Attention, Transformer, apply_rope
 from zeropp import acctfm
 from zeropp.checkpoint import FULL, SHARDED, read_safetensors, unsharded_tensors
-from zeropp.comm import CommLedger
+from zeropp.comm import Comm
 from zeropp.config import TensorParallelConfig, ZeroConfig
 from zeropp.runtime import Runtime, clip_by_norm_, squared_norm
-from zeropp.topology import Mesh, TopologyError
+from zeropp.topology import Mesh, TopologyError, mesh_from_config
 
 
 PLAN_FILE = "tensor_parallel.json"  # in a checkpoint: the group size and each sliced tensor's dim
@@ -67,23 +66,16 @@ class _Reduced:
 
 
 class TPComm:
-    """The tensor-parallel group of one rank and how its all-reduces run (exact or compressed);
-    every all-reduce is recorded in the ledger (sent bytes as a ring all-reduce moves them)."""
+    """The tensor-parallel group of one rank and how its all-reduces run (exact or compressed).
+    Every collective goes through `comm` (zeropp.comm.Comm, mesh group "tp"), so its ledger
+    counts each byte; the runtime points it at the data-parallel runtime's ledger."""
 
-    def __init__(self, mesh: Mesh, config: TensorParallelConfig, ledger: CommLedger | None = None):
+    def __init__(self, mesh: Mesh, config: TensorParallelConfig):
         self.mesh, self.config = mesh, config
-        self.group = mesh.group("tp")
+        self.comm = Comm(mesh, node_aware=False)
         self.size = mesh.tp_size
-        self.rank = mesh.members("tp").index(dist.get_rank())
-        self.ledger = ledger or CommLedger()
+        self.rank = mesh.group_rank("tp")
         self.seconds_waiting = 0.0
-        # Cross-node: the group spans launcher nodes (TP across a link, as in AccTFM's setting).
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-        self.crosses_nodes = len({g // local for g in mesh.members("tp")}) > 1
-
-    def _record(self, tag: str, dtype: torch.dtype, sent: int) -> None:
-        cross = sent if self.crosses_nodes else 0
-        self.ledger.record(tag, dtype, sent, sent, cross, cross)
 
     def all_reduce(self, x: torch.Tensor, tag: str, mask: torch.Tensor | None = None,
                    compress: bool = False) -> _Reduced:
@@ -106,14 +98,11 @@ class TPComm:
             blocks.append((flat[~mask], cfg.topk_pruned_bits))
         compressed = work = None
         if blocks:
-            self._record(tag, torch.uint8, sum(acctfm.wire_bytes(tuple(b.shape), self.size, bits, method=method)
-                                               for b, bits in blocks))
-            compressed = acctfm.all_reduce_compressed_blocks(blocks, self.group, method=method, async_op=True)
+            compressed = acctfm.all_reduce_compressed_blocks(blocks, self.comm, "tp", method=method, async_op=True,
+                                                             tag=tag)
         if not quantize:
             kept = kept.contiguous().clone() if mask is None else kept.contiguous()
-            # A ring all-reduce sends 2 (p - 1) / p of the tensor.
-            self._record(tag, kept.dtype, 2 * (self.size - 1) * kept.numel() * kept.element_size() // self.size)
-            work = dist.all_reduce(kept, group=self.group, async_op=True)
+            work = self.comm.all_reduce(kept, "tp", tag, async_op=True)
 
         def finish() -> torch.Tensor:
             sums = compressed.wait() if compressed is not None else []
@@ -359,7 +348,7 @@ class TensorParallelSublayer:
         k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
         self.q_proj.last_output = self.k_proj.last_output = None
         scores = acctfm.token_scores(q, k, causal=True)
-        return acctfm.topk_token_mask(scores, self.tp.config.topk_keep_ratio, self.tp.group)
+        return acctfm.topk_token_mask(scores, self.tp.config.topk_keep_ratio, self.tp.comm, "tp", tag="tp top-k")
 
 
 def _make_parallel(module: nn.Module) -> None:
@@ -441,7 +430,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits, labels, start, tp, ignore_index):
         logits = logits.float()
         top = logits.max(-1).values
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=tp.group)
+        tp.comm.all_reduce(top, "tp", "tp loss", op=dist.ReduceOp.MAX)
         shifted = logits - top.unsqueeze(-1)
         exp = shifted.exp()
         sum_exp = exp.sum(-1)
@@ -450,7 +439,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         index = local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
         target = shifted.gather(-1, index).squeeze(-1) * mine
         packed = torch.stack([sum_exp, target])
-        dist.all_reduce(packed, group=tp.group)
+        tp.comm.all_reduce(packed, "tp", "tp loss")
         sum_exp, target = packed
         valid = labels != ignore_index
         loss = (sum_exp.log() - target) * valid
@@ -484,22 +473,14 @@ class TensorParallelRuntime(Runtime):
     def __init__(self, model: Transformer, zero: ZeroConfig, tp_config: TensorParallelConfig, device: torch.device):
         from zeropp.ddp import DDPRuntime
         from zeropp.engine import Zero3Engine
-        from zeropp.topology import build_mesh
-        size = tp_config.size
-        rpn = zero.ranks_per_node
-        if rpn is not None and rpn % size:
-            raise TopologyError(f"tensor_parallel.size={size} must divide zero_optimization.ranks_per_node={rpn}: "
-                                f"a tensor-parallel group lives inside a node")
-        mesh = build_mesh(ranks_per_node=rpn // size if rpn else None, tp=size,
-                          secondary_size=zero.zero_hpz_partition_size if zero.zero_hpz_partition_size > 1 else None,
-                          thread_groups=None if zero.stage == 3 else False)
+        mesh = mesh_from_config(zero, tp_config.size)
         self.tp = TPComm(mesh, tp_config)
         self.plan = parallelize(model, self.tp)
         self.vocab_start = model.vocab_start
         self.inner = Zero3Engine(model, zero, mesh=mesh, device=device) if zero.stage == 3 else \
             DDPRuntime(model, zero, device, mesh=mesh)
         self.module, self.mesh = model, mesh
-        self.ledger = self.tp.ledger = self.inner.ledger
+        self.ledger = self.tp.comm.ledger = self.inner.ledger
         self.timings = self.inner.timings
         self.checkpoint_format = f"{self.inner.checkpoint_format}+tp"  # loads any TP size (see load)
         self.partition_plan: list[int] | None = None  # tensor_parallel.partitions 0: planned on the first batch
@@ -521,7 +502,7 @@ class TensorParallelRuntime(Runtime):
         subs = [m for m in self.module.modules() if isinstance(m, TensorParallelSublayer)]
         cfg = self.tp.config
         op = "all_gather" if cfg.quantize_bits else "all_reduce"
-        alpha, beta = acctfm.measure_alpha_beta(self.tp.group, op=op)
+        alpha, beta = acctfm.measure_alpha_beta(self.tp.comm, "tp", op=op, tag="tp plan")
         sizes = acctfm.PARTITION_SIZES
         compute = torch.zeros(len(subs), len(sizes), dtype=torch.float64)
         rows, row_bytes = [0] * len(subs), [0] * len(subs)
@@ -535,7 +516,7 @@ class TensorParallelRuntime(Runtime):
                         compute[j, i - 1] = sum(t for t, _, _ in sub.profile) / len(sub.profile)
                     rows[j] = sum(r for _, r, _ in sub.profile)
                     row_bytes[j] = sub.profile[0][2]
-        dist.all_reduce(compute, op=dist.ReduceOp.MAX, group=self.tp.group)
+        self.tp.comm.all_reduce(compute, "tp", "tp plan", op=dist.ReduceOp.MAX)
         sparse = {"forward": cfg.topk_passes != "backward", "backward": cfg.topk_passes != "forward"}
 
         def comm(j, k, direction):  # one partition's all-reduce, predicted from the measured link
@@ -592,8 +573,7 @@ class TensorParallelRuntime(Runtime):
                       if p.grad is not None and name not in self.plan]
         parts = torch.stack([squared_norm(sliced, device), squared_norm(replicated, device) * (self.tp.rank == 0)])
         # DDP holds the same full gradient on every DP rank; ZeRO-3 holds shards of it.
-        group = self.tp.group if self.inner.checkpoint_format == FULL else None
-        dist.all_reduce(parts, group=group)
+        self.tp.comm.all_reduce(parts, "tp" if self.inner.checkpoint_format == FULL else "world", "grad norm")
         return clip_by_norm_(sliced + replicated, parts.sum(), max_norm)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -683,11 +663,12 @@ def _full_tensors(directory: Path) -> dict[str, torch.Tensor]:
 def _gather_slices(tensor: torch.Tensor, dim: int, tp: TPComm) -> torch.Tensor:
     """Concatenate every rank's slice along `dim` (slices may differ by one unit in length)."""
     size = torch.tensor([tensor.shape[dim]], dtype=torch.int64)
-    sizes = [torch.zeros_like(size) for _ in range(tp.size)]
-    dist.all_gather(sizes, size, group=tp.group)
-    longest = int(max(s.item() for s in sizes))
+    sizes = torch.empty(tp.size, dtype=torch.int64)
+    tp.comm.all_gather(sizes, size, "tp", tag="consolidate")
+    longest = int(sizes.max())
     pad = [0, 0] * (tensor.dim() - 1 - dim) + [0, longest - tensor.shape[dim]]
     padded = F.pad(tensor.float(), pad).contiguous()
-    pieces = [torch.empty_like(padded) for _ in range(tp.size)]
-    dist.all_gather(pieces, padded, group=tp.group)
-    return torch.cat([piece.narrow(dim, 0, int(s.item())) for piece, s in zip(pieces, sizes)], dim=dim)
+    pieces = torch.empty(tp.size * padded.numel(), dtype=padded.dtype)
+    tp.comm.all_gather(pieces, padded.view(-1), "tp", tag="consolidate")
+    return torch.cat([piece.narrow(dim, 0, int(s)) for piece, s in zip(pieces.view(tp.size, *padded.shape), sizes)],
+                     dim=dim)

@@ -41,11 +41,38 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from zeropp.quantized import delta_gather
+
 
 class Phase(enum.Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
     ROLLOUT = "rollout"  # no-grad forwards inside Zero3Engine.inference_weights (generation)
+
+
+class UnitState(enum.Enum):
+    """Where a unit's full weights are (`Unit.state`), one at a time:
+
+    SHARDED   -> gather()  -> GATHERING -> decode() -> GATHERED <-> COMPUTING (begin_use / end_use)
+    GATHERED  -> release() -> SHARDED   (another unit takes the buffer; refused while GATHERING or COMPUTING)
+    any       -> refresh() -> SHARDED   when the master changed (the buffer's weights are stale; a
+                                         gather in flight is let land and dropped)
+    """
+    SHARDED = "sharded"  # only the shards: what the buffer holds (if anything) is not the current weights
+    GATHERING = "gathering"  # an all-gather into the unit's buffer is in flight (pending_gather)
+    GATHERED = "gathered"  # the buffer holds the current weights, decoded
+    COMPUTING = "computing"  # a block the schedule is running (its forward, or its backward until the next)
+
+
+class Secondary(enum.Enum):
+    """What the unit's secondary holds (hpZ's slice, or qwZ deltas' references) against the wire."""
+    EMPTY = "empty"  # nothing yet (deltas: the next gather sends the weights whole)
+    BEHIND = "behind"  # made from older weights (deltas: the next gather sends the change)
+    CURRENT = "current"  # made from the current wire: the backward may gather from it
+
+
+class BufferInUseError(RuntimeError):
+    """A unit asked for a buffer that another unit still needs (YaFSDP refuses the same way)."""
 
 
 class Source(enum.Enum):
@@ -153,15 +180,13 @@ class Unit:
         self.gathered_numel = world_size * codec.wire_numel(self.shard_numel)
         self.reference_at = 0  # qwZ deltas: where this rank's own shard sits in the references
         self.secondary: torch.Tensor | None = None  # set by enable_secondary()
-        # Versions: `version` counts re-encodings of the wire; a gathered buffer or a secondary
-        # is valid while it was made from the current one.
-        self.version = 0
-        self.gathered_version = self.secondary_version = -1
-        self.gathering_version = -1  # the version the gather in flight (pending_gather) sends
-        self._encoded_master_version = -1
+        self.state = UnitState.SHARDED
+        self.secondary_state = Secondary.EMPTY
+        self._encoded_master_version = -1  # the master's version counter when the wire was encoded
         self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (gather, compute) per buffer slot
         self.slot = 0  # which of the rotating weight buffers the unit uses (resident units: their own)
-        self.grad_slot = 0  # which of the engine's alternating gradient buffers
+        self.grad_slot = 0  # which of the alternating gradient buffers (zeropp.buffers.BufferPool)
+        self.grad_buffer: torch.Tensor | None = None  # a resident trainable unit's own gradient buffer
         # A rollout's inference copy: (gather buffer or None once decoded, compute buffer), used
         # instead of buffers[slot] while set.
         self.inference: tuple[torch.Tensor | None, torch.Tensor] | None = None
@@ -249,27 +274,46 @@ class Unit:
             if self.master is not None:
                 self.master.copy_(values)
             else:  # quantizing dequantized codes gives the same codes back: reloading is exact
+                self.drop_gather()
                 self.codec.encode(values.to(self.device, torch.float32), self.wire)
-                self.version += 1
+                self._wire_changed()
 
     # ------------------------------------------------------------------ the step's data flow
 
     def refresh(self) -> bool:
         """Re-encode the wire if the master changed since (any in-place edit bumps its version
-        counter: an optimizer step, a load). Returns whether it did."""
+        counter: an optimizer step, a load); what the buffer and the secondary hold is then stale.
+        A gather in flight reads the wire (and, with deltas, writes the references): it lands first
+        and is dropped. Returns whether it re-encoded."""
         if self.master is None or self.master._version == self._encoded_master_version:
             return False
+        self.drop_gather()
         master = self.master.to(self.device, non_blocking=True)  # offloaded: the weights come back
         if self.delta_codec is None:
             self.codec.encode(master, self.wire)
-        elif self.secondary_version >= 0:  # else the next gather sends the values whole
-            if self.pending_gather is not None:  # it may still be updating the references
-                self.pending_gather.wait()
+        elif self.secondary_state is not Secondary.EMPTY:  # else the next gather sends the values whole
             own = self.secondary[self.reference_at:self.reference_at + self.shard_numel]
             self.delta_codec.encode(master - own, self.wire)  # computed in fp32
         self._encoded_master_version = self.master._version
-        self.version += 1
+        self._wire_changed()
         return True
+
+    def _wire_changed(self) -> None:
+        self.state = UnitState.SHARDED
+        if self.secondary_state is Secondary.CURRENT:
+            self.secondary_state = Secondary.BEHIND
+
+    def holds_current(self) -> bool:
+        """The buffer holds the current weights (call refresh() first): no gather needed."""
+        return self.state in (UnitState.GATHERED, UnitState.COMPUTING)
+
+    def drop_gather(self) -> None:
+        """Let a gather in flight land without decoding it (the buffer is wanted elsewhere, the
+        weights changed, or the engine closes)."""
+        if self.pending_gather is not None:
+            self.pending_gather.wait()
+            self.pending_gather = None
+            self.state = UnitState.SHARDED
 
     def enable_secondary(self, size: int, node: int = 0) -> None:
         """hpZ: keep 1/size of the gathered bytes, so the backward gathers inside a group of `size`
@@ -279,24 +323,24 @@ class Unit:
 
     def references_current(self) -> bool:
         """qwZ deltas: the references hold the master's weights (nothing to send for them)."""
-        return self.secondary_version == self.version and self.master._version == self._encoded_master_version
+        return self.secondary_state is Secondary.CURRENT and self.master._version == self._encoded_master_version
 
     def load_references(self, references: torch.Tensor | None, current: bool) -> None:
         """qwZ deltas, after load_master_shard: restore the references a checkpoint saved (`current`:
         they held the saved weights, so nothing is sent for them), or with None resend the
         weights whole at the next gather."""
         if references is None:
-            self.secondary_version = -1
+            self.secondary_state = Secondary.EMPTY
         else:
             self.secondary.copy_(references)
-            self.secondary_version = 0  # valid, so refresh() encodes the change against them
+            self.secondary_state = Secondary.BEHIND  # so refresh() encodes the change against them
         self._encoded_master_version = -1
         self.refresh()
-        if references is not None:
-            self.secondary_version = self.version if current else self.version - 1
+        if references is not None and current:
+            self.secondary_state = Secondary.CURRENT
 
     def source(self, phase: Phase) -> Source:
-        if phase is Phase.BACKWARD and self.secondary is not None and self.secondary_version == self.version:
+        if phase is Phase.BACKWARD and self.secondary is not None and self.secondary_state is Secondary.CURRENT:
             return Source.SECONDARY
         return Source.PRIMARY
 
@@ -304,20 +348,23 @@ class Unit:
         return self.inference if self.inference is not None else self.buffers[self.slot]
 
     def gather(self, comm, phase: Phase, async_op: bool) -> None:
+        """All-gather the current wire (refresh() first) into the unit's gather buffer."""
+        if self.state is not UnitState.SHARDED:
+            raise RuntimeError(f"unit {self.name} asked to gather while {self.state.value}")
         gather, _ = self._buffer_pair()
+        self.state = UnitState.GATHERING
         if self.delta_codec is not None:  # the change (if any) across nodes, then the references inside
             sent, codec = None, self.delta_codec
-            if self.secondary_version < 0:
+            if self.secondary_state is Secondary.EMPTY:
                 sent, codec = self.master.to(self.device, self.codec.dtype), None
-            elif self.secondary_version != self.version:
+            elif self.secondary_state is Secondary.BEHIND:
                 sent = self.wire
-            self.gathering_version = self.secondary_version = self.version
-            self.pending_gather = comm.delta_gather(gather, self.secondary, sent, codec, tag=f"{phase.value} gather",
-                                                    async_op=async_op)
+            self.secondary_state = Secondary.CURRENT
+            self.pending_gather = delta_gather(comm, gather, self.secondary, sent, codec, tag=f"{phase.value} gather",
+                                               async_op=async_op)
             return
         source = self.source(phase)
         shard = self.secondary if source is Source.SECONDARY else self.wire
-        self.gathering_version = self.version
         self.pending_gather = comm.all_gather(gather, shard, group=source.value, tag=f"{phase.value} gather",
                                               async_op=async_op, node_aware=True)
 
@@ -326,6 +373,8 @@ class Unit:
         gather in place); in a forward with autograd, keep this rank's part of the bytes as the
         hpZ secondary. The secondary slices of a group concatenate to the primary's gathered
         bytes, so both sources decode in the primary's order."""
+        if self.state is not UnitState.GATHERING:
+            raise RuntimeError(f"unit {self.name} asked to decode while {self.state.value}")
         timer = timings.timer
         if self.pending_gather is not None:  # a synchronous gather (overlap_comm off) is already in
             with timer("waiting for gathers"):
@@ -334,13 +383,13 @@ class Unit:
         gather, compute = self._buffer_pair()
         with timer("weight decode"):
             self.codec.decode(gather, compute, self.world_size, self.gather_order(comm))
-        self.gathered_version = self.gathering_version
+        self.state = UnitState.GATHERED
         if self.delta_codec is None and self.secondary is not None and phase is Phase.FORWARD \
                 and torch.is_grad_enabled():
             n = self.secondary.numel()
             j = comm.mesh.group_rank("secondary")
             self.secondary.copy_(gather[j * n:(j + 1) * n])
-            self.secondary_version = self.gathering_version
+            self.secondary_state = Secondary.CURRENT
 
     def gather_order(self, comm) -> list[int] | None:
         """The rank whose shard is at each position of the gathered bytes (None: rank order)."""
@@ -382,13 +431,25 @@ class Unit:
                 if owner is module:
                     owner.__dict__[attr] = view
 
+    def begin_use(self) -> None:
+        """The schedule runs the unit's block (its forward, or its backward): its buffer is not to be taken."""
+        if self.state is not UnitState.GATHERED and self.state is not UnitState.COMPUTING:
+            raise RuntimeError(f"unit {self.name} used while {self.state.value}, not gathered")
+        self.state = UnitState.COMPUTING
+
+    def end_use(self) -> None:
+        if self.state is UnitState.COMPUTING:
+            self.state = UnitState.GATHERED
+
     def release(self) -> None:
-        """Another unit took the buffer: the modules' attributes fall back to the registered pieces."""
+        """Another unit takes the buffer: the modules' attributes fall back to the registered pieces."""
+        if self.state in (UnitState.GATHERING, UnitState.COMPUTING):
+            raise BufferInUseError(f"unit {self.name} cannot let its buffer go while {self.state.value}")
         self._gated = None
         for slot in self.slots:
             for module, attr in slot.aliases:
                 module.__dict__.pop(attr, None)
-        self.gathered_version = -1
+        self.state = UnitState.SHARDED
 
     def hold_inference_copy(self, gather: torch.Tensor, compute: torch.Tensor) -> None:
         """From now on gather into `gather` and decode into `compute`, buffers of the unit's own
@@ -401,6 +462,8 @@ class Unit:
 
     def drop_inference_copy(self) -> None:
         """Back to the shared buffers: unbind, and let the copy go (freed with its last view)."""
+        self.drop_gather()
+        self.end_use()
         self.release()
         self.inference = None
 

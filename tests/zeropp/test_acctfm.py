@@ -25,6 +25,8 @@ from zeropp.acctfm import (
     topk_token_mask,
     wire_bytes,
 )
+from zeropp.comm import Comm
+from zeropp.topology import build_mesh
 
 # ---------------------------------------------------------------- piecewise quantization
 
@@ -227,19 +229,21 @@ def _rank_input(rank, shape, dtype=torch.float32):
 
 
 def _distributed(rank, world, cases, shape):
+    comm = Comm(build_mesh())
     results = {}
     for method, group_rows, dtype in cases:
         x = _rank_input(rank, shape, dtype)
-        sync = all_reduce_compressed(x, bits=4, group_rows=group_rows, method=method)
-        work = all_reduce_compressed(x, bits=4, group_rows=group_rows, method=method, async_op=True)
+        sync = all_reduce_compressed(x, comm, bits=4, group_rows=group_rows, method=method)
+        work = all_reduce_compressed(x, comm, bits=4, group_rows=group_rows, method=method, async_op=True)
         results[(method, group_rows, dtype)] = (sync, work.wait())
     for method in METHODS:  # kept rows at 4 bits and pruned rows at 1 bit, in one message
         kept, pruned = _rank_input(rank, shape), _rank_input(rank + 10, (4, shape[1]))
-        results[("blocks", method)] = all_reduce_compressed_blocks([(kept, 4), (pruned, 1), (kept[:0], 4)],
+        results[("blocks", method)] = all_reduce_compressed_blocks([(kept, 4), (pruned, 1), (kept[:0], 4)], comm,
                                                                    method=method)
     local = torch.randint(0, 3, (2, 9), generator=torch.Generator().manual_seed(rank)).float()  # differs per rank
-    masks = [topk_token_mask(local, ratio) for ratio in (0.4, 1.0)]
-    alpha_beta = measure_alpha_beta(sizes=(1 << 10, 1 << 14), repeats=2, op="all_gather")
+    masks = [topk_token_mask(local, ratio, comm) for ratio in (0.4, 1.0)]
+    alpha_beta = measure_alpha_beta(comm, sizes=(1 << 10, 1 << 14), repeats=2, op="all_gather")
+    comm.close()
     return results, local, masks, alpha_beta
 
 

@@ -10,8 +10,10 @@ from trainer.spawn import run_ranks
 from trainer.config import OptimSection
 from trainer.optim import build_optimizer
 from zeropp.config import ZeroConfig
-from zeropp.engine import UnsupportedModelError, Zero3Engine, partition_units, unit_numels
+from zeropp.engine import Zero3Engine
+from zeropp.plan import UnsupportedModelError, partition_units, unit_numels
 from zeropp.topology import build_mesh
+from zeropp.unit import BufferInUseError, Phase, UnitState
 
 SEQ = 16
 BATCH = 12  # divisible by 1, 2, 3 and 4 ranks
@@ -202,6 +204,38 @@ def test_each_parameter_is_bound_right_before_its_module_runs():
     assert len(made) == len(linears) >= 3
     for (_, previous_output), (weight, _) in zip(made, made[1:]):
         assert weight > previous_output
+
+
+def test_a_unit_refuses_a_buffer_another_unit_still_needs():
+    """Blocks share rotating buffers (block p uses buffer p % slots): a block takes its buffer from
+    the previous holder only once that one is done with it. Taking it while the holder's block is
+    being computed, or while a gather into it is in flight, is a schedule bug: refused, naming both
+    (YaFSDP refuses the same way), and nothing is released."""
+    engine = Zero3Engine(deeper_model(4), ZeroConfig(stage=3, communication_data_type="fp32", prefetch_depth=1))
+    tokens = batches(1)[0][:2]
+    engine.backward(lm_loss(engine(tokens[:, :-1]), tokens[:, 1:]))  # records the block order
+    first, third = engine.block_groups[0], engine.block_groups[2]
+    assert len(engine.pool.block_buffers) == 2 and first[0].slot == third[0].slot
+    assert first[0].state is UnitState.GATHERED  # kept from the backward for the next forward
+
+    engine._begin(first, grad=False)  # block 0 runs
+    with pytest.raises(BufferInUseError, match=r"blocks\.2 tried to take rotating weight buffer 0, but it is in use "
+                                               r"by blocks\.0 \(computing\)"):
+        engine.pool.take(third)
+    assert first[0].state is UnitState.COMPUTING and "weight" in engine.module.blocks[0].mlp.up_proj.__dict__
+    engine._end_computing()
+    engine.pool.take(third)  # block 0 is done: it lets go, its modules see their pieces again
+    assert first[0].state is UnitState.SHARDED and "weight" not in engine.module.blocks[0].mlp.up_proj.__dict__
+
+    third[0].gather(engine.comm, Phase.FORWARD, async_op=True)
+    with pytest.raises(BufferInUseError, match=r"in use by blocks\.2 \(gathering\)"):
+        engine.pool.take(first)
+    third[0].decode(engine.comm, Phase.FORWARD, engine.timings)
+    engine.pool.take(first)
+    with torch.no_grad():  # and the schedule goes on from there
+        logits = engine(tokens[:, :-1])
+    engine.close()
+    assert torch.isfinite(logits).all()
 
 
 def _cross_step_run(rank, world, steps, edit, across=True):

@@ -14,9 +14,9 @@ from models.transformer import lm_loss
 from zeropp.comm import Comm
 from zeropp.config import GradientCompression, ZeroConfig, ZeroConfigError
 from zeropp.ddp import DDPRuntime
-from zeropp.reducers import ProjectedReduce, QuantizedReduce
+from zeropp.qgz import QuantizedReduce
 from zeropp.runtime import Timings
-from zeropp.separate import Separate
+from zeropp.separate import ProjectedReduce, Separate
 from zeropp.topology import build_mesh
 
 CPU = torch.device("cpu")

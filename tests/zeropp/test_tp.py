@@ -176,7 +176,7 @@ def _pruned_rows(rank, world, x, mask, pruned, bits, pruned_bits):
                                topk_pruned_bits=pruned_bits)
     tp = TPComm(build_mesh(tp=world, thread_groups=False), cfg)
     out = tp.wait(tp.all_reduce(x[rank], "test", mask, compress=bits > 0))
-    return out, tp.ledger.totals()["test"]["sent"]
+    return out, tp.comm.ledger.totals()["test"]["sent"]
 
 
 @pytest.mark.parametrize("pruned,bits,pruned_bits", [("reduce", 4, 1), ("reduce", 0, 1), ("reduce", 4, 3),
@@ -221,4 +221,67 @@ def test_pruned_rows_against_a_reference(pruned, bits, pruned_bits):
 
 def _kept_alone(rank, world, kept):
     from zeropp.acctfm import all_reduce_compressed
-    return all_reduce_compressed(kept[rank], bits=4)
+    from zeropp.comm import Comm
+    from zeropp.topology import build_mesh
+    return all_reduce_compressed(kept[rank], Comm(build_mesh()), bits=4)
+
+
+def _counted_step(rank, world, tp_config):
+    """One TP x ZeRO-3 step with torch.distributed's collectives wrapped: the bytes each call sends,
+    counted from its arguments (point-to-point: the tensors sent; all-reduce: a ring's 2 (n-1)/n;
+    all-gather: (n-1) shards; all-to-all: (n-1)/n of the input), beside the ledger's total."""
+    runtime = build_runtime(make_model("llama-tiny"), ZeroConfig(stage=3, communication_data_type="fp32"),
+                            torch.device("cpu"), tp_config)
+    optimizer = build_optimizer(runtime.module, OPTIM)
+    sample = batches(1)[0][:BATCH // runtime.mesh.world_size]
+    counted = {"sent": 0, "unexpected": []}
+    size = lambda group: dist.get_world_size(group)  # noqa: E731
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    counts = {
+        "all_reduce": lambda t, *a, group=None, **k: 2 * (size(group) - 1) * nbytes(t) // size(group),
+        "all_gather_single": lambda out, t, *a, group=None, **k: (size(group) - 1) * nbytes(t),
+        "all_to_all_single": lambda out, t, *a, group=None, **k: (size(group) - 1) * nbytes(t) // size(group),
+        "batch_isend_irecv": lambda ops: sum(nbytes(op.tensor) for op in ops if op.op is dist.isend),
+    }
+    originals = {name: getattr(dist, name) for name in (*counts, "all_gather", "broadcast", "reduce_scatter_single",
+                                                        "all_gather_into_tensor", "reduce_scatter_tensor",
+                                                        "send", "all_gather_object")}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            if name in counts:
+                counted["sent"] += counts[name](*args, **kwargs)
+            else:
+                counted["unexpected"].append(name)
+            return originals[name](*args, **kwargs)
+        return call
+
+    runtime.ledger.reset()
+    for name in originals:
+        setattr(dist, name, counting(name))
+    try:
+        loss = runtime.lm_loss(runtime(sample[:, :-1]), sample[:, 1:])
+        runtime.backward(loss)
+        runtime.clip_grad_norm_(1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        runtime.inner._wait_gathers()  # the next forward's gathers, issued by the step
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    totals = runtime.ledger.totals()
+    runtime.close()
+    return counted, sum(t["sent"] for t in totals.values()), sorted(totals)
+
+
+@pytest.mark.parametrize("tp_config", [TensorParallelConfig(size=2),
+                                       TensorParallelConfig(size=2, partitions=2, topk_keep_ratio=0.5,
+                                                            quantize_bits=4, topk_pruned="reduce")])
+def test_the_ledger_counts_every_byte_of_a_tensor_parallel_step(tp_config):
+    """TP 2 x ZeRO-3 DP 2: every collective of a step (the sublayers' exact or compressed all-reduces,
+    the vocabulary-parallel loss' all-reduces, ZeRO's gathers and reduce-scatters, the norm's
+    all-reduce) goes through the runtime's Comm, so the ledger's bytes equal what the calls sent."""
+    for counted, ledgered, tags in run_ranks(_counted_step, 4, args=(tp_config,)):
+        assert counted["unexpected"] == []
+        assert counted["sent"] > 0 and ledgered == counted["sent"], (ledgered, counted["sent"], tags)
+        assert "tp loss" in tags

@@ -11,6 +11,7 @@ from tests.zeropp.test_engine import BATCH, batches, deeper_model, make_engine, 
 from trainer.spawn import run_ranks
 from zeropp.comm import Comm
 from zeropp.config import ZeroConfig
+from zeropp.qgz import quantized_reduce_scatter
 from zeropp.topology import build_mesh
 from zeropp.unit import Phase, Source
 
@@ -53,8 +54,8 @@ def _qgz(rank, world, ranks_per_node):
     for bits in (8, 4):
         for hops, stages in MODES:
             out = torch.zeros(chunk)
-            comm.quantized_reduce_scatter(out, inputs[rank], bits, BLOCK, hops=hops, stages=stages,
-                                          tag=f"qgz {bits} {hops} {stages}", async_op=True).wait()
+            quantized_reduce_scatter(comm, out, inputs[rank], bits, BLOCK, hops=hops, stages=stages,
+                                     tag=f"qgz {bits} {hops} {stages}", async_op=True).wait()
             results[bits, hops, stages] = out
     exact = sum(x.double() for x in inputs).view(world, chunk)[rank]
     simulated = {}

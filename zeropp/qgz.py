@@ -1,0 +1,122 @@
+"""qgZ (ZeRO++ section 3.3): gradients reduced as block-quantized all-to-alls instead of a
+reduce-scatter, over the transport of zeropp.comm.
+
+hops=1: quantize, one all-to-all over all DP ranks, dequantize and sum. hops=2: reorder the
+chunks node-major -> local-rank-major while quantizing, an all-to-all inside the node,
+dequantize + sum + requantize, an all-to-all across nodes (same local rank), dequantize + sum:
+each node's partial sum crosses the slow link once, at the quantized width. `stages` > 1 cuts
+every chunk into that many slices and pipelines them: the inter-node hop of slice s runs while
+the intra-node hop of slice s+1 does (paper Algorithm 2). With error feedback, what the first
+hop's quantization lost is added to the next step's gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import dequant_reduce, dequant_reduce_quant, dequantize, num_blocks, packed_bytes, quantize_transposed
+from zeropp.comm import Comm
+from zeropp.reducers import TAG, GradientReducer
+
+
+def quantized_reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, bits: int, block_size: int,
+                             hops: int = 2, stages: int = 1, tag: str = "quantized reduce-scatter",
+                             async_op: bool = False, error: torch.Tensor | None = None):
+    """`out` (fp32) += the sum over DP ranks of chunk `rank` of `full`, over quantized all-to-alls
+    (on the communication thread). The chunk length must be a multiple of block_size x stages (the
+    engine pads units so). `error` (fp32, like `full`), when given, receives what the first hop's
+    quantization lost: full - dequant(quant(full)), for error feedback."""
+    return comm.run(lambda: _reduce(comm, out, full, bits, block_size, hops, stages, tag, error), async_op)
+
+
+def quantized_reduce_scatter_volume(comm: Comm, numel: int, bits: int, block_size: int, hops: int = 2,
+                                    stages: int = 1) -> tuple[int, int]:
+    """(bytes sent, of which cross-node) by one quantized_reduce_scatter of `numel` elements: its
+    all-to-alls of codes and fp32 scales, as the ledger records them."""
+    m = comm.mesh
+    one_hop = hops == 1 or m.num_nodes == 1 or m.ranks_per_node == 1
+    sub = numel // m.world_size // stages
+    hops_made = [("dp", m.world_size * sub)] if one_hop else \
+        [("intra_node", m.world_size * sub), ("inter_node", m.num_nodes * sub)]
+    sent = cross = 0
+    for group, elements in hops_made:
+        n = m.size(group)
+        for chunk in (packed_bytes(elements, bits, block_size) // n, num_blocks(elements, block_size) // n * 4):
+            s, c = comm.volume(chunk, group)
+            sent, cross = sent + stages * s, cross + stages * c
+    return sent, cross
+
+
+def _reduce(comm, out, full, bits, block_size, hops, stages, tag, error):
+    m = comm.mesh
+    world, nodes, local = m.world_size, m.num_nodes, m.ranks_per_node
+    if hops == 1 or nodes == 1 or local == 1:
+        nodes, local, hops = 1, world, 1  # one all-to-all over everybody
+    sub = full.numel() // world // stages
+    pending = []
+    for s in range(stages):
+        # [node, local rank, slice] -> quantized in [local rank, node, slice] order
+        view = full.view(nodes, local, stages, sub)[:, :, s]
+        q = quantize_transposed(view, bits, block_size)
+        if error is not None:  # the codes hold [local rank, node, slice]: compare in that order
+            sent = dequantize(q.codes, q.scales, view.numel(), bits, block_size).view(local, nodes, sub)
+            error.view(nodes, local, stages, sub)[:, :, s].copy_(view - sent.transpose(0, 1))
+        first = "dp" if hops == 1 else "intra_node"
+        codes, scales, _ = _exchange(comm, q.codes, q.scales, first, tag, async_op=False)
+        if hops == 1:
+            dequant_reduce(codes, scales, local, sub, bits, block_size, out=out[s * sub:(s + 1) * sub],
+                           accumulate=True)
+            continue
+        partial = dequant_reduce_quant(codes, scales, local, nodes * sub, bits, block_size)
+        pending.append((s, *_exchange(comm, partial.codes, partial.scales, "inter_node", tag, async_op=True)))
+    for s, codes, scales, works in pending:
+        for w in works:
+            w.wait()
+        dequant_reduce(codes, scales, nodes, sub, bits, block_size, out=out[s * sub:(s + 1) * sub],
+                       accumulate=True)
+
+
+def _exchange(comm, codes, scales, group, tag, async_op):
+    """All-to-all of equal chunks of codes and of scales (over the communication thread's groups)."""
+    recv_codes, recv_scales = torch.empty_like(codes), torch.empty_like(scales)
+    works = [comm.all_to_all(recv, sent, group, tag, async_op=async_op, thread=True)
+             for recv, sent in ((recv_codes, codes), (recv_scales, scales))]
+    return recv_codes, recv_scales, works
+
+
+class QuantizedReduce(GradientReducer):
+    """qgZ as the engine's gradient reducer, with optional error feedback."""
+
+    def __init__(self, comm: Comm, bits: int, block_size: int, hops: int, stages: int, error_feedback: bool):
+        self.comm, self.bits, self.block_size = comm, bits, block_size
+        self.hops, self.stages, self.error_feedback = hops, stages, error_feedback
+        self.errors: dict[str, torch.Tensor] = {}  # unit -> last step's local quantization error (fp32)
+
+    def reduce(self, unit, shard, grad, async_op):
+        error = None
+        if self.error_feedback:  # h = g + e; the first hop then writes e <- h - dequant(quant(h))
+            error = self.errors.get(unit)
+            if error is None:
+                error = self.errors[unit] = torch.zeros(grad.numel(), dtype=torch.float32, device=grad.device)
+            # A step skipped for non-finite gradients left non-finite residuals: drop those (no sync).
+            torch.nan_to_num_(error, nan=0.0, posinf=0.0, neginf=0.0)
+            grad.add_(error)  # grad is the engine's scratch buffer of this backward
+        return quantized_reduce_scatter(self.comm, shard, grad, self.bits, self.block_size, hops=self.hops,
+                                        stages=self.stages, tag=TAG, async_op=async_op, error=error)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"{unit}.error": e for unit, e in self.errors.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        unexpected = [k for k in state if not k.endswith(".error")] if self.error_feedback else sorted(state)
+        if unexpected:
+            raise ValueError(f"qgZ{' with' if self.error_feedback else ' without'} error feedback cannot load "
+                             f"reducer state {unexpected[:4]}")
+        self.errors = {k[:-len(".error")]: v.float() for k, v in state.items()}
+
+    def volume(self, numel: int) -> tuple[int, int]:
+        return quantized_reduce_scatter_volume(self.comm, numel, self.bits, self.block_size, self.hops, self.stages)
+
+    def describe(self) -> str:
+        ef = " + error feedback" if self.error_feedback else ""
+        return f"qgZ int{self.bits}, {self.hops} hop(s){ef}"
