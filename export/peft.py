@@ -12,7 +12,7 @@ Not expressible, and refused: GPT-2's q / k / v adapters (HF fuses them into one
 separate ones), score models (PEFT's SEQ_CLS adapters also save the head), and on loading,
 PEFT options our LoRALinear does not compute (DoRA, rsLoRA, trained biases, per-layer ranks).
 peft itself is not needed here: the tests check these files against it. Reading an adapter
-(`load_peft_adapter`) is in models/peft.py, since training loads one too; it is re-exported here.
+(`load_peft_adapter`) is in models/peft.py, since training loads one too.
 """
 
 from __future__ import annotations
@@ -28,10 +28,8 @@ from safetensors.torch import save_file
 from models.config import ModelConfig
 from models.hf import staged_directory
 from models.lora import LoRALinear, apply_lora
-# The layout and the reading side live in models/peft.py, below trainer/ (a fine-tune starts from an adapter:
-# finetune.lora.init_from); load_peft_adapter is re-exported here beside save_peft_adapter.
+# The layout and the reading side live in models/peft.py, below trainer/ (a fine-tune starts from an adapter).
 from models.peft import _GPT2_QKV, _WRITTEN, ADAPTER_CONFIG, ADAPTER_WEIGHTS, PREFIX, _check_arch, _hf_modules
-from models.peft import load_peft_adapter  # noqa: F401
 from models.transformer import Transformer
 from trainer.checkpoint import checkpoint_tensors, read_state, verify_checkpoint
 

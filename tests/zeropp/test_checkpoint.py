@@ -164,7 +164,7 @@ def test_merged_lora_export_on_the_trained_grid_equals_the_in_memory_merge(saved
     ones as they are, the adapters merged (merge_lora), saved by save_file."""
     from safetensors.torch import save_file
 
-    from export.quantized import on_grid
+    from kernels import on_grid
     from models.hf import to_hf_state_dict
     from models.lora import apply_lora, merge_lora
     from trainer.checkpoint import consolidated_model, export_hf
