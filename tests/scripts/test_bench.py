@@ -387,20 +387,42 @@ def tiny_run(tmp_path_factory):
     return argv + ["--train.micro_batch_size", "2"], one, tmp
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family", ["fsdp2", "deepspeed"])
-def test_peer_runtimes_train_like_our_loop_through_the_trainer(family, tiny_run):
-    """FSDP2 and DeepSpeed on 2 ranks: the same losses as one process, and resuming from their own
-    checkpoint continues the run exactly."""
+def _peer_family(rank, world, family, argv, resume_argv):
+    """Both peer checks of `family` on the same 2 ranks: training through the Trainer and resuming
+    (_peer_losses), then the peer's initialization of the meta-device models (_peer_initial_weights)."""
+    return {"losses": _peer_losses(rank, world, family, argv, resume_argv),
+            "init": _peer_initial_weights(rank, world, family)}
+
+
+@pytest.fixture(scope="module")
+def peer_ranks(tiny_run):
+    """family -> each rank's _peer_family results: one spawn of 2 ranks per family, on first use, serves both
+    tests of the family (a spawn of ranks importing the peer's library is most of either test's time)."""
     from trainer.spawn import run_ranks
 
+    argv, _, tmp = tiny_run
+    done = {}
+
+    def results(family):
+        if family not in done:
+            first = argv + ["--train.out_dir", str(tmp / family), "--train.checkpoint_interval", "2"]
+            resume = argv + ["--train.out_dir", str(tmp / f"{family}-resumed"), "--resume",
+                             str(tmp / family / "checkpoints" / "step_00000002")]
+            done[family] = run_ranks(_peer_family, 2, args=(family, first, resume), timeout=600)
+        return done[family]
+
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["fsdp2", "deepspeed"])
+def test_peer_runtimes_train_like_our_loop_through_the_trainer(family, tiny_run, peer_ranks):
+    """FSDP2 and DeepSpeed on 2 ranks: the same losses as one process, and resuming from their own
+    checkpoint continues the run exactly."""
     if family == "deepspeed" and not peers.deepspeed_installed():
         pytest.skip("DeepSpeed not installed (pip install -r requirements-bench.txt)")
-    argv, one, tmp = tiny_run
-    first = argv + ["--train.out_dir", str(tmp / family), "--train.checkpoint_interval", "2"]
-    resume = argv + ["--train.out_dir", str(tmp / f"{family}-resumed"), "--resume",
-                     str(tmp / family / "checkpoints" / "step_00000002")]
-    losses, resumed = run_ranks(_peer_losses, 2, args=(family, first, resume), timeout=600)[0]
+    _, one, _ = tiny_run
+    losses, resumed = peer_ranks(family)[0]["losses"]
     assert len(losses) == 3 and max(abs(losses[s] - one[s]) for s in one) < 1e-4
     assert list(resumed) == [3] and resumed[3] == pytest.approx(losses[3], abs=1e-6)
 
@@ -447,17 +469,16 @@ def _peer_initial_weights(rank, world, family):
 
 
 @pytest.mark.parametrize("family", ["fsdp2", "deepspeed"])
-def test_peer_meta_device_init_gives_our_initial_weights(family):
+def test_peer_meta_device_init_gives_our_initial_weights(family, peer_ranks):
     """The peers' own initialization of a meta-device model (FSDP2: fully_shard, to_empty, each shard filled;
     DeepSpeed: zero.Init, each parameter set on rank 0 and re-partitioned) gives, on 2 ranks, exactly the
     weights our runtime starts from (models.weights.materialize of InitWeights), the tied head still tied, and
     each rank holds only a shard of each parameter."""
     from models.weights import InitWeights, materialize
-    from trainer.spawn import run_ranks
 
     if family == "deepspeed" and not peers.deepspeed_installed():
         pytest.skip("DeepSpeed not installed (pip install -r requirements-bench.txt)")
-    ranks = run_ranks(_peer_initial_weights, 2, args=(family,), timeout=600)
+    ranks = [rank["init"] for rank in peer_ranks(family)]
     for preset in INIT_MODELS:
         reference = _meta_model(preset)
         materialize(reference, InitWeights(reference))
