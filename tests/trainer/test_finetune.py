@@ -199,24 +199,29 @@ def test_lora_trains_only_adapters_resumes_exactly_and_exports_merged(hf_dirs, s
     assert load_tokenizer(tmp_path / "a" / "hf").encode("apple river") == load_tokenizer(hf_dir).encode("apple river")
 
 
-def _train_on_ranks(rank, world, argv):
-    result = train(ft_config(*argv))
-    return result.losses, result.val_losses
+def _train_on_ranks(rank, world, *runs):
+    """train() on every rank for each of `runs` (lists of arguments), one after the other on the same ranks:
+    each run's (losses, validation losses)."""
+    out = []
+    for argv in runs:
+        result = train(ft_config(*argv))
+        out.append((result.losses, result.val_losses))
+    return out
 
 
 def test_lora_zero3_matches_one_process_resumes_and_keeps_base_weights(hf_dirs, synthetic, tmp_path):
     hf_dir = hf_dirs["opt"]  # tied embeddings, learned positions
     reference = train(ft_config(*ft_args(hf_dir, synthetic, tmp_path / "ref", *LORA, "--train.micro_batch_size", "8")))
     # 2 ranks x 4 examples: the loss is the mean over the global batch's response tokens either way.
-    losses, val_losses = run_ranks(_train_on_ranks, 2, args=(
-        ft_args(hf_dir, synthetic, tmp_path / "zero", *LORA, *ZERO3_FP32, "--train.checkpoint_interval", "4"),))[0]
+    # Then, on the same 2 ranks, a new run resumed from the first one's step-4 shards.
+    ckpt = tmp_path / "zero" / "checkpoints" / "step_00000004"
+    (losses, val_losses), (resumed, _) = run_ranks(_train_on_ranks, 2, args=(
+        ft_args(hf_dir, synthetic, tmp_path / "zero", *LORA, *ZERO3_FP32, "--train.checkpoint_interval", "4"),
+        ft_args(hf_dir, synthetic, tmp_path / "resumed", *LORA, *ZERO3_FP32, "--resume", str(ckpt))))[0]
     assert max(abs(losses[s] - reference.losses[s]) for s in reference.losses) < 1e-5
     assert abs(val_losses[8] - reference.val_loss) < 1e-5
 
-    # Resume from the step-4 shards: bit-identical.
-    ckpt = tmp_path / "zero" / "checkpoints" / "step_00000004"
-    resumed, _ = run_ranks(_train_on_ranks, 2, args=(
-        ft_args(hf_dir, synthetic, tmp_path / "resumed", *LORA, *ZERO3_FP32, "--resume", str(ckpt)),))[0]
+    # The resumed run: bit-identical.
     assert {s: resumed[s] for s in range(5, 9)} == {s: losses[s] for s in range(5, 9)}
 
     shards = consolidated_state_dict(tmp_path / "zero" / "checkpoints" / "step_00000008")
@@ -261,18 +266,34 @@ def test_llama_alpaca_zeropp_two_nodes_of_two_with_torchrun(hf_dirs, tmp_path):
     assert auto_model().from_pretrained(tmp_path / "hf").config.model_type == "llama"
 
 
-@pytest.mark.parametrize("data,lora", [("alpaca", False), ("synthetic", True)])
-def test_opt_zeropp_two_nodes_of_two(data, lora, hf_dirs, synthetic, tmp_path):
+OPT_ZEROPP = [("alpaca", False), ("synthetic", True)]
+
+
+@pytest.fixture(scope="module")
+def opt_zeropp_runs(hf_dirs, synthetic, tmp_path_factory):
+    """(data, lora) -> (validation losses, out_dir) of each OPT_ZEROPP run (Alpaca's where present), all on
+    the same spawn of 4 ranks as 2 nodes x 2, one run after the other."""
+    runs = {}
+    for data, lora in OPT_ZEROPP:
+        if data == "alpaca" and not ALPACA.is_file():
+            continue
+        path = ALPACA if data == "alpaca" else synthetic
+        extra = (*LORA, "--optim.lr", "1e-2") if lora else ()
+        out = tmp_path_factory.mktemp(f"opt-{data}")
+        runs[data, lora] = ft_args(hf_dirs["opt"], path, out, *ACCEPTANCE, *ZEROPP_2X2, *extra), out
+    results = run_ranks(_train_on_ranks, 4, args=tuple(argv for argv, _ in runs.values()), ranks_per_node=2)[0]
+    return {key: (val_losses, out) for (key, (_, out)), (_, val_losses) in zip(runs.items(), results)}
+
+
+@pytest.mark.parametrize("data,lora", OPT_ZEROPP)
+def test_opt_zeropp_two_nodes_of_two(data, lora, opt_zeropp_runs):
     """Full fine-tuning on Alpaca; LoRA on the synthetic set, which runs without ../shared/data."""
     if data == "alpaca" and not ALPACA.is_file():
         pytest.skip(f"{ALPACA} not present (see ../shared/data/README.md)")
-    path = ALPACA if data == "alpaca" else synthetic
-    extra = (*LORA, "--optim.lr", "1e-2") if lora else ()
-    argv = ft_args(hf_dirs["opt"], path, tmp_path, *ACCEPTANCE, *ZEROPP_2X2, *extra)
-    _, val_losses = run_ranks(_train_on_ranks, 4, args=(argv,), ranks_per_node=2)[0]
+    val_losses, out = opt_zeropp_runs[data, lora]
     # A LoRA of a random base cannot go far: its frozen head and final norm bound the logits.
     _perplexity_drops(val_losses, 0.95 if lora else 0.5)
-    assert auto_model().from_pretrained(tmp_path / "hf").config.model_type == "opt"
+    assert auto_model().from_pretrained(out / "hf").config.model_type == "opt"
 
 
 @pytest.mark.parametrize("preset", ["finetune_alpaca", "finetune_alpaca_lora"])
