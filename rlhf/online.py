@@ -66,7 +66,7 @@ class OnlineAlgorithm(RLHFStage):
         log.info(f"{self.name}: {self.headline()} | {self.prompts.source} | world size {world} | {micro * world} "
                  f"prompts x {self.samples_per_prompt} samples per step | runtime: {self.actor.runtime.describe()}")
 
-    def update(self, step: int, batches, nonfinite: NonFiniteSteps) -> dict[str, float]:
+    def update(self, step: int, batches, nonfinite: NonFiniteSteps, stop_requested: bool) -> dict[str, float]:
         prompts, tokenizer, task_ = self.prompts, self.tokenizer, self.task
         start = time.perf_counter()
         indices = [i for i in next(batches) for _ in range(self.samples_per_prompt)]
@@ -74,7 +74,8 @@ class OnlineAlgorithm(RLHFStage):
                               self.cfg.generation, tokenizer)
         generation_mb = comm_scalars(self.models)["cross-node sent (MB)"]
         generation_seconds = global_max(time.perf_counter() - start)
-        rewards = model_rewards(self.reward_model, batch) if self.reward_model else task_rewards(task_, batch, tokenizer)
+        rewards = (model_rewards(self.reward_model, batch) if self.reward_model
+                   else task_rewards(task_, batch, tokenizer))
         metrics = self.learn(step, batch, rewards, nonfinite)
         rows = global_sum(len(indices))[0]
         reward_mean, reward_std = global_stats(rewards)

@@ -152,7 +152,7 @@ class PairStage(RLHFStage):
                  f"size {env.world_size} | {micro * env.world_size} pairs per step | runtime: "
                  f"{self.model.runtime.describe()}")
 
-    def update(self, step: int, batches, nonfinite: NonFiniteSteps) -> dict[str, float]:
+    def update(self, step: int, batches, nonfinite: NonFiniteSteps, stop_requested: bool) -> dict[str, float]:
         start = time.perf_counter()
         indices = next(batches)
         batch = self._batch(indices)

@@ -27,6 +27,7 @@ class RLHFStage(Stage):
         self.ckpt = StageCheckpoint(cfg, self.name, env)
         self.data_parallel = (env.rank, env.world_size)
         self.samples_per_step = cfg.train.micro_batch_size * env.world_size
+        self.device = env.device
 
     @property
     def stage_dir(self) -> Path:
@@ -55,6 +56,7 @@ class RLHFStage(Stage):
             return None
         state = self.ckpt.load(path, self.models, self.load_tensors)
         self.load_state_dict(state)
+        self.newest_checkpoint = path
         return state
 
     def save(self, step: int, state: dict) -> Path:

@@ -1,4 +1,5 @@
-"""The training loop: model, data, optimizer, schedule, eval, logging and checkpoints.
+"""The pretraining / fine-tuning stage: model, data, optimizer, schedule, eval, logging and checkpoints,
+run by the one loop skeleton every stage shares (trainer.skeleton; `_TrainerStage` plugs this one in).
 
 One loop for pretraining (a fresh `model.preset` on packed text) and fine-tuning
 (`finetune.hf_checkpoint` on an SFT data set, prompts masked out of the loss, optionally
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from data.datasets import IGNORE_INDEX, ResumableBatchSampler
+from data.datasets import IGNORE_INDEX
 from models.config import ModelConfig, flops_per_token
 from models.hf import hf_model_on_meta
 from models.lora import apply_lora
@@ -43,7 +44,7 @@ from trainer.metrics import MetricsLogger
 from trainer.nonfinite import NonFiniteError, NonFiniteSteps, nonfinite_tensors
 from trainer.optim import build_optimizer, lr_at
 from trainer.precision import autocast_for, compute_dtype
-from trainer.preemption import PreemptionSignal
+from trainer.skeleton import Stage, run_stage
 from trainer.pretrain_data import DataError, PretrainData, prepare_pretraining
 from data.sources import MissingKeyError
 from zeropp import build_runtime
@@ -437,113 +438,14 @@ class Trainer:
         self.runtime.close()
 
     def run(self) -> TrainResult:
-        cfg, t = self.cfg, self.cfg.train
-        result = TrainResult()
-        log = MetricsLogger(t, self.env.is_main, start_step=self.step)
-        self.nonfinite.say = log.info
-        preemption = PreemptionSignal(t.preempt_signal)
-        if self.env.is_main:
-            name = cfg.finetune.hf_checkpoint or cfg.model.preset
-            trainable = "" if self.n_trainable == self.n_params else \
-                f" ({self.n_trainable / 1e6:.3f}M trainable: LoRA r={cfg.finetune.lora.r})"
-            log.info(
-                f"model {name}: {self.n_params / 1e6:.2f}M parameters{trainable} | data {self.data.source}: "
-                f"{len(self.data.train_indices)} train / {len(self.data.valid_indices)} valid samples of "
-                f"{'at most ' if cfg.finetune.hf_checkpoint else ''}{cfg.data.seq_len} tokens | "
-                f"world size {self.env.world_size} | global batch {self.global_batch}"
-            )
-            log.info(f"runtime: {self.runtime.describe()}")
-            log.info(f"compute: {precision_line(t.precision, self.env.device)}")
-            if self.checkpointed:
-                log.info(describe_checkpointing(t.activation_checkpointing, t.activation_checkpointing_every,
-                                                self.checkpointed, len(self.model.blocks)))
-            for line in traffic_and_memory_lines(self.runtime.predicted_step_bytes(t.grad_accum),
-                                                 self.runtime.model_state_bytes(self.optimizer)):
-                log.info(line)
-            parts = ", ".join(f"{kind} {n / 2**20:.1f}" for kind, n in self.predicted_memory.items())
-            log.info(f"predicted peak memory per rank: {sum(self.predicted_memory.values()) / 2**20:.1f} MB "
-                     f"({parts}; micro-batch {t.micro_batch_size} x {cfg.data.seq_len} tokens)")
-            for note in self.notes:
-                log.info(note)
-            if self.resumed_from is not None:
-                log.info(f"resumed from checkpoint {self.resumed_from} (step {self.step}, "
-                         f"{self.consumed_samples} samples consumed)")
-        # A warning that came during startup (recorded since the entry point's first line), on any
-        # rank: every rank stops here, before any step, with nothing new to save.
-        stop = torch.tensor(float(preemption.received), device=self.env.device)
-        if self.step < t.steps and all_reduce_sum(stop).item():
-            preemption.close()
-            log.info("preempted before the first step: nothing new to save" +
-                     (f" (the newest checkpoint is {self.saved})" if self.saved else ""))
-            log.close()
-            result.preempted, result.checkpoint = True, self.saved
-            return result
-        sampler = ResumableBatchSampler(
-            self.data.train_indices, t.micro_batch_size, self.dp_rank, self.dp_size, t.seed,
-            consumed_samples=self.consumed_samples,
-        )
-        batches = iter(sampler)
-        flops_per_input_token = flops_per_token(self.model_cfg, cfg.data.seq_len)
-        if t.eval_at_start and self.step == 0:
-            self._log_validation(log, result)
-        self.model.train()
-        window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
-        while self.step < t.steps:
-            self.phase = f"training step {self.step + 1}"
-            loss, grad_norm, stop, n_tokens = self.train_step(batches, preemption.received)
-            result.losses[self.step] = loss
-            for note in self.runtime.take_notes():
-                log.info(note)
-            if self.last_step_skipped:  # logged by the non-finite policy
-                result.skipped_steps.append(self.step)
-            window_steps += 1
-            window_tokens += n_tokens
-            log.advance()
-            if self.step % t.log_interval == 0 or self.step == t.steps:
-                window = time.perf_counter() - window_start
-                elapsed = window / window_steps
-                tflops = flops_per_input_token * window_tokens / window / 1e12 / self.env.world_size
-                log.scalars(self.step, {
-                    "lm loss": loss,
-                    "learning rate": lr_at(self.step - 1, t.steps, cfg.optim),
-                    "grad norm": grad_norm,
-                    "consumed samples": self.consumed_samples,
-                    "elapsed time per iteration (ms)": elapsed * 1e3,
-                    "tokens/s": window_tokens / window,
-                    "TFLOP/s per rank": tflops,
-                    "MFU %": 100 * tflops / t.peak_tflops,
-                    "memory (MB)": peak_bytes(self.env.device) / 2**20,
-                    **self.comm_scalars(),
-                    "skipped steps": self.nonfinite.skipped,
-                }, total_steps=t.steps)
-                window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
-            if self.step % t.eval_interval == 0 or self.step == t.steps:
-                self._log_validation(log, result)
-                window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
-            if t.checkpoint_interval and self.step % t.checkpoint_interval == 0 and self.step != t.steps:
-                path = self.save()
-                log.info(f"saved checkpoint {path}")
-            if stop and self.step != t.steps:
-                result.preempted = True
-                break
-        if self.step_comm and self.env.world_size > 1:
-            log.info(cross_node_report(self.step_comm, self.runtime.zero3_cross_node_bytes(t.grad_accum),
-                                       self.cfg.zero_optimization.describe(),
-                                       self.runtime.predicted_step_bytes(t.grad_accum)))
-        result.peak_memory = self.peak_memory_line(log)
-        result.checkpoint = self.save()
-        # After the save: a second warning must not kill the rank mid-save (the entry point's
-        # catch_early handler, where there is one, records it from here on).
-        preemption.close()
-        if result.preempted:
-            log.info(f"preempted at step {self.step}: saved checkpoint {result.checkpoint}")
-        log.close()
-        if math.isnan(result.val_loss) and not result.preempted:  # resumed at the end: nothing was run
-            result.val_loss = self.evaluate()
-        if t.export_hf and not result.preempted:
-            hf_dir = self.export(result.checkpoint)
-            if self.env.is_main:
-                print(f"Hugging Face checkpoint: {hf_dir}")
+        """Train to train.steps (or to the preemption signal) through the one loop skeleton
+        (trainer.skeleton.run_stage); save the last step, export it when train.export_hf asks."""
+        stage = _TrainerStage(self)
+        out = run_stage(stage, self.cfg.train)
+        result = stage.result
+        result.preempted = out.preempted
+        # the last step: saved by the skeleton (not saved twice), or now (a run resumed from elsewhere)
+        result.checkpoint = self.save() if out.started else self.saved
         return result
 
     def peak_memory_line(self, log: MetricsLogger) -> tuple[int, int]:
@@ -558,11 +460,132 @@ class Trainer:
                  f"{max(p for _, p in ranks) / 2**20:.0f} MB (measured / predicted {min(ratios):.2f}-{max(ratios):.2f})")
         return measured, predicted
 
-    def _log_validation(self, log: MetricsLogger, result: TrainResult) -> None:
-        result.val_loss = result.val_losses[self.step] = self.evaluate()
-        log.scalars(self.step, {"validation loss": result.val_loss,
-                                "validation perplexity": math.exp(min(result.val_loss, 50))},
-                    total_steps=self.cfg.train.steps)
+
+class _TrainerStage(Stage):
+    """Trainer.run's stage for the loop skeleton: its step is Trainer.train_step, its log line the
+    Megatron-style one (averaged over the steps since the last line), its evaluation the validation
+    loss, its checkpoint Trainer.save, its export the Hugging Face directory (train.export_hf)."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer, self.result = trainer, TrainResult()
+        cfg = trainer.cfg
+        self.steps = cfg.train.steps
+        self.train_indices = trainer.data.train_indices
+        self.data_parallel = (trainer.dp_rank, trainer.dp_size)
+        self.samples_per_step = trainer.global_batch
+        self.device = trainer.env.device
+        self.evaluate_at_start = cfg.train.eval_at_start
+        self.flops_per_input_token = flops_per_token(trainer.model_cfg, cfg.data.seq_len)
+        self.stop = False  # whether the ranks agreed, in the last step's all-reduce, to stop
+
+    def resume(self) -> dict:  # Trainer.__init__ resumed already
+        tr = self.trainer
+        self.newest_checkpoint = tr.saved
+        return {"step": tr.step, "consumed_samples": tr.consumed_samples, "skipped": tr.nonfinite.skipped}
+
+    def open_log(self, step: int) -> MetricsLogger:
+        self.log = MetricsLogger(self.trainer.cfg.train, self.trainer.env.is_main, start_step=step)
+        return self.log
+
+    def start(self, log: MetricsLogger, step: int) -> None:
+        tr, cfg, t = self.trainer, self.trainer.cfg, self.trainer.cfg.train
+        if tr.env.is_main:
+            name = cfg.finetune.hf_checkpoint or cfg.model.preset
+            trainable = "" if tr.n_trainable == tr.n_params else \
+                f" ({tr.n_trainable / 1e6:.3f}M trainable: LoRA r={cfg.finetune.lora.r})"
+            log.info(
+                f"model {name}: {tr.n_params / 1e6:.2f}M parameters{trainable} | data {tr.data.source}: "
+                f"{len(tr.data.train_indices)} train / {len(tr.data.valid_indices)} valid samples of "
+                f"{'at most ' if cfg.finetune.hf_checkpoint else ''}{cfg.data.seq_len} tokens | "
+                f"world size {tr.env.world_size} | global batch {tr.global_batch}"
+            )
+            log.info(f"runtime: {tr.runtime.describe()}")
+            log.info(f"compute: {precision_line(t.precision, tr.env.device)}")
+            if tr.checkpointed:
+                log.info(describe_checkpointing(t.activation_checkpointing, t.activation_checkpointing_every,
+                                                tr.checkpointed, len(tr.model.blocks)))
+            for line in traffic_and_memory_lines(tr.runtime.predicted_step_bytes(t.grad_accum),
+                                                 tr.runtime.model_state_bytes(tr.optimizer)):
+                log.info(line)
+            parts = ", ".join(f"{kind} {n / 2**20:.1f}" for kind, n in tr.predicted_memory.items())
+            log.info(f"predicted peak memory per rank: {sum(tr.predicted_memory.values()) / 2**20:.1f} MB "
+                     f"({parts}; micro-batch {t.micro_batch_size} x {cfg.data.seq_len} tokens)")
+            for note in tr.notes:
+                log.info(note)
+            if tr.resumed_from is not None:
+                log.info(f"resumed from checkpoint {tr.resumed_from} (step {tr.step}, "
+                         f"{tr.consumed_samples} samples consumed)")
+        tr.model.train()
+        self._new_window()
+
+    def _new_window(self) -> None:
+        self.window_start, self.window_steps, self.window_tokens = time.perf_counter(), 0, 0
+
+    def update(self, step, batches, nonfinite, stop_requested) -> dict[str, float]:
+        tr = self.trainer
+        tr.nonfinite = nonfinite  # the skeleton's policy (from the resumed count): train_step decides through it
+        tr.phase = f"training step {tr.step + 1}"
+        loss, grad_norm, self.stop, n_tokens = tr.train_step(batches, stop_requested)
+        self.result.losses[tr.step] = loss
+        for note in tr.runtime.take_notes():
+            self.log.info(note)
+        if tr.last_step_skipped:  # logged by the non-finite policy
+            self.result.skipped_steps.append(tr.step)
+        self.window_steps += 1
+        self.window_tokens += n_tokens
+        return {"lm loss": loss, "grad norm": grad_norm}
+
+    def agree_to_stop(self, received: bool) -> bool:
+        return self.stop  # agreed in the step's all-reduce, on the flags the ranks had before it
+
+    def log_line(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        tr, cfg, t = self.trainer, self.trainer.cfg, self.trainer.cfg.train
+        window = time.perf_counter() - self.window_start
+        tflops = self.flops_per_input_token * self.window_tokens / window / 1e12 / tr.env.world_size
+        line = {
+            "lm loss": metrics["lm loss"],
+            "learning rate": lr_at(step - 1, t.steps, cfg.optim),
+            "grad norm": metrics["grad norm"],
+            "consumed samples": tr.consumed_samples,
+            "elapsed time per iteration (ms)": window / self.window_steps * 1e3,
+            "tokens/s": self.window_tokens / window,
+            "TFLOP/s per rank": tflops,
+            "MFU %": 100 * tflops / t.peak_tflops,
+            "memory (MB)": peak_bytes(tr.env.device) / 2**20,
+            **tr.comm_scalars(),
+            "skipped steps": metrics["skipped steps"],
+        }
+        self._new_window()
+        return line
+
+    def evaluate(self) -> dict[str, float] | None:
+        tr = self.trainer
+        self.result.val_loss = self.result.val_losses[tr.step] = tr.evaluate()
+        self._new_window()
+        return {"validation loss": self.result.val_loss,
+                "validation perplexity": math.exp(min(self.result.val_loss, 50))}
+
+    def save(self, step: int, state: dict) -> Path:
+        path = self.trainer.save()  # its own state: the same data position and skipped steps
+        interval = self.trainer.cfg.train.checkpoint_interval
+        if interval and step % interval == 0 and step != self.steps:
+            self.log.info(f"saved checkpoint {path}")
+        return path
+
+    def finish(self, log: MetricsLogger) -> None:
+        tr, t = self.trainer, self.trainer.cfg.train
+        if tr.step_comm and tr.env.world_size > 1:
+            log.info(cross_node_report(tr.step_comm, tr.runtime.zero3_cross_node_bytes(t.grad_accum),
+                                       tr.cfg.zero_optimization.describe(),
+                                       tr.runtime.predicted_step_bytes(t.grad_accum)))
+        self.result.peak_memory = tr.peak_memory_line(log)
+
+    def export(self) -> None:
+        tr = self.trainer
+        if tr.cfg.train.export_hf:
+            hf_dir = tr.export(tr.save())
+            if tr.env.is_main:
+                print(f"Hugging Face checkpoint: {hf_dir}")
 
 
 def cross_node_report(step: dict[str, dict], zero3: dict[str, int], runtime: str,
