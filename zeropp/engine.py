@@ -53,7 +53,7 @@ from zeropp.reducers import ExactReduceScatter
 from zeropp.runtime import InferenceWeights, Runtime, Timings, clip_by_norm_, squared_norm
 from zeropp.separate import ProjectedReduce, Separate
 from zeropp.topology import Mesh, mesh_from_config
-from zeropp.unit import Phase, Unit
+from zeropp.unit import Phase, Unit, UnitState
 
 
 class _PreBackward(torch.autograd.Function):
@@ -208,7 +208,7 @@ class Zero3Engine(Runtime):
         """Wait for the units' prefetched gathers (issuing the missing ones) and decode them."""
         due = self._due(units)
         for unit in due:
-            if unit.pending_gather is None:
+            if unit.state is UnitState.SHARDED:  # else its (prefetched) gather is in flight
                 self._issue_gather(unit)
         for unit in due:
             unit.decode(self.comm, self._phase, self.timings)
@@ -225,7 +225,7 @@ class Zero3Engine(Runtime):
         cfg = self.config
         if group[0].inference is not None or not cfg.overlap_comm:  # a rollout holds it; or nothing overlaps
             return
-        due = [u for u in self._due(group) if u.pending_gather is None
+        due = [u for u in self._due(group) if u.state is UnitState.SHARDED
                and u.padded_numel <= cfg.stage3_prefetch_bucket_size]
         if due:
             self.pool.take(group)
@@ -260,7 +260,7 @@ class Zero3Engine(Runtime):
         # blocks' right behind them, before anything waits (synchronous ones: in _ensure_gathered).
         stale = self._due(self.resident)
         for u in stale:
-            if u.pending_gather is None and self.config.overlap_comm:  # else issued when the optimizer stepped
+            if u.state is UnitState.SHARDED and self.config.overlap_comm:  # else issued when the optimizer stepped
                 self._issue_gather(u)
         if self._order_known:
             self._prefetch_from(0, +1)
@@ -306,7 +306,7 @@ class Zero3Engine(Runtime):
             return
         self._phase = Phase.FORWARD
         for u in self._due(self.resident):
-            if u.pending_gather is None:
+            if u.state is UnitState.SHARDED:
                 self._issue_gather(u)
         self._prefetch_from(0, +1)
 
@@ -388,7 +388,7 @@ class Zero3Engine(Runtime):
             u.gather(self.comm, self._phase, async_op=True)
 
         for i, u in enumerate(units):
-            if u.pending_gather is None:
+            if u.state is UnitState.SHARDED:
                 issue(u)
             if i + 1 < len(units):
                 issue(units[i + 1])

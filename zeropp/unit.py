@@ -442,9 +442,8 @@ class Unit:
             self.state = UnitState.GATHERED
 
     def release(self) -> None:
-        """Another unit takes the buffer: the modules' attributes fall back to the registered pieces."""
-        if self.state in (UnitState.GATHERING, UnitState.COMPUTING):
-            raise BufferInUseError(f"unit {self.name} cannot let its buffer go while {self.state.value}")
+        """Another unit takes the buffer (BufferPool.take checked that this one is done with it): the
+        modules' attributes fall back to the registered pieces."""
         self._gated = None
         for slot in self.slots:
             for module, attr in slot.aliases:
