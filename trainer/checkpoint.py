@@ -44,7 +44,7 @@ from models.streaming import LazyTensors, meta_like
 from models.transformer import Transformer
 from trainer.distributed import all_gather_objects, barrier
 from zeropp.checkpoint import FULL, SHARDED, CheckpointError, full_weights, sharded_weights
-from zeropp.tp import PLAN_FILE
+from zeropp.tensor_parallel.runtime import PLAN_FILE
 
 LATEST = "latest"
 CHECKSUMS = "checksums.json"

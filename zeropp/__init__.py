@@ -14,14 +14,14 @@ from zeropp.runtime import Runtime
 def build_runtime(model: nn.Module, config: ZeroConfig, device: torch.device,
                   tensor_parallel: TensorParallelConfig | None = None, weights: WeightSource | None = None) -> Runtime:
     """The runtime `zero_optimization.stage` asks for, applied to `model` from outside; with
-    tensor_parallel.size > 1, inside tensor-parallel groups (zeropp.tp). A model built on the meta
-    device gets its values from `weights`: ZeRO-3 reads only this rank's shards, the replicated
-    runtimes (DDP, tensor parallelism) materialize the model first, one parameter at a time."""
+    tensor_parallel.size > 1, inside tensor-parallel groups (zeropp.tensor_parallel). A model built
+    on the meta device gets its values from `weights`: ZeRO-3 reads only this rank's shards, the
+    replicated runtimes (DDP, tensor parallelism) materialize the model first, one parameter at a time."""
     sharded = config.stage == 3 and not (tensor_parallel is not None and tensor_parallel.size > 1)
     if weights is not None and not sharded:
         materialize(model, weights, device).to(device)  # (parameters made in memory, e.g. LoRA adapters, too)
     if tensor_parallel is not None and tensor_parallel.size > 1:
-        from zeropp.tp import TensorParallelRuntime
+        from zeropp.tensor_parallel.runtime import TensorParallelRuntime
         return TensorParallelRuntime(model, config, tensor_parallel, device)
     if config.stage == 3:
         return Zero3Engine(model, config, device=device, weights=weights)

@@ -300,10 +300,10 @@ class ZeroConfig:
 
 @dataclass
 class TensorParallelConfig:
-    """The `tensor_parallel` section: Megatron-style tensor parallelism (zeropp.tp) inside each
-    data-parallel replica, and AccTFM's (seed 004) three optimizations of its all-reduces. The
-    data-parallel runtime (zero_optimization) then runs across the tensor-parallel groups.
-    docs/tensor_parallel.md."""
+    """The `tensor_parallel` section: Megatron-style tensor parallelism (zeropp.tensor_parallel)
+    inside each data-parallel replica, and AccTFM's (seed 004) three optimizations of its
+    all-reduces. The data-parallel runtime (zero_optimization) then runs across the
+    tensor-parallel groups. docs/tensor_parallel.md."""
 
     # Ranks per tensor-parallel group (consecutive ranks: inside a node). 1: no tensor parallelism.
     size: int = 1

@@ -221,7 +221,7 @@ def test_tensor_parallel_training_matches_one_process_and_exports(corpus, tmp_pa
     ours = load_file(str(tmp_path / "tp" / "hf" / "model.safetensors"))
     theirs = load_file(str(tmp_path / "ref" / "hf" / "model.safetensors"))
     # Adam's default eps (1e-8) turns last-bit differences of the summation order into ~1e-5 on
-    # weights whose gradient is near zero (tests/zeropp/test_tp.py holds 1e-5 with eps 1e-6).
+    # weights whose gradient is near zero (tests/zeropp/test_tensor_parallel.py holds 1e-5 with eps 1e-6).
     assert ours.keys() == theirs.keys() and max((ours[k] - theirs[k]).abs().max().item() for k in ours) < 1e-4
 
 

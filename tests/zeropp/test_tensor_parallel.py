@@ -1,4 +1,4 @@
-"""Tensor parallelism (zeropp.tp) against the single-process reference: same losses, same weights."""
+"""Tensor parallelism (zeropp.tensor_parallel) against the single-process reference: same losses, same weights."""
 
 import pytest
 import torch
@@ -6,14 +6,14 @@ import torch.distributed as dist
 
 from models.config import ModelConfig
 from models.transformer import Transformer, lm_loss
-from trainer.optim import build_optimizer
 from tests.zeropp.test_engine import BATCH, OPTIM, batches
 from tests.zeropp.test_engine import reference as engine_reference
+from trainer.optim import build_optimizer
 from trainer.spawn import run_ranks
 from zeropp import build_runtime
 from zeropp.checkpoint import consolidated_state_dict, read_safetensors
 from zeropp.config import TensorParallelConfig, ZeroConfig
-from zeropp.tp import consolidated_tensors
+from zeropp.tensor_parallel.runtime import consolidated_tensors
 
 VOCAB = 97  # an odd vocabulary: the slices differ in length (the batches use its first 96 ids)
 
@@ -101,7 +101,9 @@ def _continue_resliced(rank, world, preset, directory, steps):
 
 
 def _cross_entropy(rank, world, logits, labels):
-    from zeropp.tp import TPComm, split_bounds, vocab_parallel_cross_entropy
+    from zeropp.tensor_parallel.collectives import TPComm
+    from zeropp.tensor_parallel.loss import vocab_parallel_cross_entropy
+    from zeropp.tensor_parallel.parallelize import split_bounds
     from zeropp.topology import build_mesh
     tp = TPComm(build_mesh(tp=world, thread_groups=False), TensorParallelConfig(size=world))
     start, end = split_bounds(logits.shape[-1], world, tp.rank)
@@ -170,7 +172,7 @@ def test_compressed_all_reduces_keep_the_ranks_identical(pruned, ratio):
 
 
 def _pruned_rows(rank, world, x, mask, pruned, bits, pruned_bits):
-    from zeropp.tp import TPComm
+    from zeropp.tensor_parallel.collectives import TPComm
     from zeropp.topology import build_mesh
     cfg = TensorParallelConfig(size=world, topk_keep_ratio=0.5, quantize_bits=bits, topk_pruned=pruned,
                                topk_pruned_bits=pruned_bits)
