@@ -8,14 +8,16 @@ Inside a checkpoint directory (the trainer makes it atomic: temp dir + rename), 
     shards_rank00003.safetensors  rank 3's part of each unit: "<unit>.master" (fp32 shard),
                                   "<unit>.<state>" for each optimizer state (exp_avg, ...),
                                   shard-long, zero where the shard holds no trainable element;
-                                  "reducer.<unit>.<key>": the gradient reducer's state of
-                                  this rank (qgZ's error feedback), restored on the same world size;
                                   "references.<unit>" (qwZ deltas): this rank's copy of its node's
                                   weights, and "references.<unit>.current" whether it held the
                                   saved weights; restored on the same world size
 
 Format "full" (DDP): rank 0 writes model.safetensors (parameters and persistent buffers by
 module name) and optimizer.safetensors ("<param>.<state>").
+
+Both formats: reducer_rank00003.safetensors, rank 3's gradient reducer state ("<unit or
+bucket>.<key>": SEPARATE's error, round, ratio, beta; qgZ's error feedback), with the world size
+in its metadata; restored on the same world size, else it starts from zero with a warning.
 
 Loading maps every parameter from the layout it was saved in (its offset in the manifest)
 to the loading run's layout, reading just the ranges of the old shard files that overlap
@@ -41,7 +43,7 @@ from zeropp.unit import Secondary, Unit
 MANIFEST = "manifest.json"
 FORMAT = "zeropp-zero3-v1"
 FULL, SHARDED = "full", "zero3-sharded"  # state.json "format": DDP's unsharded form, or ZeRO-3's shards
-REDUCER = "reducer."
+LEGACY_REDUCER = "reducer."  # before reducer_rank files: ZeRO kept this state in its shard file
 REFERENCES = "references."
 
 
@@ -51,6 +53,54 @@ class CheckpointError(RuntimeError):
 
 def shard_file(directory: Path, rank: int) -> Path:
     return Path(directory) / f"shards_rank{rank:05d}.safetensors"
+
+
+def reducer_file(directory: Path, rank: int) -> Path:
+    return Path(directory) / f"reducer_rank{rank:05d}.safetensors"
+
+
+def save_reducer_state(reducer, directory: str | Path, rank: int, world_size: int) -> None:
+    """This rank's gradient reducer state (ZeRO's and DDP's alike), when it keeps any."""
+    state = {k: v.detach().cpu().contiguous() for k, v in reducer.state_dict().items()}
+    if state:
+        save_file(state, str(reducer_file(directory, rank)), metadata={"world_size": str(world_size)})
+
+
+def load_reducer_state(reducer, directory: str | Path, rank: int, world_size: int, device: torch.device) -> None:
+    """Restore what save_reducer_state wrote, if it was saved on this world size (the state is per
+    rank and cannot be split); otherwise the reducer starts from zero, with a warning."""
+    state, saved_world, path = _saved_reducer_state(Path(directory), rank)
+    if state is None:
+        if reducer.stateful:
+            warnings.warn(f"{directory}: no gradient reducer state for rank {rank}; its error feedback and "
+                          f"round counters start from zero")
+        return
+    if saved_world != world_size:
+        warnings.warn(f"{path}: the gradient reducer's state was saved on {saved_world} ranks and cannot "
+                      f"continue on {world_size}; it starts from zero")
+        return
+    try:
+        reducer.load_state_dict({k: v.to(device) for k, v in state.items()})
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+def _saved_reducer_state(directory: Path, rank: int):
+    """(state, world size it was saved on, file), or (None, None, None). Checkpoints written before
+    reducer_rank files kept it in DDP's compressor.rankNNNNN.safetensors or in ZeRO's shard file."""
+    for path in (reducer_file(directory, rank), directory / f"compressor.rank{rank:05d}.safetensors"):
+        if path.is_file():
+            state = read_safetensors(path)  # a clear error for a truncated or corrupt file
+            with safe_open(str(path), "pt") as f:
+                saved_world = (f.metadata() or {}).get("world_size")
+            return state, int(saved_world) if saved_world else None, path
+    path = shard_file(directory, rank)
+    if (directory / MANIFEST).is_file() and path.is_file():
+        with safe_open(str(path), "pt") as f:
+            state = {k[len(LEGACY_REDUCER):]: f.get_tensor(k) for k in f.keys() if k.startswith(LEGACY_REDUCER)}
+        if state:
+            return state, read_manifest(directory)["world_size"], path
+    return None, None, None
 
 
 def unit_layout(unit: Unit) -> dict:
@@ -82,7 +132,7 @@ def save_shards(engine, directory: str | Path, optimizer) -> None:
     for state in optimizer.state.values():
         for key, value in state.items():
             (scalars if value.dim() == 0 else shaped).setdefault(key, value)
-    tensors = {REDUCER + k: v.detach().cpu() for k, v in engine.reducer.state_dict().items()}
+    tensors = {}
     for name, unit in engine.units.items():
         if unit.delta_codec is not None and unit.secondary_state is not Secondary.EMPTY:
             tensors[REFERENCES + name] = unit.secondary.detach().cpu().clone()
@@ -101,6 +151,7 @@ def save_shards(engine, directory: str | Path, optimizer) -> None:
                 else:
                     tensors[f"{name}.{key}"][start:start + piece.numel()] = value.detach().cpu()
     save_file(tensors, str(shard_file(directory, engine.mesh.rank)))
+    save_reducer_state(engine.reducer, directory, engine.mesh.rank, engine.mesh.world_size)
     if engine.mesh.rank == 0:
         manifest = {"format": FORMAT, "world_size": engine.mesh.world_size,
                     "units": {name: unit_layout(u) for name, u in engine.units.items()}}
@@ -219,13 +270,7 @@ def load_shards(engine, directory: str | Path, optimizer) -> None:
             saved = same_layout and key in mine.keys()
             unit.load_references(mine.get_tensor(key).to(engine.device) if saved else None,
                                  saved and bool(mine.get_tensor(key + ".current")))
-    if same_layout:
-        engine.reducer.load_state_dict({k[len(REDUCER):]: mine.get_tensor(k).to(engine.device)
-                                        for k in mine.keys() if k.startswith(REDUCER)})
-    elif any(k.startswith(REDUCER) for k in reader.file(0).keys()):
-        warnings.warn(f"{directory}: the gradient reducer's state (error feedback) was saved on "
-                      f"{manifest['world_size']} ranks and cannot be split over {engine.mesh.world_size}; "
-                      f"it starts from zero")
+    load_reducer_state(engine.reducer, directory, engine.mesh.rank, engine.mesh.world_size, engine.device)
 
 
 def _read_shard(reader: _ShardReader, unit: Unit, saved_offset: dict[str, int], key: str, slots) -> torch.Tensor:

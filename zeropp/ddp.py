@@ -4,31 +4,26 @@ Every rank holds the whole model and optimizer; gradients are all-reduced in DDP
 by a communication hook that divides by the gradient divide factor and records each bucket
 in the ledger, so a DDP run's traffic is reported like ZeRO's. One process: no wrapper.
 
-`gradient_compression` swaps the hook: SEPARATE all-reduces each bucket's projections and
-reconstructs (its error buffers are saved per rank beside the full checkpoint), or torch's
-own PowerSGD hook runs (the low-rank baseline).
+`gradient_compression` swaps the hook: SEPARATE (the same `ProjectedReduce` ZeRO uses)
+all-reduces each bucket's projections and reconstructs (its state is saved per rank beside the
+full checkpoint, in the file ZeRO uses), or torch's own PowerSGD hook runs (the low-rank baseline).
 """
 
 from __future__ import annotations
 
-import warnings
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from zeropp.checkpoint import (FULL, CheckpointError, load_full, load_full_tensors, model_tensors, read_safetensors,
-                               save_full)
+from zeropp.checkpoint import (FULL, load_full, load_full_tensors, load_reducer_state, model_tensors,
+                               save_full, save_reducer_state)
 from zeropp.comm import Comm, CommLedger
 from zeropp.config import ZeroConfig
 from zeropp.plan import partition_units, unit_numels, zero3_cross_node_bytes
 from zeropp.runtime import Runtime, Timings, clip_by_norm_, squared_norm
-from zeropp.separate import Separate
+from zeropp.separate import ProjectedReduce, Separate
 from zeropp.topology import Mesh, mesh_from_config, new_group
 
 
@@ -44,7 +39,7 @@ class DDPRuntime(Runtime):
         self.timings = Timings()
         self.world_size = mesh.world_size if mesh else dist.get_world_size() if dist.is_initialized() else 1
         self.gradient_divide_factor = float(self.world_size)
-        self.mesh = self.comm = self._ddp = self.compressor = self._powersgd = None
+        self.mesh = self.comm = self._ddp = self.reducer = self._powersgd = None
         self.ledger = CommLedger()
         if mesh is not None or self.world_size > 1:
             self.mesh = mesh or mesh_from_config(self.config)
@@ -62,6 +57,7 @@ class DDPRuntime(Runtime):
                                                 process_group=self.mesh.group("dp"), find_unused_parameters=True,
                                                 bucket_cap_mb=bucket_mb if one_bucket else None)
             self._register_hook(device)
+        self.device = device
 
     def _register_hook(self, device: torch.device) -> None:
         compression = self.config.gradient_compression
@@ -75,7 +71,7 @@ class DDPRuntime(Runtime):
                 start_powerSGD_iter=2, random_seed=compression.seed)
             self._ddp.register_comm_hook(self._powersgd, self._powersgd_hook)
         elif compression.separate:
-            self.compressor = Separate(compression, device)
+            self.reducer = ProjectedReduce(self.comm, Separate(compression, device), None, self.timings)
             self._ddp.register_comm_hook(None, self._separate_hook)
         else:
             self._ddp.register_comm_hook(None, self._all_reduce_hook)
@@ -106,14 +102,7 @@ class DDPRuntime(Runtime):
         buffer = bucket.buffer()
         if self.gradient_divide_factor != 1:
             buffer.div_(self.gradient_divide_factor)
-        with self.timings.timer("gradient compression"):
-            rnd = self.compressor.compress(f"bucket{bucket.index()}", buffer.view(1, -1))
-        summed = rnd.projections.to(buffer.dtype).reshape(-1)  # DDP's wire dtype: the gradients'; fp32
-        work = self.comm.all_reduce(summed, tag="gradient reduce", async_op=True)
-
-        def finish(fut):  # runs on gloo's thread: not timed, Timings is per calling thread
-            return buffer.copy_(self.compressor.decompress(rnd, fut.value()[0], 0))
-        return work.get_future().then(finish)
+        return self.reducer.all_reduce(f"bucket{bucket.index()}", buffer)
 
     def __call__(self, *args, **kwargs):
         return (self._ddp or self.module)(*args, **kwargs)
@@ -140,6 +129,8 @@ class DDPRuntime(Runtime):
         totals = {"weights": nbytes(params), "gradients": nbytes(trainable)}
         if self._ddp is not None:
             totals["gradient buckets"] = nbytes(trainable)
+        if self.reducer is not None and self.reducer.compressor.errors:
+            totals["gradient error feedback"] = self.reducer.compressor.error_bytes()
         if optimizer is not None:
             totals["optimizer states"] = nbytes(t for state in optimizer.state.values() for t in state.values()
                                                 if isinstance(t, torch.Tensor) and t.dim() > 0)
@@ -147,9 +138,8 @@ class DDPRuntime(Runtime):
 
     def save(self, directory, optimizer) -> None:
         save_full(directory, self.module, optimizer, self.mesh.rank if self.mesh else 0)
-        if self.compressor is not None:  # each rank's error buffers and round counters
-            state = {k: v.detach().cpu().contiguous() for k, v in self.compressor.state_dict().items()}
-            save_file(state, str(self._compressor_file(directory)), metadata={"world_size": str(self.world_size)})
+        if self.reducer is not None:  # each rank's error buffers and round counters
+            save_reducer_state(self.reducer, directory, self.mesh.rank, self.world_size)
 
     def load_unsharded(self, tensors, optimizer) -> None:
         weights = model_tensors(self.module)
@@ -158,27 +148,8 @@ class DDPRuntime(Runtime):
 
     def load(self, directory, optimizer) -> None:
         load_full(directory, self.module, optimizer)
-        if self.compressor is None:
-            return
-        path = self._compressor_file(directory)
-        if not path.is_file():
-            warnings.warn(f"{directory}: no SEPARATE state for rank {self.mesh.rank} ({path.name}); the "
-                          f"error feedback starts from zero")
-            return
-        state = read_safetensors(path)  # a clear error for a truncated or corrupt file
-        with safe_open(str(path), "pt") as f:
-            saved_world = (f.metadata() or {}).get("world_size")
-        if saved_world != str(self.world_size):
-            warnings.warn(f"{path}: SEPARATE state saved on {saved_world} ranks cannot continue on "
-                          f"{self.world_size}; the error feedback starts from zero")
-            return
-        try:
-            self.compressor.load_state_dict(state)
-        except ValueError as e:
-            raise CheckpointError(f"{path}: {e}") from None
-
-    def _compressor_file(self, directory) -> Path:
-        return Path(directory) / f"compressor.rank{self.mesh.rank:05d}.safetensors"
+        if self.reducer is not None:
+            load_reducer_state(self.reducer, directory, self.mesh.rank, self.world_size, self.device)
 
     def describe(self) -> str:
         if self.mesh is None:

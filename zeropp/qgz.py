@@ -90,6 +90,7 @@ class QuantizedReduce(GradientReducer):
     def __init__(self, comm: Comm, bits: int, block_size: int, hops: int, stages: int, error_feedback: bool):
         self.comm, self.bits, self.block_size = comm, bits, block_size
         self.hops, self.stages, self.error_feedback = hops, stages, error_feedback
+        self.stateful = error_feedback
         self.errors: dict[str, torch.Tensor] = {}  # unit -> last step's local quantization error (fp32)
 
     def reduce(self, unit, shard, grad, async_op):

@@ -3,13 +3,15 @@
 The engine hands every reducer the same thing (the unit's gradient, already divided by the
 gradient divide factor, in the compute dtype) and the fp32 shard to add the sum into; the
 reducer owns the wire format, the collectives, and any state it keeps between steps
-(`state_dict`, saved per rank in sharded checkpoints and restored exactly on resume).
+(`state_dict`, saved per rank in `reducer_rankNNNNN.safetensors` and restored exactly on
+resume, zeropp.checkpoint).
 
   ExactReduceScatter   the gradient in the communication dtype, reduce-scattered (ZeRO-3)
   QuantizedReduce      qgZ (zeropp.qgz): block-quantized all-to-all, 1 hop or 2 (inside the
                        node, then across), optionally pipelined; with error feedback
   ProjectedReduce      SEPARATE (zeropp.separate): a reduce-scatter of random projections,
-                       1/CR of the gradient; each rank reconstructs its own shard
+                       1/CR of the gradient; each rank reconstructs its own shard (and DDP's
+                       comm hook, which all-reduces a bucket's projections)
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ TAG = "gradient reduce"
 
 class GradientReducer:
     """The reduce seam; subclasses implement reduce(), and state_dict/load_state_dict when stateful."""
+
+    stateful = False  # whether a resumed run needs this rank's saved state to repeat the original
 
     def reduce(self, unit: str, shard: torch.Tensor, grad: torch.Tensor, async_op: bool):
         """Add the sum over DP ranks of chunk `rank` of `grad` (1-D, padded_numel) to `shard` (fp32);

@@ -267,16 +267,24 @@ class Separate:
 
 
 class ProjectedReduce(GradientReducer):
-    """SEPARATE on the ZeRO reduce path: the unit's gradient, as `world` shard rows, is projected
-    blockwise; the projections are reduce-scattered (in the communication dtype) and each rank
-    adds the reconstruction of its own shard. G-SEPARATE's measuring rounds also reduce-scatter
-    the exact gradient and all-reduce three sums for the cosine similarity."""
+    """SEPARATE's reduce, for ZeRO and DDP alike: the gradient is projected blockwise, the
+    projections are summed over the DP ranks and each rank reconstructs what it keeps.
+
+    reduce()      ZeRO: the unit's gradient as `world` shard rows; the projections are
+                  reduce-scattered (in the communication dtype, or by qgZ) and each rank adds
+                  the reconstruction of its own shard.
+    all_reduce()  DDP's comm hook: a bucket is one row; its projections are all-reduced (in the
+                  bucket's dtype) and every rank reconstructs the whole bucket.
+    G-SEPARATE's measuring rounds also reduce the exact gradient and measure the cosine between
+    it and the reconstruction, which adapts the unit's ratio and beta."""
+
+    stateful = True
 
     def __init__(self, comm: Comm, compressor: Separate, wire_dtype: torch.dtype, timings: Timings,
                  qgz: GradientReducer | None = None):
         self.comm, self.compressor, self.wire_dtype, self.timings = comm, compressor, wire_dtype, timings
         self.qgz = qgz  # zeropp.qgz.QuantizedReduce: when set, the projections go through it instead
-        self.cosines: dict[str, float] = {}  # G-SEPARATE: each unit's last measured cosine
+        self.cosines: dict[str, float] = {}  # G-SEPARATE: each unit's (bucket's) last measured cosine
 
     def reduce(self, unit, shard, grad, async_op):
         world, rank = self.comm.mesh.size("dp"), self.comm.mesh.group_rank("dp")
@@ -307,16 +315,42 @@ class ProjectedReduce(GradientReducer):
             shard.add_(estimate)
             if exact is not None:
                 exact_work.wait()
-                sums = torch.stack([(estimate * exact).sum(), estimate.square().sum(), exact.square().sum()]).double()
-                self.comm.all_reduce(sums, tag="G-SEPARATE cosine")
-                cosine = float(sums[0] / (sums[1].sqrt() * sums[2].sqrt()).clamp_min(1e-30))
-                self.cosines[unit] = cosine
-                self.compressor.adapt(unit, cosine)
+                self._adapt(unit, estimate, exact, sharded=True)
 
         if async_op:
             return CallbackWork(finish)
         finish()
         return None
+
+    def all_reduce(self, key: str, buffer: torch.Tensor) -> torch.futures.Future:
+        """DDP: replace `buffer` (a whole bucket, already divided) by the reconstruction of its sum
+        over the ranks; returns the future DDP's comm hook hands back."""
+        exact = exact_work = None
+        if self.compressor.adapt_round(key):
+            exact = buffer.clone()
+            exact_work = self.comm.all_reduce(exact, tag=TAG + " (exact, G-SEPARATE)", async_op=True)
+        with self.timings.timer("gradient compression"):
+            rnd = self.compressor.compress(key, buffer.view(1, -1))
+        summed = rnd.projections.to(buffer.dtype).reshape(-1)
+        works = [self.comm.all_reduce(summed, tag=TAG, async_op=True)]
+        works += [exact_work] if exact_work is not None else []
+
+        def finish(_):  # runs on the backend's thread: not timed (Timings is per calling thread)
+            estimate = self.compressor.decompress(rnd, summed, 0)
+            if exact is not None:
+                self._adapt(key, estimate, exact, sharded=False)
+            return buffer.copy_(estimate)
+        return torch.futures.collect_all([w.get_future() for w in works]).then(finish)
+
+    def _adapt(self, key: str, estimate: torch.Tensor, exact: torch.Tensor, sharded: bool) -> None:
+        """G-SEPARATE: the cosine between the reconstruction and the exact sum; over the shards
+        (one all-reduce of three sums) when each rank holds one shard of them."""
+        sums = torch.stack([(estimate * exact).sum(), estimate.square().sum(), exact.square().sum()]).double()
+        if sharded:
+            self.comm.all_reduce(sums, tag="G-SEPARATE cosine")
+        cosine = float(sums[0] / (sums[1].sqrt() * sums[2].sqrt()).clamp_min(1e-30))
+        self.cosines[key] = cosine
+        self.compressor.adapt(key, cosine)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.compressor.state_dict()

@@ -4,11 +4,14 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from tests.zeropp.test_engine import batches, make_engine, make_model, train_step
 from trainer.spawn import run_ranks
-from zeropp.checkpoint import CheckpointError, consolidated_state_dict
-from zeropp.config import ZeroConfig
+from zeropp.checkpoint import CheckpointError, consolidated_state_dict, load_reducer_state, save_reducer_state
+from zeropp.config import GradientCompression, ZeroConfig
+from zeropp.runtime import Timings
+from zeropp.separate import ProjectedReduce, Separate
 
 FP32 = ZeroConfig(stage=3, communication_data_type="fp32")
 
@@ -186,3 +189,40 @@ def test_merged_lora_export_on_the_trained_grid_equals_the_in_memory_merge(saved
         assert (tmp_path / "hf" / file).read_bytes() == (tmp_path / "ref.safetensors").read_bytes(), file
     merged = consolidated_model(path, as_trained=True)
     assert all(torch.equal(p, model.state_dict()[n]) for n, p in merged.named_parameters())
+
+
+def _separate_with_state():
+    cfg = GradientCompression(method="separate", ratio=4, block_size=64, beta=0.9, reconstruction="contractive")
+    reducer = ProjectedReduce(None, Separate(cfg, torch.device("cpu")), torch.float32, Timings())
+    for key in ("blocks.0", "bucket1"):
+        reducer.compressor.compress(key, torch.randn(2, 300, generator=torch.Generator().manual_seed(len(key))))
+    return cfg, reducer
+
+
+def test_reducer_state_loads_from_one_file_and_from_both_older_places(tmp_path):
+    """ZeRO and DDP save the reducer's state in the same per-rank file; checkpoints written before
+    kept it in DDP's compressor.rankNNNNN file or as "reducer." keys of ZeRO's shard file: all three
+    restore the same state, and another world size starts from zero with a warning naming both."""
+    cfg, saved = _separate_with_state()
+    state = saved.state_dict()
+    layouts = {"now": tmp_path / "now", "ddp before": tmp_path / "ddp", "zero before": tmp_path / "zero"}
+    for directory in layouts.values():
+        directory.mkdir()
+    save_reducer_state(saved, layouts["now"], rank=1, world_size=2)
+    save_file(state, str(layouts["ddp before"] / "compressor.rank00001.safetensors"), metadata={"world_size": "2"})
+    save_file({**{f"reducer.{k}": v for k, v in state.items()}, "blocks.0.master": torch.zeros(3)},
+              str(layouts["zero before"] / "shards_rank00001.safetensors"))
+    (layouts["zero before"] / "manifest.json").write_text(json.dumps({"format": "zeropp-zero3-v1", "world_size": 2}))
+    for name, directory in layouts.items():
+        _, loaded = _separate_with_state()
+        loaded.load_state_dict({})
+        load_reducer_state(loaded, directory, rank=1, world_size=2, device=torch.device("cpu"))
+        assert loaded.state_dict().keys() == state.keys(), name
+        assert all(torch.equal(loaded.state_dict()[k], state[k]) for k in state), name
+    _, fresh = _separate_with_state()
+    fresh.load_state_dict({})
+    with pytest.warns(UserWarning, match="saved on 2 ranks and cannot continue on 4"):
+        load_reducer_state(fresh, layouts["now"], rank=1, world_size=4, device=torch.device("cpu"))
+    assert fresh.state_dict() == {}
+    with pytest.warns(UserWarning, match="no gradient reducer state for rank 0"):
+        load_reducer_state(fresh, layouts["now"], rank=0, world_size=2, device=torch.device("cpu"))

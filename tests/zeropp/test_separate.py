@@ -287,25 +287,42 @@ def _ddp(rank, world, compression, steps, directory=None):
         optimizer = build_optimizer(runtime.module, OPTIM)
         runtime.load(directory, optimizer)
         again = [step(s) for s in data[steps // 2:]]
+    cosines = dict(runtime.reducer.cosines) if runtime.reducer is not None else {}
+    state = runtime.reducer.state_dict() if runtime.reducer is not None else {}
     runtime.close()
-    return losses, again
+    return losses, again, cosines, state
 
 
 def test_ddp_hook_ratio_one_is_exact_and_resume_is_bit_exact(tmp_path):
     ref_losses, _ = reference("gpt2-tiny", 4)
-    for losses, _ in run_ranks(_ddp, 2, args=(separate(ratio=1), 4)):
+    for losses, *_ in run_ranks(_ddp, 2, args=(separate(ratio=1), 4)):
         assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 1e-5
     ef = separate(ratio=8, block_size=256, reconstruction="contractive", beta=0.95)
-    for losses, again in run_ranks(_ddp, 2, args=(ef, 6, tmp_path / "ckpt")):
+    for rank, (losses, again, *_) in enumerate(run_ranks(_ddp, 2, args=(ef, 6, tmp_path / "ckpt"))):
         assert again == losses[3:]
+        assert (tmp_path / "ckpt" / f"reducer_rank{rank:05d}.safetensors").is_file()  # ZeRO's file, too
         assert max(abs(a - b) / b for a, b in zip(losses, reference("gpt2-tiny", 6)[0])) < 0.02
+
+
+def test_ddp_g_separate_measures_the_cosine_and_adapts_per_bucket():
+    """The same reducer as ZeRO's: every second round a bucket is also all-reduced exactly; at
+    ratio 1 the reconstruction is the exact mean (cosine 1), at 16 far from it, and the ratio moves."""
+    exact = GradientCompression(method="g-separate", ratio=1, min_ratio=1, max_ratio=1, adapt_interval=2,
+                                block_size=256, reconstruction="contractive", beta=0.95)
+    lossy = GradientCompression(method="g-separate", ratio=16, min_ratio=4, max_ratio=64, adapt_interval=2,
+                                block_size=256, target_cosine=0.9, reconstruction="contractive", beta=0.95)
+    for (*_, cosines, _), (*_, lossy_cosines, state) in zip(run_ranks(_ddp, 2, args=(exact, 4)),
+                                                           run_ranks(_ddp, 2, args=(lossy, 4))):
+        assert cosines and all(c > 0.9999 for c in cosines.values())
+        assert lossy_cosines.keys() == cosines.keys() and all(c < 0.8 for c in lossy_cosines.values())
+        assert {int(v) for k, v in state.items() if k.endswith(".ratio")} == {4}  # 16 -> 8 -> 4
 
 
 def test_ddp_powersgd_baseline_starts_exact():
     """torch's PowerSGD hook all-reduces exactly for its first iteration (start_powerSGD_iter 2), so
     step 1 matches the reference; our pre-scaling keeps the loss's global-mean convention."""
     ref_losses, _ = reference("gpt2-tiny", 4)
-    for losses, _ in run_ranks(_ddp, 2, args=(GradientCompression(method="powersgd"), 4)):
+    for losses, *_ in run_ranks(_ddp, 2, args=(GradientCompression(method="powersgd"), 4)):
         assert abs(losses[0] - ref_losses[0]) < 1e-6 and abs(losses[1] - ref_losses[1]) / ref_losses[1] < 1e-5
         assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 0.02
 
