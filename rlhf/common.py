@@ -23,13 +23,25 @@ from models.weights import WeightSource
 from rlhf.config import RLHFConfig
 from rlhf.losses import token_logprobs
 from trainer.activation_checkpointing import apply_activation_checkpointing
-from trainer.checkpoint import CheckpointError, load_checkpoint, read_state, resolve_checkpoint, save_checkpoint
+from trainer.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    read_state,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from trainer.config import ConfigError, TrainSection, to_dict
-from trainer.distributed import DistEnv, all_reduce_sum, barrier, init_distributed
-from trainer.precision import autocast_for
+from trainer.distributed import (
+    DistEnv,
+    all_reduce_max,
+    all_reduce_sum,
+    barrier,
+    init_distributed,
+)
 from trainer.metrics import MetricsLogger
 from trainer.nonfinite import NonFiniteError, NonFiniteSteps, nonfinite_tensors
 from trainer.optim import build_optimizer, lr_at
+from trainer.precision import autocast_for
 from zeropp import build_runtime
 
 
@@ -137,17 +149,20 @@ def sequence_logprobs(model: ModelRuntime, tokens: torch.Tensor, attention_mask:
     return token_logprobs(logits, tokens[:, start:]), logits
 
 
+# The stages' statistics are reduced over the world through trainer.distributed (zeropp.comm.world_comm),
+# on the device the backend reduces on (NCCL takes no CPU tensor), under one ledger tag.
+STATS_TAG = "rlhf statistics"
+
+
 def global_sum(*values: float | torch.Tensor) -> list[float]:
     """Sum scalars over all ranks in one all-reduce (float64, exact for counts)."""
     t = torch.tensor([float(v) for v in values], dtype=torch.float64)
-    return all_reduce_sum(t).tolist()
+    return all_reduce_sum(t, STATS_TAG).tolist()
 
 
 def global_max(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    """The largest of every rank's `value`."""
+    return all_reduce_max(torch.tensor([value], dtype=torch.float64), STATS_TAG).item()
 
 
 def comm_scalars(models: list[ModelRuntime]) -> dict[str, float]:

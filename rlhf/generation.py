@@ -11,9 +11,10 @@ Ranks generate different lengths. When the forwards inside the rollout hold no c
 rows are done and nothing is exchanged while decoding. When some blocks are streamed (they
 did not fit `max_bytes`), every forward all-gathers, so all ranks must run the same number
 of forwards: each decode step then all-reduces one "still running" flag over the
-data-parallel group, and every rank keeps stepping (its finished rows' outputs discarded)
-until no rank is running. So no collective is left unmatched, and nobody decodes to
-max_new_tokens needlessly (DeepSpeed-Chat's `synced_gpus` decodes every rank to the maximum
+data-parallel group (through a zeropp.comm.Comm on the runtime's mesh, recorded in the
+runtime's ledger as "rollout stop flag"), and every rank keeps stepping (its finished rows'
+outputs discarded) until no rank is running. So no collective is left unmatched, and nobody
+decodes to max_new_tokens needlessly (DeepSpeed-Chat's `synced_gpus` decodes every rank to the maximum
 and can still hang: DeepSpeed issues #3550, #8262).
 """
 
@@ -23,10 +24,12 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from models.generate import decode
+from zeropp.comm import Comm
 from zeropp.runtime import Runtime
+
+STOP_FLAG_TAG = "rollout stop flag"
 
 
 @dataclass
@@ -72,12 +75,11 @@ def generate_rollouts(runtime: Runtime, prompts: list[list[int]], max_new_tokens
 def _step_together(runtime: Runtime):
     """keep_going for ranks whose forwards hold collectives: one all-reduce of a "still running"
     flag per decode step over the data-parallel group; everyone stops when no rank runs."""
-    group = runtime.mesh.group("dp")
-    device = next(runtime.module.parameters()).device
+    comm = Comm(runtime.mesh, runtime.ledger, node_aware=False)
 
     def keep_going(all_done: bool) -> bool:
-        running = torch.tensor([0 if all_done else 1], dtype=torch.int32, device=device)
-        dist.all_reduce(running, group=group)
+        running = torch.tensor([0 if all_done else 1], dtype=torch.int32, device=comm.device)
+        comm.all_reduce(running, "dp", STOP_FLAG_TAG)
         return running.item() > 0
 
     return keep_going

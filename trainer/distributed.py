@@ -19,6 +19,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from zeropp.comm import world_comm
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -159,25 +161,38 @@ def _backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+# The collectives outside a runtime (setup, checkpoint agreements, the loop's sums) go through
+# zeropp.comm.world_comm(): a Comm over the whole world, on the device the backend reduces on (a
+# CPU tensor is reduced there and handed back where it was), recorded in that Comm's ledger.
+
 def barrier() -> None:
     if dist.is_initialized():
-        dist.barrier()
+        world_comm().barrier()
 
 
-def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
-    """Sum a tensor over all ranks (identity for one process)."""
+def _all_reduce(value: torch.Tensor, op, tag: str) -> torch.Tensor:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    comm = world_comm()
+    reduced = value.to(comm.device, copy=True)
+    comm.all_reduce(reduced, "world", tag, op=op)
+    return reduced.to(value.device)
+
+
+def all_reduce_sum(value: torch.Tensor, tag: str = "trainer all-reduce") -> torch.Tensor:
+    """Sum a tensor over all ranks (identity for one process); a new tensor where `value` is."""
+    return _all_reduce(value, dist.ReduceOp.SUM, tag)
+
+
+def all_reduce_max(value: torch.Tensor, tag: str = "trainer all-reduce") -> torch.Tensor:
+    """The elementwise maximum over all ranks (identity for one process); a new tensor where `value` is."""
+    return _all_reduce(value, dist.ReduceOp.MAX, tag)
+
+
+def all_gather_objects(obj, tag: str = "trainer objects") -> list:
+    """Every rank's `obj` (picklable), in rank order; [obj] for one process."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        value = value.clone()
-        dist.all_reduce(value)
-    return value
-
-
-def all_gather_objects(obj) -> list:
-    """Every rank's `obj` (JSON-like), in rank order; [obj] for one process."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        out = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
+        return world_comm().all_gather_object(obj, "world", tag)
     return [obj]
 
 

@@ -1,9 +1,12 @@
 """Every collective of the runtime goes through here, so each byte is accounted for.
 
 `Comm` wraps the collectives the runtime needs (all-gather, reduce-scatter, quantized
-all-to-all reduce, all-reduce) over the groups of the `Mesh`, looked up by name, returns
-async handles, and records each call in a `CommLedger`: operation, group, dtype, the bytes this rank sends and receives, and how
-many of those cross a node boundary.
+all-to-all reduce, all-reduce, and for the trainer's agreements a barrier and an all-gather of
+picklable objects) over the groups of the `Mesh`, looked up by name, returns async handles, and
+records each call in a `CommLedger`: operation, group, dtype, the bytes this rank sends and
+receives, and how many of those cross a node boundary. Collectives outside any runtime (setup,
+the trainer's sums and agreements, before a runtime's mesh exists) go through `world_comm()`, a
+Comm over the whole world that builds no process group (`zeropp.topology.world_mesh`).
 
 The ledger counts logical volume, independent of the algorithm the backend picks: for an
 all-gather of an S-byte shard over n ranks a rank receives (n-1)·S and sends (n-1)·S; for a
@@ -31,7 +34,9 @@ each local rank will own, then a ring across nodes of the node sums. Both move e
 
 from __future__ import annotations
 
+import pickle
 import threading
+import weakref
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -39,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from zeropp.topology import GLOBAL_GROUPS, Mesh
+from zeropp.topology import Mesh, world_mesh
 
 
 @dataclass
@@ -59,7 +64,9 @@ class CommLedger:
         self.entries: dict[str, LedgerEntry] = defaultdict(LedgerEntry)
         self._lock = threading.Lock()
 
-    def record(self, tag: str, dtype: torch.dtype, sent: int, received: int, cross_sent: int, cross_received: int):
+    def record(self, tag: str, dtype: torch.dtype | None, sent: int, received: int, cross_sent: int,
+               cross_received: int):
+        """One call under `tag`; dtype None: a call that carries no payload (a barrier)."""
         with self._lock:
             e = self.entries[tag]
             e.calls += 1
@@ -67,7 +74,8 @@ class CommLedger:
             e.received += received
             e.cross_node_sent += cross_sent
             e.cross_node_received += cross_received
-            e.dtypes.add(str(dtype).replace("torch.", ""))
+            if dtype is not None:
+                e.dtypes.add(str(dtype).replace("torch.", ""))
 
     def reset(self) -> None:
         with self._lock:
@@ -110,6 +118,53 @@ class _DoneWork:
         pass
 
 
+# Exchanges whose handle was dropped before its wait(), by process group: their Works, kept alive
+# until the group's next exchange waits for them (see _ExchangeWork). Reentrant: a handle may be
+# collected (and hand its Works back) while this thread holds the lock.
+_ABANDONED: dict[object, list[list]] = {}
+_ABANDONED_LOCK = threading.RLock()
+
+
+class _ExchangeWork:
+    """The handle of an exchange all-gather (gloo send/recv).
+
+    gloo's transport keeps only weak pointers to a pending send's or receive's buffer; the buffer
+    belongs to torch's Work. A Work dropped before its op completed (a caller that lets go of the
+    handle without waiting: a checkpointed block's recompute that torch.utils.checkpoint stops
+    early drops the forward all-reduces still in flight) abandons the op silently, and the peer's
+    matching op then pairs with this rank's next exchange on the group: a send that never finds its
+    receive, a hang (TP 2 x DP 2 with activation checkpointing hung so). So a handle dropped unwaited
+    hands its Works back, and the group's next exchange waits for them first: they were issued
+    before it on every member, in the group's one order, so the wait needs nothing this rank has
+    not issued yet."""
+
+    def __init__(self, works: list, pg):
+        self._works = works
+        self._dropped = weakref.finalize(self, _abandon, pg, works)
+        self._dropped.atexit = False
+
+    def wait(self) -> None:
+        if self._works is not None:
+            works, self._works = self._works, None
+            self._dropped.detach()
+            for work in works:
+                work.wait()
+
+
+def _abandon(pg, works: list) -> None:
+    with _ABANDONED_LOCK:
+        _ABANDONED.setdefault(pg, []).append(works)
+
+
+def _wait_abandoned(pg) -> None:
+    """Wait for the exchanges on `pg` whose handles were dropped unwaited (_ExchangeWork)."""
+    with _ABANDONED_LOCK:
+        pending = _ABANDONED.pop(pg, [])
+    for works in pending:
+        for work in works:
+            work.wait()
+
+
 def uses_node_aware(mesh: Mesh, backend: str) -> bool:
     """Whether the dp all-gather and reduce-scatter go node-aware: on gloo with several nodes of
     several ranks (NCCL keeps its own algorithms; one node or one rank per node is flat anyway)."""
@@ -127,6 +182,10 @@ class Comm:
         self.mesh = mesh
         self.ledger = ledger if ledger is not None else CommLedger()
         self.backend = dist.get_backend(mesh.group("dp"))
+        # Where the backend reduces: NCCL only takes tensors on this rank's GPU (the one
+        # trainer.distributed.init_distributed made current), gloo CPU tensors.
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" \
+            else torch.device("cpu")
         # gloo: the ring and qgZ run on their own thread, over the mesh's twin groups
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeropp-comm") \
             if self.backend == "gloo" else None
@@ -171,18 +230,17 @@ class Comm:
         if n == 1:
             out.copy_(shard)
             return _DoneWork() if async_op else None
-        # The exchange saves a gathered unit of memory on the ZeRO groups. Tensor parallelism's
-        # small messages keep gloo's own all-gather: with the exchange, TP's pipelined compressed
-        # all-reduces under DDP (TP 2 x DP 2) hung in the backward, unexplained so far.
-        if self.backend == "gloo" and group not in GLOBAL_GROUPS:
+        if self.backend == "gloo":
             return self._exchange_all_gather(out, shard, group, async_op, thread)
         return dist.all_gather_single(out, shard, group=self.mesh.group(group, thread=thread), async_op=async_op)
 
     def _exchange_all_gather(self, out, shard, group, async_op, thread=False):
         """gloo: each member sends its shard straight to every other one, received in place in `out`
         (the same bytes as gloo's ring; its all-gather receives into a flat copy of `out` first, a
-        whole gathered unit more of memory). Point-to-point ops progress without a waiting thread."""
+        whole gathered unit more of memory). Point-to-point ops progress without a waiting thread;
+        a handle dropped unwaited is finished before the group's next exchange (_ExchangeWork)."""
         members, pg = self.mesh.members(group), self.mesh.group(group, thread=thread)
+        _wait_abandoned(pg)
         me = self.mesh.group_rank(group)
         pieces = out.view(len(members), -1)
         pieces[me].copy_(shard)
@@ -191,8 +249,7 @@ class Comm:
             if i != me:
                 peer = self.mesh.global_rank(group, member)
                 ops += [dist.P2POp(dist.isend, shard, peer, pg), dist.P2POp(dist.irecv, pieces[i], peer, pg)]
-        works = dist.batch_isend_irecv(ops)
-        done = CallbackWork(lambda: [w.wait() for w in works])
+        done = _ExchangeWork(dist.batch_isend_irecv(ops), pg)
         if async_op:
             return done
         done.wait()
@@ -331,6 +388,31 @@ class Comm:
         `thread`: called from work on the communication thread (its twin groups)."""
         return self._record_a2a(out, inp, group, tag, self.mesh.group(group, thread=thread), async_op)
 
+    def barrier(self, group: str = "world", tag: str = "barrier") -> None:
+        """Wait until every member of `group` reached this call; ledgered as a call that moves no payload."""
+        self.ledger.record(tag, None, 0, 0, 0, 0)
+        if self.mesh.size(group) > 1:
+            dist.barrier(group=self.mesh.group(group))
+
+    def all_gather_object(self, obj, group: str = "world", tag: str = "objects") -> list:
+        """Every member's picklable `obj`, in group-rank order, through two all-gathers on `self.device`
+        (what torch's all_gather_object does, but ledgered): each member's pickle size (one int64),
+        then the pickles, each padded to the largest. Bytes sent: (n - 1) x (8 + the largest pickle)."""
+        n = self.mesh.size(group)
+        if n == 1:
+            return [obj]
+        data = pickle.dumps(obj)
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        sizes = torch.empty(n, dtype=torch.int64, device=self.device)
+        self.all_gather(sizes, size, group, tag)
+        sizes = sizes.tolist()
+        mine = torch.zeros(max(sizes), dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        everyone = torch.empty(n * max(sizes), dtype=torch.uint8, device=self.device)
+        self.all_gather(everyone, mine.to(self.device), group, tag)
+        rows = everyone.view(n, -1).cpu()
+        return [pickle.loads(rows[i, :sizes[i]].numpy().tobytes()) for i in range(n)]
+
     def record_all_reduce(self, tag: str, dtype: torch.dtype, nbytes: int, group: str = "dp") -> None:
         """Ledger an all-reduce of `nbytes` over `group` (also one that a library hook issues itself)."""
         n, cross = self.mesh.size(group), self.mesh.remote_members(group)
@@ -342,3 +424,21 @@ class Comm:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+
+_WORLD: tuple[object, Comm] | None = None  # (the default process group it was built on, the Comm)
+
+
+def world_comm() -> Comm:
+    """The process's Comm over the whole world (`zeropp.topology.world_mesh`: the default group,
+    no group of its own, so any rank may make it at any time, before or without a runtime): the
+    collectives outside a runtime (trainer.distributed's barrier, sums and object gathers, RLHF's
+    statistics) go through it, on its `device`, recorded in its own ledger. Made anew after the
+    default group is (a process group destroyed and initialized again)."""
+    global _WORLD
+    default = dist.group.WORLD
+    if _WORLD is None or _WORLD[0] is not default:
+        if _WORLD is not None:
+            _WORLD[1].close()
+        _WORLD = (default, Comm(world_mesh(), node_aware=False))
+    return _WORLD[1]

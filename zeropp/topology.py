@@ -14,6 +14,8 @@ Groups, looked up by name (`mesh.group(name)`, `mesh.members(name)`):
   tp          the tensor-parallel ranks of this rank (one rank when tp is 1)
   world       every rank (tp x dp)
 `tp` and `world` list global ranks, the others DP ranks (`mesh.global_rank(name, member)`).
+A runtime's mesh comes from `mesh_from_config`; `world_mesh` is the world alone (dp = world, the
+default group), for the collectives outside a runtime (zeropp.comm.world_comm).
 On gloo, every group also has a twin (`mesh.group(name, thread=True)`) for the communication
 thread's point-to-point traffic, so it never interleaves with the main thread's collectives.
 """
@@ -185,6 +187,23 @@ def build_mesh(ranks_per_node: int | None = None, secondary_size: int | None = N
                     if t == tp_index and mesh.rank in block:
                         mesh._groups[name, thread], mesh._members[name] = group, block
     mesh._groups["world", False], mesh._members["world"] = dist.group.WORLD, list(range(world))
+    return mesh
+
+
+def world_mesh() -> Mesh:
+    """The whole world as one data-parallel group, over the default process group: it creates no
+    group, so unlike build_mesh any rank may build it at any time (no collective call that every
+    rank must make in the same order). Groups "dp" and "world" (the same group) only; nodes as
+    the launcher lays them out (the ledger's cross-node share), one node where that does not
+    divide the world."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    rpn = ranks_per_node_from_env(world)
+    if rpn < 1 or world % rpn:
+        rpn = world
+    mesh = Mesh(me, world, rpn, rpn, 1, list(range(world)))
+    mesh._members["tp"] = [me]
+    for name in ("dp", "world"):
+        mesh._groups[name, False], mesh._members[name] = dist.group.WORLD, list(range(world))
     return mesh
 
 

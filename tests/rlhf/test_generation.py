@@ -211,6 +211,11 @@ def test_streamed_blocks_and_uneven_ranks_finish_together(zero3_results, initial
         # still hold them at every later forward (same weights), so nothing is gathered again
         assert r["streamed_ledger"]["rollout gather"]["calls"] == 1 + 2
         assert "forward gather" not in r["streamed_ledger"]
+        # the ranks step together on one int32 flag a decode step, all-reduced over the 4 dp ranks
+        # through the runtime's Comm (a ring all-reduce: 2 x 3/4 of its 4 bytes)
+        flags = r["streamed_ledger"]["rollout stop flag"]
+        assert flags["calls"] == lengths[3] and flags["dtypes"] == ["int32"]
+        assert flags["sent"] == lengths[3] * (2 * 3 * 4 // 4)
 
 
 def test_training_after_rollouts_is_bit_exact(zero3_results):

@@ -1,10 +1,14 @@
+import pickle
+
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
+import trainer.distributed as td
 from trainer.spawn import run_ranks
-from zeropp.comm import Comm
-from zeropp.topology import TopologyError, build_mesh
+from zeropp.comm import Comm, world_comm
+from zeropp.topology import TopologyError, build_mesh, world_mesh
 
 
 def _collectives(rank, world, ranks_per_node, dtype):
@@ -153,3 +157,86 @@ def test_mesh_splits_tensor_parallel_from_data_parallel():
     assert [r[:2] for r in results] == [(0, 2), (0, 2), (1, 2), (1, 2)]
     assert [r[2] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r[3] for r in results] == [[0.0, 2.0], [1.0, 3.0], [0.0, 2.0], [1.0, 3.0]]
+
+
+def _dropped_exchanges(rank, world, fixed):
+    """Exchange all-gathers over the tp group whose handles are dropped unwaited (what a checkpointed
+    block's early-stopped recompute does to its pending forward all-reduces), between waited ones."""
+    import zeropp.comm as comm_module
+
+    if not fixed:  # the old handle: dropping it destroys torch's Works, abandoning the ops in gloo
+        class Plain:
+            def __init__(self, works, pg):
+                self.works = works
+
+            def wait(self):
+                for w in self.works:
+                    w.wait()
+        comm_module._ExchangeWork = Plain
+    mesh = build_mesh(ranks_per_node=2, tp=2)
+    comm = Comm(mesh)
+    me, dropped_outs = mesh.group_rank("tp"), []
+    for i in range(20):
+        dropped = torch.empty(2 * 64)
+        comm.all_gather(dropped, torch.full((64,), 1000.0 * i + rank), "tp", tag="dropped", async_op=True)
+        dropped_outs.append((i, dropped))  # the handle is dropped at once, the buffer kept to check
+        outs, handles = [], []
+        for j in range(2):
+            out = torch.empty(2 * 16)
+            handles.append(comm.all_gather(out, torch.full((16,), 100.0 * i + 10 * j + rank), "tp", tag="kept",
+                                           async_op=True))
+            outs.append(out)
+        for j in (1, 0):  # waited out of order
+            handles[j].wait()
+            expect = [100.0 * i + 10 * j + m for m in mesh.members("tp")]
+            assert outs[j].view(2, -1)[:, 0].tolist() == expect, (i, j, outs[j])
+    comm.all_gather(torch.empty(2), torch.zeros(1), "tp")  # waits for the last dropped one
+    for i, out in dropped_outs:
+        assert out.view(2, -1)[:, 0].tolist() == [1000.0 * i + m for m in mesh.members("tp")], (i, me)
+    comm.close()
+    return True
+
+
+def test_exchange_whose_handle_is_dropped_still_completes():
+    """The gloo exchange all-gather on every group (tp included): a handle dropped without wait()
+    neither hangs the next exchanges nor lets their messages pair with its ones. With the old handle
+    (`_dropped_exchanges` with fixed=False) these calls hang, as TP 2 x DP 2 with activation
+    checkpointing did (tests/trainer/test_activation_checkpointing.py, "tp topk int4")."""
+    assert run_ranks(_dropped_exchanges, 4, args=(True,), ranks_per_node=2, timeout=120) == [True] * 4
+
+
+def _world_collectives(rank, world):
+    groups = distributed_c10d._world.group_count
+    mesh = world_mesh()
+    assert distributed_c10d._world.group_count == groups  # it makes no process group
+    assert mesh.group("dp") is mesh.group("world") is dist.group.WORLD
+    assert (mesh.members("world"), mesh.ranks_per_node, mesh.num_nodes) == (list(range(world)), 2, 2)
+    comm = world_comm()
+    assert world_comm() is comm and comm.device == torch.device("cpu")
+    ledger = comm.ledger
+    ledger.reset()
+    td.barrier()
+    objects = [{"rank": r, "words": ["x" * r] * (3 * r)} for r in range(world)]  # pickles of different sizes
+    got = td.all_gather_objects(objects[rank], tag="objects")
+    summed = td.all_reduce_sum(torch.tensor([float(rank), 1.0], dtype=torch.float64), tag="sums")
+    top = td.all_reduce_max(torch.tensor([float(rank)]), tag="sums")
+    return got, summed.tolist(), top.tolist(), ledger.totals(), max(len(pickle.dumps(o)) for o in objects)
+
+
+def test_world_comm_runs_the_trainer_collectives_and_ledgers_their_bytes():
+    """trainer.distributed's barrier, sums and object gathers go through zeropp.comm.world_comm (a
+    Comm over the default group, no group of its own); the ledger's bytes against a count made
+    here: an object gather all-gathers one int64 size, then every pickle padded to the largest."""
+    world, rpn = 4, 2
+    results = run_ranks(_world_collectives, world, ranks_per_node=rpn)
+    for rank, (got, summed, top, ledger, largest) in enumerate(results):
+        assert got == [{"rank": r, "words": ["x" * r] * (3 * r)} for r in range(world)]
+        assert summed == [0.0 + 1 + 2 + 3, 4.0] and top == [3.0]
+        assert ledger["barrier"] == {"calls": 1, "sent": 0, "received": 0, "cross_node_sent": 0,
+                                     "cross_node_received": 0, "dtypes": []}
+        gathered = (world - 1) * (8 + largest)  # from each other rank: its size, its padded pickle
+        assert ledger["objects"]["calls"] == 2 and ledger["objects"]["dtypes"] == ["int64", "uint8"]
+        assert ledger["objects"]["sent"] == ledger["objects"]["received"] == gathered
+        assert ledger["objects"]["cross_node_sent"] == (world - rpn) * (8 + largest)
+        # two ring all-reduces: 2 (n - 1) / n of 16 bytes (two float64), then of 4 bytes (one float32)
+        assert ledger["sums"]["calls"] == 2 and ledger["sums"]["sent"] == 2 * 3 * 16 // 4 + 2 * 3 * 4 // 4
