@@ -26,11 +26,11 @@ def _aligned(nbytes: int) -> int:
 
 class BufferPool:
     def __init__(self, block_groups: list[list[Unit]], resident: list[Unit], slots: int, grad_buffers: int,
-                 compute_dtype: torch.dtype, device: torch.device, decodes_in_place):
-        """decodes_in_place(unit): whether the unit's gathered bytes are its weights (no compute buffer)."""
+                 compute_dtype: torch.dtype, device: torch.device, comm):
+        """comm: the gathers' (whether a unit decodes in place, Unit.decodes_in_place, depends on its order)."""
         self.slots, self.compute_dtype, self.device = slots, compute_dtype, device
         blocks = [u for group in block_groups for u in group]
-        shared_compute = all(decodes_in_place(u) for u in blocks)
+        shared_compute = all(u.decodes_in_place(comm, compute_dtype) for u in blocks)
         gather_bytes = compute_numel = grad_numel = 0
         offsets = {}  # unit -> (byte offset in a gather buffer, element offset in a compute buffer)
         for group in block_groups:
@@ -56,7 +56,7 @@ class BufferPool:
                 u.buffers.append((gather, compute))
         for u in resident:
             gather = self.new(u.gathered_numel, u.codec.dtype)
-            compute = gather if decodes_in_place(u) else self.new(u.padded_numel, compute_dtype)
+            compute = gather if u.decodes_in_place(comm, compute_dtype) else self.new(u.padded_numel, compute_dtype)
             u.buffers = [(gather, compute)]
             u.grad_buffer = self.new(u.padded_numel, compute_dtype) if u.trainable else None
         self._resident, self._units = resident, blocks + resident
@@ -93,10 +93,10 @@ class BufferPool:
                 unit.release()
             self._holder[s] = None
 
-    def grad_target(self, unit: Unit, wait_reduce) -> torch.Tensor:
+    def grad_target(self, unit: Unit, timings) -> torch.Tensor:
         """The zeroed flat buffer the unit's gradients are written into in this backward. The
-        buffer's previous writer must have been reduced out of it (`wait_reduce(previous)` waits
-        for a reduce in flight); one whose gate has not fired yet (autograd ran the unit below
+        buffer's previous writer must have been reduced out of it (a reduce in flight is waited
+        for, timed in `timings`); one whose gate has not fired yet (autograd ran the unit below
         first) keeps its buffer, and this unit writes into a temporary one."""
         if unit in self._resident:
             buf, previous = unit.grad_buffer, unit
@@ -108,8 +108,8 @@ class BufferPool:
             else:
                 self._grad_holder[s] = unit
                 buf = self.grad_buffers[s][:unit.padded_numel]
-        if previous is not None and previous.pending_reduce is not None:
-            wait_reduce(previous)
+        if previous is not None:
+            previous.wait_reduce(timings)
         if buf is None:
             return self.new(unit.padded_numel, self.compute_dtype)
         return buf.zero_()
@@ -119,6 +119,10 @@ class BufferPool:
         units' gradient buffers and the blocks' alternating ones."""
         views = [t for u in self._units for pair in u.buffers for t in pair]
         return views + [u.grad_buffer for u in self._resident if u.grad_buffer is not None] + self.grad_buffers
+
+    def block_bytes(self) -> int:
+        """Bytes of the rotating weight buffers (what describe() reports)."""
+        return sum(b.numel() * b.element_size() for b in self.block_buffers)
 
     def nbytes(self) -> int:
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.preallocated()}

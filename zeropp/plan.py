@@ -2,18 +2,22 @@
 
 Units: each transformer block is one; the embeddings with the LM head (and OPT's
 project_in/out) form one; all norms form one (as in YaFSDP); frozen parameters of each form a
-unit of their own. From their element counts and the configuration: how many rotating buffers
-the blocks share, how often each block is gathered in a step, and the cross-node bytes of a
-plain ZeRO-3 step (what the DDP runtime reports beside its own).
+unit of their own (`partition_units`; `build_units` makes them, with their codecs). From their
+element counts and the configuration: how many rotating buffers the blocks share, how often
+each block is gathered in a step, the bytes a step sends, the cross-node bytes of a plain ZeRO-3
+step (what the DDP runtime reports beside its own), and the model state a rank holds.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
-from zeropp.config import DTYPES, ZeroConfig
+from zeropp.config import DTYPES, ZeroConfig, ZeroConfigError
+from zeropp.quantized import PlainCodec, QuantizedCodec
 from zeropp.reducers import TAG as REDUCE_TAG
 from zeropp.topology import Mesh
+from zeropp.unit import Unit
 
 
 class UnsupportedModelError(TypeError):
@@ -74,6 +78,54 @@ def partition_units(model: nn.Module) -> dict[str, list]:
         units.setdefault(unit, []).append(
             (qual, p, [(m, a) for m, a, _ in aliases[pid]], [q for _, _, q in aliases[pid]]))
     return units
+
+
+def build_units(model: nn.Module, cfg: ZeroConfig, mesh: Mesh, device: torch.device, weights) -> dict[str, Unit]:
+    """One Unit per group of `partition_units`, with what its all-gather sends: the shard in the
+    comm dtype, or qwZ's codes + scales. Frozen units under zero_quantized_nontrainable_weights
+    are stored as codes: their wire shard is the only copy of the weights, gathered as it is,
+    never requantized. With qwZ deltas trainable units gather their weights in the comm dtype
+    from the node's references (every such unit keeps them, resident ones too); only the
+    quantized change crosses nodes. With hpZ the blocks keep a secondary (the embeddings and
+    norms are not re-gathered for the backward)."""
+    wanted = cfg.zero_hpz_partition_size or mesh.ranks_per_node
+    if cfg.hpz and wanted != mesh.secondary_size:
+        raise ZeroConfigError(
+            f"zero_optimization.zero_hpz_partition_size={cfg.zero_hpz_partition_size} asks for secondary groups "
+            f"of {wanted} ranks, but the mesh was built with {mesh.secondary_size}; pass "
+            f"secondary_size={wanted} to build_mesh (zeropp.topology.mesh_from_config does)")
+    if cfg.zero_quantized_weights_delta and mesh.secondary_size != mesh.ranks_per_node:
+        raise ZeroConfigError(
+            f"zero_optimization.zero_quantized_weights_delta keeps each node's weights in hpZ's secondary "
+            f"partition, which must be one node ({mesh.ranks_per_node} ranks), not "
+            f"{mesh.secondary_size}: set zero_hpz_partition_size to 0")
+    qwz = QuantizedCodec(cfg.zero_quantized_weights_bits, cfg.zero_quantization_block_size)
+    plain = PlainCodec(cfg.comm_dtype)
+    units = {}
+    for name, params in partition_units(model).items():
+        frozen = name.endswith(FROZEN_SUFFIX)
+        stored_quantized = frozen and cfg.zero_quantized_nontrainable_weights
+        deltas = cfg.zero_quantized_weights_delta and not frozen
+        wire = qwz if cfg.zero_quantized_weights else plain
+        codec = (qwz if stored_quantized else wire) if frozen else plain if deltas else wire
+        units[name] = unit = Unit(name, params, mesh.world_size, mesh.rank, device, codec, stored_quantized,
+                                  cfg.param_align(frozen), cfg.shard_align(frozen),
+                                  delta_codec=wire if deltas else None, weights=weights,
+                                  host=torch.device("cpu") if cfg.offload_optimizer == "cpu" else None)
+        if deltas:
+            unit.enable_secondary(mesh.ranks_per_node, mesh.node)
+        elif cfg.hpz and mesh.secondary_size > 1 and name.startswith("blocks."):
+            unit.enable_secondary(mesh.secondary_size)
+    return units
+
+
+def schedule_groups(units: dict[str, Unit], blocks: int) -> tuple[list[list[Unit]], list[Unit]]:
+    """(block groups, resident units): each block's units (trainable, then frozen), gathered,
+    computed and freed together in the rotating buffers; the embeddings' and norms' units,
+    gathered once per weight update into buffers of their own."""
+    groups = [[units[n] for n in (f"blocks.{i}", f"blocks.{i}{FROZEN_SUFFIX}") if n in units] for i in range(blocks)]
+    resident = [units[n] for base in ("embedding", "norms") for n in (base, base + FROZEN_SUFFIX) if n in units]
+    return groups, resident
 
 
 def unit_numels(units: dict[str, list]) -> dict[str, int]:
@@ -160,3 +212,21 @@ def predicted_step_bytes(units: dict, block_groups: list[list], held: int, comm,
         if reduce is not None:
             add(REDUCE_TAG, reduce, micro_batches)
     return {tag: {"sent": sent, "cross_node_sent": cross} for tag, (sent, cross) in totals.items()}
+
+
+def model_state_bytes(units, reducer, optimizer=None, offloaded: bool = False) -> dict[str, int]:
+    """Per-rank model-state memory by kind: each unit's master, comm copy, gradient shard, hpZ
+    secondary (Unit.model_state_bytes), the reducer's error-feedback buffers, and the optimizer's
+    states when given (on the host when `offloaded`)."""
+    totals: dict[str, int] = {}
+    for u in units:
+        for k, v in u.model_state_bytes().items():
+            totals[k] = totals.get(k, 0) + v
+    for v in reducer.state_dict().values():  # qgZ's or SEPARATE's error feedback
+        if v.dim() > 0:
+            totals["gradient error feedback"] = totals.get("gradient error feedback", 0) + v.numel() * v.element_size()
+    if optimizer is not None:
+        totals["optimizer states" + (" (host)" if offloaded else "")] = sum(
+            t.numel() * t.element_size() for state in optimizer.state.values()
+            for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+    return totals

@@ -25,12 +25,14 @@ The data flow of one step, as methods the engine calls in order:
   decode()     wait, decode into the compute buffer; in the forward, keep the hpZ secondary
   bind()       point the modules' attributes at views of the compute buffer (with autograd
                gates that collect the gradients into one flat buffer)
-  reduce()     hand the flat gradient to the reducer (reduce-scatter, qgZ, ...) into grad_shard
+  collect_grads()  take this backward's flat gradient buffer (BufferPool.grad_target)
+  reduce()     hand the flat gradient to the reducer (reduce-scatter, qgZ, ...) into grad_shard;
+               wait_reduce() waits for it
   release()    drop the modules' views once another unit took the buffer
 
-A rollout (Zero3Engine.inference_weights) may give a unit an inference copy: buffers of its
-own (`inference`) that gather(), decode() and bind() use instead of the shared ones until
-drop_inference_copy().
+A rollout (zeropp.rollout.Rollout, inside Zero3Engine.inference_weights) may give a unit an
+inference copy: buffers of its own (`inference`) that gather(), decode() and bind() use instead
+of the shared ones until drop_inference_copy().
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from zeropp.quantized import delta_gather
 class Phase(enum.Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
-    ROLLOUT = "rollout"  # no-grad forwards inside Zero3Engine.inference_weights (generation)
+    ROLLOUT = "rollout"  # no-grad forwards inside Zero3Engine.inference_weights (generation; zeropp.rollout)
 
 
 class UnitState(enum.Enum):
@@ -307,6 +309,12 @@ class Unit:
         """The buffer holds the current weights (call refresh() first): no gather needed."""
         return self.state in (UnitState.GATHERED, UnitState.COMPUTING)
 
+    def wait_gather(self) -> None:
+        """Let a gather in flight land, still to be decoded (its bytes, and with qwZ deltas the
+        references it updates, are then final: a checkpoint may read them)."""
+        if self.pending_gather is not None:
+            self.pending_gather.wait()
+
     def drop_gather(self) -> None:
         """Let a gather in flight land without decoding it (the buffer is wanted elsewhere, the
         weights changed, or the engine closes)."""
@@ -395,6 +403,11 @@ class Unit:
         """The rank whose shard is at each position of the gathered bytes (None: rank order)."""
         return comm.local_major_order if self.delta_codec is not None else comm.gather_order
 
+    def decodes_in_place(self, comm, compute_dtype: torch.dtype) -> bool:
+        """The gathered bytes are the weights themselves (wire dtype = compute dtype), unless a
+        node-aware gather's shards must be put in place while decoding: no compute buffer of its own."""
+        return self.codec.dtype == compute_dtype and self.gather_order(comm) is None
+
     def bind(self, grad: bool, on_grads_ready) -> None:
         """Point the modules' attributes at views of the compute buffer; with `grad`, through the
         gates that collect the unit's gradients and call on_grads_ready(unit) when all are in."""
@@ -466,6 +479,21 @@ class Unit:
         self.release()
         self.inference = None
 
+    def collect_grads(self, grad_target: torch.Tensor) -> None:
+        """This backward writes the unit's gradients into `grad_target` (zeroed, BufferPool.grad_target);
+        each piece's .grad is the view of grad_shard the reduce adds into."""
+        self.grad_target = grad_target
+        self.writing_grads = True
+        self.attach_grads()
+
+    def wait_reduce(self, timings) -> None:
+        """Wait for the reduce in flight (if any): its gradients are then in grad_shard, and its
+        gradient buffer free."""
+        if self.pending_reduce is not None:
+            with timings.timer("waiting for reductions"):
+                self.pending_reduce.wait()
+                self.pending_reduce = None
+
     def reduce(self, reducer, divide: float, async_op: bool) -> None:
         """All the unit's gradients are in grad_target: reduce them (divided by `divide`) into grad_shard."""
         grad = self.grad_target[:self.padded_numel]
@@ -480,7 +508,7 @@ class Unit:
         self.writing_grads = False
 
     def model_state_bytes(self) -> dict[str, int]:
-        """Bytes of model state this rank holds for the unit (optimizer states are counted by the engine)."""
+        """Bytes of model state this rank holds for the unit (optimizer states: zeropp.plan.model_state_bytes)."""
         nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
         out = {} if self.wire_is_master else \
             {"quantized frozen weights" if self.stored_quantized else "comm copy": nbytes(self.wire)}
