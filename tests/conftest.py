@@ -1,8 +1,14 @@
-"""Fixtures every test package shares: the real data sets in ../shared/data (tests skip without them)."""
+"""Fixtures every test package shares: the real data sets in ../shared/data (tests skip without them).
+Multi-rank tests fork their ranks from a server that has already imported the project's modules."""
 
+import sys
 from pathlib import Path
 
 import pytest
+
+from trainer.spawn import preload_in_ranks
+
+PACKAGES = {"data", "export", "kernels", "models", "rlhf", "trainer", "zeropp"}
 
 SHARED_DATA = (Path(__file__).resolve().parents[1] / ".." / "shared" / "data").resolve()
 
@@ -12,6 +18,11 @@ def shared_file(name: str) -> Path:
     if not path.is_file():
         pytest.skip(f"shared data file {path} is absent (see ../shared/data/README.md)")
     return path
+
+
+def pytest_collection_finish(session):
+    """Every project module the collected tests import, imported once in the ranks' fork server."""
+    preload_in_ranks(["pytest", *sorted(m for m in sys.modules if m.partition(".")[0] in PACKAGES)])
 
 
 @pytest.fixture(scope="session")
