@@ -248,21 +248,33 @@ def resolve_checkpoint(resume: str, out_dir: str | Path, say=None) -> Path | Non
     return path
 
 
+def _checkpoint_id(path: Path) -> str | None:
+    """state.json's checkpoint_id: None for a checkpoint of the format before checksums (a readable
+    state.json without one), "" when state.json is missing or unreadable."""
+    try:
+        return json.loads((path / "state.json").read_text()).get("checkpoint_id")
+    except (OSError, ValueError, AttributeError):
+        return ""
+
+
 def verify_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> None:
     """Check every file of checkpoint `path` against checksums.json (with world_size > 1 every rank
     calls it, each hashing its share): a modified, truncated, swapped-in or bit-flipped file is an error naming
     it. state.json, the one file meant to be read (and edited: a moved tokenizer) by people, is
-    tied to the rest by its checkpoint_id instead. Checkpoints written before checksums existed
-    load with a warning."""
+    tied to the rest by its checkpoint_id instead. Only a checkpoint written before checksums
+    existed (its state.json has no checkpoint_id) loads unverified, with a warning: deleting
+    checksums.json does not switch verification off."""
     record_path = path / CHECKSUMS
     errors = []
     if not record_path.is_file():
-        if (path / "state.json").is_file():
+        ident = _checkpoint_id(path)
+        if ident is None:
             if rank == 0:
                 warnings.warn(f"checkpoint {path} has no {CHECKSUMS} (written by an older version): its files "
                               f"are not verified")
             return
-        errors.append(f"{CHECKSUMS} is missing")
+        errors.append(f"{CHECKSUMS} is missing" + (f" (state.json's checkpoint_id {ident} says it was saved with one)"
+                                                   if ident != "" else ""))
         record = {"files": {}}
     else:
         try:
@@ -273,10 +285,7 @@ def verify_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> None:
             record = {"files": {}}
     files = record["files"]
     if rank == 0 and not errors:
-        try:
-            ident = json.loads((path / "state.json").read_text()).get("checkpoint_id")
-        except (OSError, ValueError) as e:
-            ident = f"unreadable ({e})"
+        ident = _checkpoint_id(path)
         if ident != record.get("checkpoint_id"):
             errors.append(f"state.json has checkpoint_id {ident!r}, {CHECKSUMS} {record.get('checkpoint_id')!r}: "
                           f"the files come from different saves")

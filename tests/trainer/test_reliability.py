@@ -252,6 +252,16 @@ def test_a_flipped_bit_or_a_file_of_another_checkpoint_is_caught(corpus, referen
     shutil.copy(out / "checkpoints" / "step_00000004" / CHECKSUMS, ckpt / CHECKSUMS)
     with pytest.raises(CheckpointError, match=r"checkpoint_id .* different saves"):
         consolidated_model(ckpt)
+    # Deleting checksums.json does not turn verification off; only a checkpoint of the format
+    # before checksums (no checkpoint_id in state.json) loads unverified, with a warning.
+    (ckpt / CHECKSUMS).unlink()
+    with pytest.raises(CheckpointError, match=r"checksums.json is missing \(state.json's checkpoint_id \w+ says"):
+        consolidated_model(ckpt)
+    state = json.loads((ckpt / "state.json").read_text())
+    del state["checkpoint_id"]
+    (ckpt / "state.json").write_text(json.dumps(state))
+    with pytest.warns(UserWarning, match="written by an older version"):
+        consolidated_model(ckpt)
 
 
 ZERO3 = ("--zero_optimization.stage", "3", "--zero_optimization.communication_data_type", "fp32")
