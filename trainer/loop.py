@@ -159,7 +159,7 @@ class Trainer:
         self.owns_group = env is None and not dist.is_initialized()
         self.env = env or init_distributed(cfg.train.dist_timeout)
         self.ckpt_root = Path(cfg.train.out_dir) / "checkpoints"
-        self._claim_out_dir()
+        overwrite = self._check_out_dir()
         torch.manual_seed(cfg.train.seed)
         if cfg.finetune.hf_checkpoint is None:
             self.data: PretrainData | FinetuneData = prepare_pretraining(
@@ -184,6 +184,8 @@ class Trainer:
         self.predicted_memory = predicted_peak(
             self.runtime, self.optimizer, self.model_cfg, cfg.train.micro_batch_size, cfg.data.seq_len,
             compute_dtype(cfg.train.precision, self.env.device), set(self.checkpointed), self.baseline_memory)
+        if overwrite:  # only now: the config, data, model and topology have all been accepted
+            self._clear_out_dir()
         self.step_comm: dict[str, dict] = {}  # the runtime ledger's totals of the last training step
         self.step_timings: dict[str, float] = {}  # and the seconds it spent outside compute, by kind
         self.step = 0
@@ -208,21 +210,26 @@ class Trainer:
                 self.runtime.close()  # nobody else will: the caller gets no Trainer
                 raise
 
-    def _claim_out_dir(self) -> None:
+    def _check_out_dir(self) -> bool:
         """A fresh run must not mix into another run's out_dir (`latest` moving back, metrics.jsonl
-        holding both): refuse, unless train.overwrite asks to delete the old run first."""
+        holding both): refuse, unless train.overwrite asks to delete the old run. Returns whether
+        to delete it, which waits until every other check of the run has passed."""
         cfg, out = self.cfg, Path(self.cfg.train.out_dir)
         if cfg.resume:
-            return
+            return False
         held = [p for p in (self.ckpt_root / LATEST, out / "metrics.jsonl") if p.is_file() and p.stat().st_size]
         held += sorted(self.ckpt_root.glob("step_*"))[-1:]
         if not held:
-            return
+            return False
         if not cfg.train.overwrite:
             raise ConfigError(
                 f"train.out_dir {str(out)!r} holds another run ({', '.join(str(p) for p in held)}); continue it "
                 f"with --resume auto (or latest), start over with --train.overwrite true (deletes its checkpoints "
                 f"and metrics), or choose another --train.out_dir")
+        return True
+
+    def _clear_out_dir(self) -> None:
+        out = Path(self.cfg.train.out_dir)
         barrier()  # every rank has looked before rank 0 deletes
         if self.env.is_main:
             for path in (self.ckpt_root, out / "tensorboard", out / "hf"):

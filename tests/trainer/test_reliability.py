@@ -194,6 +194,13 @@ def test_a_fresh_run_refuses_an_out_dir_holding_another_run(corpus, reference, t
         train(parse_args(tiny_args(corpus, out, tmp_path / "cache", "--train.steps", "2")))
     assert (out / "metrics.jsonl").read_bytes() == before
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000008"
+    # --train.overwrite deletes the old run only once the new one has passed its checks: a mistyped
+    # data path fails and leaves the old run as it was.
+    with pytest.raises(Exception, match="missing.txt"):
+        train(parse_args(tiny_args(corpus, out, tmp_path / "cache", "--train.steps", "2", "--train.overwrite", "true",
+                                   "--data.path", str(tmp_path / "missing.txt"))))
+    assert (out / "metrics.jsonl").read_bytes() == before
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000008"
     result = train(parse_args(tiny_args(corpus, out, tmp_path / "cache", "--train.steps", "2",
                                         "--train.overwrite", "true")))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_00000002"]
