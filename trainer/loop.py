@@ -298,6 +298,7 @@ class Trainer:
             raise ConfigError(
                 f"resume: checkpoint {path} is {fmt!r} but zero_optimization.stage {self.cfg.zero_optimization.stage} "
                 f"needs {want!r}; resume with the stage it was written with, or convert it with scripts/consolidate.py")
+        self._keep_global_batch(path, saved)
         state = load_checkpoint(path, self.optimizer, lambda d: self.runtime.load(d, self.optimizer), self.env.rank)
         bad = self.nonfinite_tensors()
         if bad:
@@ -309,6 +310,29 @@ class Trainer:
         self.resumed_from = path
         if path.parent.resolve() == self.ckpt_root.resolve():
             self.saved, self.saved_step = path, self.step
+
+    def _keep_global_batch(self, path: Path, saved: dict) -> None:
+        """A resume keeps the checkpoint's global batch (samples per step), whatever the world size:
+        grad_accum is re-derived when micro_batch_size x the data-parallel ranks divides it, else the
+        run is refused, naming the values. (Checkpoints from before state.json recorded it: the
+        consumed samples per step.)"""
+        want = saved.get("global_batch")
+        if want is None and saved.get("step") and saved["consumed_samples"] % saved["step"] == 0:
+            want = saved["consumed_samples"] // saved["step"]
+        t = self.cfg.train
+        if want is None or want == self.global_batch:
+            return
+        per_accum = t.micro_batch_size * self.dp_size
+        if want % per_accum:
+            fix = (f"choose a train.micro_batch_size that divides {want // self.dp_size}" if want % self.dp_size == 0
+                   else f"resume on a number of data-parallel ranks that divides {want}")
+            raise ConfigError(
+                f"resume: checkpoint {path} was trained with a global batch of {want} samples per step; this run's "
+                f"is {self.global_batch} (micro_batch_size {t.micro_batch_size} x grad_accum {t.grad_accum} x "
+                f"{self.dp_size} data-parallel ranks) and no grad_accum gives {want}: {fix}")
+        self.notes.append(f"global batch {want} kept from the checkpoint: train.grad_accum {t.grad_accum} -> "
+                          f"{want // per_accum} (micro-batch {t.micro_batch_size} x {self.dp_size} data-parallel ranks)")
+        t.grad_accum = want // per_accum
 
     def nonfinite_tensors(self) -> list[str]:
         """Names of weights and optimizer states that hold a NaN or an infinity, on any rank
@@ -417,6 +441,7 @@ class Trainer:
         state = {
             "format": self.runtime.checkpoint_format,
             "consumed_samples": self.consumed_samples,
+            "global_batch": self.global_batch,
             "skipped": self.nonfinite.skipped,
             "config": to_dict(self.cfg),
             "model_config": dataclasses.asdict(self.model_cfg),

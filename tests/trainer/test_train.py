@@ -187,6 +187,13 @@ def test_zero3_training_matches_one_process_resumes_reshards_and_exports(corpus,
     one = train(parse_args(tiny_args(corpus, tmp_path / "one", cache, *ZERO3_FP32, "--resume", str(ckpt),
                                      "--train.micro_batch_size", "8")))
     assert max(abs(one.losses[s] - losses[s]) for s in range(5, 9)) < 1e-5
+    # Resharded with this run's own micro-batch 4: the checkpoint's global batch 8 is kept
+    # (grad_accum 1 -> 2), not silently halved; one that no grad_accum can give is refused.
+    kept = train(parse_args(tiny_args(corpus, tmp_path / "kept", cache, *ZERO3_FP32, "--resume", str(ckpt))))
+    assert max(abs(kept.losses[s] - losses[s]) for s in range(5, 9)) < 1e-5
+    with pytest.raises(ConfigError, match=r"global batch of 8 samples per step; this run's is 3 .* divides 8"):
+        Trainer(parse_args(tiny_args(corpus, tmp_path / "x", cache, *ZERO3_FP32, "--resume", str(ckpt),
+                                     "--train.micro_batch_size", "3")))
 
     # The consolidated Hugging Face export loads in transformers with our logits.
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "zero" / "hf").eval()
