@@ -8,9 +8,10 @@ import pytest
 
 from trainer.spawn import preload_in_ranks
 
-PACKAGES = {"data", "export", "kernels", "models", "rlhf", "trainer", "zeropp"}
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", "scripts"}  # the project's own
 
-SHARED_DATA = (Path(__file__).resolve().parents[1] / ".." / "shared" / "data").resolve()
+SHARED_DATA = (ROOT / ".." / "shared" / "data").resolve()
 
 
 def shared_file(name: str) -> Path:
