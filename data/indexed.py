@@ -38,6 +38,12 @@ CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 _HEADER = struct.Struct("<9sQBQQ")
 
 
+class BadIndexedFile(OSError, ValueError):
+    """A .bin/.idx file whose bytes are not what its index says (truncated, corrupt, or of another
+    pair): a bad file on disk, an OSError as an unreadable one is, so an entry point reports it in
+    one line naming the file; a ValueError as it always was."""
+
+
 def best_dtype(vocab_size: int) -> np.dtype:
     """Megatron's choice: uint16 below 65500 tokens, else int32."""
     return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
@@ -123,20 +129,22 @@ class IndexedDataset:
                 raise FileNotFoundError(f"indexed dataset file not found: {p}")
         idx_size = idx_path.stat().st_size
         if idx_size < _HEADER.size:
-            raise ValueError(f"{idx_path}: {idx_size} bytes, shorter than the {_HEADER.size}-byte header")
+            raise BadIndexedFile(f"{idx_path}: {idx_size} bytes, shorter than the {_HEADER.size}-byte header "
+                                 "(truncated?)")
         raw = np.memmap(idx_path, dtype=np.uint8, mode="r")
         magic, version, code, count, doc_count = _HEADER.unpack(raw[:_HEADER.size].tobytes())
         if magic != INDEX_MAGIC:
-            raise ValueError(f"{idx_path}: bad magic {magic!r}, expected {INDEX_MAGIC!r} (not a Megatron .idx file)")
+            raise BadIndexedFile(f"{idx_path}: bad magic {magic!r}, expected {INDEX_MAGIC!r} "
+                                 "(not a Megatron .idx file)")
         if version != INDEX_VERSION:
-            raise ValueError(f"{idx_path}: version {version}, expected {INDEX_VERSION}")
+            raise BadIndexedFile(f"{idx_path}: version {version}, expected {INDEX_VERSION}")
         if code not in CODE_DTYPES:
-            raise ValueError(f"{idx_path}: dtype code {code}, expected one of {sorted(CODE_DTYPES)}")
+            raise BadIndexedFile(f"{idx_path}: dtype code {code}, expected one of {sorted(CODE_DTYPES)}")
         self.dtype = CODE_DTYPES[code]
         expected = _HEADER.size + count * (4 + 8) + doc_count * 8
         if idx_size != expected:
-            raise ValueError(f"{idx_path}: {idx_size} bytes, expected {expected} for {count} sequences "
-                             f"and {doc_count} document indices (truncated or corrupted)")
+            raise BadIndexedFile(f"{idx_path}: {idx_size} bytes, expected {expected} for {count} sequences "
+                                 f"and {doc_count} document indices (truncated or corrupted)")
         offset = _HEADER.size
         self.sequence_lengths = raw[offset:offset + 4 * count].view(np.int32)
         offset += 4 * count
@@ -147,17 +155,18 @@ class IndexedDataset:
         self.num_tokens = int(self.sequence_lengths.sum(dtype=np.int64))
         bin_size = bin_path.stat().st_size
         if bin_size != self.num_tokens * self.dtype.itemsize:
-            raise ValueError(f"{bin_path}: {bin_size} bytes, but {idx_path} lists {self.num_tokens} tokens of "
-                             f"{self.dtype} = {self.num_tokens * self.dtype.itemsize} bytes "
-                             "(mismatched or truncated pair)")
+            raise BadIndexedFile(f"{bin_path}: {bin_size} bytes, but {idx_path} lists {self.num_tokens} tokens "
+                                 f"of {self.dtype} = {self.num_tokens * self.dtype.itemsize} bytes "
+                                 "(mismatched or truncated pair)")
         starts = np.concatenate(([0], np.cumsum(self.sequence_lengths[:-1], dtype=np.int64)))
         expected_pointers = starts * self.dtype.itemsize
         if count and not np.array_equal(self.sequence_pointers, expected_pointers):
-            raise ValueError(f"{idx_path}: sequence pointers do not follow the sequence lengths (corrupted index)")
+            raise BadIndexedFile(f"{idx_path}: sequence pointers do not follow the sequence lengths "
+                                 "(corrupted index)")
         if doc_count == 0 or self.document_indices[0] != 0 or self.document_indices[-1] != count \
                 or np.any(np.diff(self.document_indices) < 0):
-            raise ValueError(f"{idx_path}: document indices must rise from 0 to the sequence count {count} "
-                             "(corrupted index)")
+            raise BadIndexedFile(f"{idx_path}: document indices must rise from 0 to the sequence count "
+                                 f"{count} (corrupted index)")
         # np.memmap cannot map an empty file.
         self.tokens = (np.memmap(bin_path, dtype=self.dtype, mode="r") if self.num_tokens
                        else np.empty(0, dtype=self.dtype))

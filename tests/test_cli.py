@@ -16,10 +16,12 @@ import traceback
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from data.indexed import IndexedDatasetBuilder
 from rlhf.config import RLHFConfig
 from tests.trainer.test_finetune import LORA, LORA_TARGETS, ft_args, ft_config, hf_dirs, synthetic, tokenizer_dir  # noqa: F401
 from trainer.config import Config, ConfigError, all_fields, field_docs
@@ -158,6 +160,47 @@ def test_run_errors_are_one_line_naming_file_key_and_value(hf_dirs, synthetic, t
                    "resume:", "nowhere is not a checkpoint directory")
     result = call_entry(capfd, "finetune.py", *base, "--resume", str(tmp_path / "nowhere"), "--debug", cwd=tmp_path)
     assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+TINY_RUN = ("--model.preset", "gpt2-tiny", "--data.vocab_size", "512", "--data.seq_len", "32", "--train.steps", "2",
+            "--train.micro_batch_size", "2", "--train.eval_batches", "1", "--train.progress_bar", "false",
+            "--train.tensorboard", "false")
+
+
+@pytest.fixture(scope="module")
+def token_store(tokenizer_dir, tmp_path_factory) -> Path:  # noqa: F811
+    """A preprocessed data set (.bin/.idx prefix) of tokenizer_dir's ids: 200 documents of 64 tokens."""
+    prefix = tmp_path_factory.mktemp("store") / "tokens"
+    ids = torch.randint(0, 600, (200, 64), generator=torch.Generator().manual_seed(0)).numpy()
+    with IndexedDatasetBuilder(prefix, np.uint16) as builder:
+        for row in ids:
+            builder.add_document(row)
+    return prefix
+
+
+def store_copy(token_store: Path, tmp_path: Path, suffix: str = "", keep: int = 0) -> Path:
+    """A copy of token_store whose `suffix` file (.bin or .idx) keeps only its first `keep` bytes."""
+    prefix = tmp_path / "store" / "tokens"
+    prefix.parent.mkdir()
+    for ext in (".bin", ".idx"):
+        data = Path(f"{token_store}{ext}").read_bytes()
+        Path(f"{prefix}{ext}").write_bytes(data[:keep] if ext == suffix else data)
+    return prefix
+
+
+@pytest.mark.parametrize("suffix,keep,expected", [
+    (".bin", 20000, ["tokens.bin: 20000 bytes, but ", "tokens.idx lists 12800 tokens of uint16 = 25600 bytes"]),
+    (".idx", 2000, ["tokens.idx: 2000 bytes, expected 4042 for 200 sequences"]),
+    (".idx", 20, ["tokens.idx: 20 bytes, shorter than the 34-byte header"]),
+], ids=["bin", "idx", "idx_header"])
+def test_a_truncated_token_store_is_one_line(suffix, keep, expected, token_store, tokenizer_dir,  # noqa: F811
+                                             tmp_path, capfd):
+    """A preprocessed data set's .bin or .idx cut short: the file, its size and the size expected."""
+    prefix = store_copy(token_store, tmp_path, suffix, keep)
+    result = call_entry(capfd, "train.py", *TINY_RUN, "--train.out_dir", str(tmp_path / "out"), "--data.path",
+                        str(prefix), "--data.tokenizer", str(tokenizer_dir), cwd=tmp_path)
+    assert result.returncode == 1
+    one_line_error(result, f"train.py: error: {prefix}", *expected)
 
 
 def test_rlhf_run_errors_are_one_line(tmp_path, capfd):
