@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from abc import ABC, abstractmethod
@@ -20,6 +21,7 @@ import tokenizers
 
 # Ids SentencePiece models trained here reserve, in Llama's order plus a real pad.
 SP_UNK_ID, SP_BOS_ID, SP_EOS_ID, SP_PAD_ID = 0, 1, 2, 3
+SP_FIXED_PIECES = 4 + 256  # those four and byte_fallback's 256 byte pieces: every vocabulary holds them
 
 # Names looked for when an HF checkpoint does not say which token ends a document.
 _WELL_KNOWN_EOS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>")
@@ -151,6 +153,11 @@ def train_sentencepiece(
                 minloglevel=2,
             )
         except RuntimeError as e:
+            need = re.search(r"smaller than required_chars\. \d+ vs (\d+)", str(e))
+            if need:
+                raise ValueError(f"vocab_size {vocab_size} is too small for {[str(f) for f in input_files]}: "
+                                 f"expected at least {need[1]} (4 special and 256 byte pieces, plus the text's "
+                                 f"{int(need[1]) - SP_FIXED_PIECES} distinct characters)") from e
             raise ValueError(f"SentencePiece training on {[str(f) for f in input_files]} failed: {e}") from e
     return SentencePieceTokenizer(f"{model_prefix}.model")
 

@@ -155,6 +155,12 @@ class ModelConfig:
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "ModelConfig":
         """A copy of PRESETS[name] with some fields replaced, e.g. max_seq_len=512."""
+        return cls(**cls.preset_fields(name, **overrides))
+
+    @classmethod
+    def preset_fields(cls, name: str, **overrides) -> dict:
+        """The fields from_preset builds its config of, not yet checked: a run's config names the
+        key it set where one of these makes no model (trainer.config.check_model_section)."""
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
         fields = [f.name for f in dataclasses.fields(cls)]
@@ -167,7 +173,7 @@ class ModelConfig:
             overrides["d_ff"] = default_d_ff(preset.activation, overrides["d_model"])
         if "n_kv_head" not in overrides and preset.n_kv_head == preset.n_head:
             overrides["n_kv_head"] = None  # a multi-head preset stays multi-head when n_head changes
-        return dataclasses.replace(preset, **overrides)
+        return {**{key: getattr(preset, key) for key in fields}, **overrides}
 
 
 def default_d_ff(activation: str, d_model: int) -> int:

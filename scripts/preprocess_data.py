@@ -18,7 +18,7 @@ from pathlib import Path
 
 from data.indexed import tokenize_to_indexed
 from data.sources import documents_as_text, require_file
-from data.tokenizer import load_tokenizer, train_sentencepiece
+from data.tokenizer import SP_FIXED_PIECES, load_tokenizer, train_sentencepiece
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -36,7 +36,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--no-append-eod", dest="append_eod", action="store_false",
                         help="do not end each document with the EOS token")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.train_sentencepiece is not None and args.train_sentencepiece <= SP_FIXED_PIECES:
+        parser.error(f"--train-sentencepiece: {args.train_sentencepiece} is too small; expected a vocabulary above "
+                     f"{SP_FIXED_PIECES} (4 special and 256 byte pieces, plus the text's characters)")
+    return args
 
 
 def main(argv=None) -> None:
@@ -64,4 +68,4 @@ if __name__ == "__main__":
     try:
         main()
     except (OSError, ValueError, KeyError) as e:
-        sys.exit(f"error: {e}")
+        sys.exit(f"{Path(sys.argv[0]).name}: error: {e}")

@@ -188,6 +188,29 @@ def store_copy(token_store: Path, tmp_path: Path, suffix: str = "", keep: int = 
     return prefix
 
 
+@pytest.mark.parametrize("args,expected", [
+    (["--model.n_layer", "0"], ["model.n_layer: value 0 is out of range; expected an integer >= 1"]),
+    (["--model.n_head", "3"], ["model.n_head: value 3 does not divide model.d_model 64", "expected a divisor of 64"]),
+    (["--model.d_model", "66"], ["model.d_model: value 66 is not a multiple of model.n_head 4"]),
+    (["--model.preset", "llama-tiny", "--model.n_kv_head", "3"], ["model.n_kv_head: value 3 does not divide "
+                                                                   "model.n_head 4 (from preset 'llama-tiny')"]),
+    (["--model.preset", "llama-tiny", "--model.n_head", "64"], ["model.n_head: value 64", "odd head width",
+                                                                 "RoPE"]),
+    (["--model.d_ff", "-1"], ["model.d_ff: value -1 is out of range"]),
+    (["--model.make_vocab_size_divisible_by", "0"], ["model.make_vocab_size_divisible_by: value 0"]),
+    (["--model.preset", "gpt3"], ["model.preset: value 'gpt3' is not a preset; expected one of gpt2,", "llama-tiny"]),
+    (["--data.vocab_size", "0"], ["data.vocab_size: value 0 is out of range; expected an integer above 260"]),
+], ids=["n_layer", "n_head", "d_model", "n_kv_head", "rope_head_dim", "d_ff", "vocab_multiple", "preset",
+        "vocab_size"])
+def test_a_model_or_vocabulary_no_run_can_use_is_one_line(args, expected, tmp_path, capfd):
+    """Refused with the config, before any data is read: the key, the value and what was expected
+    (not ModelConfig's ValueError, a ZeroDivisionError or SentencePiece's internal error)."""
+    result = call_entry(capfd, "train.py", *TINY_RUN, "--train.out_dir", str(tmp_path / "out"), *args, cwd=tmp_path)
+    assert result.returncode == 1
+    one_line_error(result, "train.py: error: ", *expected)
+    assert not (tmp_path / "cache").exists()
+
+
 @pytest.mark.parametrize("suffix,keep,expected", [
     (".bin", 20000, ["tokens.bin: 20000 bytes, but ", "tokens.idx lists 12800 tokens of uint16 = 25600 bytes"]),
     (".idx", 2000, ["tokens.idx: 2000 bytes, expected 4042 for 200 sequences"]),

@@ -36,6 +36,8 @@ from typing import Annotated, Any, Iterable, Literal
 
 import yaml
 
+from data.tokenizer import SP_FIXED_PIECES
+from models.config import PRESETS, ModelConfig
 from models.lora import DEFAULT_TARGETS
 from trainer.preemption import signal_number
 from zeropp.config import TensorParallelConfig, ZeroConfig
@@ -283,11 +285,59 @@ def check_held_out(d: HeldOutSection) -> None:
         raise ConfigError(f"data.valid_fraction must be in (0, 1), got {d.valid_fraction}")
 
 
+MODEL_SIZES = ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "max_seq_len")  # ModelSection's shape keys
+
+
+def _divides(fields: dict, given: set[str], preset: str, part: str, whole: str, why: str) -> None:
+    """Refuse model.<part> that does not divide model.<whole>, naming the key the run set."""
+    p, w = fields[part], fields[whole]
+    if w % p == 0:
+        return
+    if part in given or whole not in given:
+        note = "" if whole in given else f" (from preset {preset!r})"
+        raise ConfigError(f"model.{part}: value {p} does not divide model.{whole} {w}{note}; "
+                          f"expected a divisor of {w} ({why})")
+    note = "" if part in given else f" (from preset {preset!r})"
+    raise ConfigError(f"model.{whole}: value {w} is not a multiple of model.{part} {p}{note}; "
+                      f"expected a multiple of {p} ({why})")
+
+
+def check_model_section(m: ModelSection) -> None:
+    """A model that cannot be built is refused before any data is read, naming the model.* key
+    and value (ModelConfig's own checks speak of its fields, not of the run's keys)."""
+    if m.preset not in PRESETS:
+        raise ConfigError(f"model.preset: value {m.preset!r} is not a preset; expected one of {', '.join(PRESETS)}")
+    _refuse([(f"model.{k}", getattr(m, k), "an integer >= 1 (unset: the preset's)",
+              getattr(m, k) is None or getattr(m, k) >= 1) for k in MODEL_SIZES]
+            + [("model.make_vocab_size_divisible_by", m.make_vocab_size_divisible_by, "an integer >= 1",
+                m.make_vocab_size_divisible_by >= 1)])
+    given = {k for k in MODEL_SIZES if getattr(m, k) is not None}
+    fields = ModelConfig.preset_fields(m.preset, **{k: getattr(m, k) for k in given})
+    fields["n_kv_head"] = fields["n_kv_head"] or fields["n_head"]
+    if fields["explicit_head_dim"] is None:
+        _divides(fields, given, m.preset, "n_head", "d_model", "every head gets d_model / n_head of the width")
+        head_dim = fields["d_model"] // fields["n_head"]
+        if fields["positions"] == "rope" and head_dim % 2:
+            raise ConfigError(f"model.n_head: value {fields['n_head']} gives an odd head width d_model / n_head = "
+                              f"{fields['d_model']} / {fields['n_head']} = {head_dim}; expected an even one "
+                              f"(preset {m.preset!r} rotates pairs of each head's dimensions: RoPE)")
+    _divides(fields, given, m.preset, "n_kv_head", "n_head", "each key/value head serves as many query heads")
+    try:
+        ModelConfig(**fields)  # anything else ModelConfig refuses, in its own words
+    except ValueError as e:
+        raise ConfigError(f"model (preset {m.preset!r}): {e}") from None
+
+
 def check_values(cfg: Config) -> None:
     """Refuse values of the right type that no run can use (a negative learning rate trains
     backwards, eval_batches 0 crashes after the last step, before the final save)."""
     check_optim_section(cfg.optim)
     check_run_section(cfg.train)
+    check_model_section(cfg.model)
+    if cfg.data.tokenizer is None and cfg.data.vocab_size <= SP_FIXED_PIECES:
+        raise ConfigError(f"data.vocab_size: value {cfg.data.vocab_size} is out of range; expected an integer "
+                          f"above {SP_FIXED_PIECES} (the SentencePiece model's 4 special and 256 byte pieces, plus "
+                          f"the text's characters)")
 
 
 # ----------------------------------------------------------------------------- conversion

@@ -57,3 +57,10 @@ def test_cli_errors(tmp_path, sp_tokenizer):
     result = run("--input", source, "--tokenizer", sp_tokenizer.path, "--output-prefix", tmp_path / "o", cwd=tmp_path)
     assert result.returncode == 1
     assert "error: " + f"{source}: key 'text' not found; the records have keys ['body']" in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"preprocess_data.py: error: {source}: key 'text' not found; the records have keys ['body']"]
+    result = run("--input", source, "--train-sentencepiece", 0, "--output-prefix", tmp_path / "o", cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "preprocess_data.py: error: --train-sentencepiece: 0 is too small; expected a vocabulary above 260 "
+        "(4 special and 256 byte pieces, plus the text's characters)")

@@ -86,3 +86,9 @@ def test_load_tokenizer_errors(tmp_path):
         load_tokenizer(bogus)
     with pytest.raises(FileNotFoundError, match="tokenizer training file not found"):
         train_sentencepiece([tmp_path / "absent.txt"], tmp_path / "t", 500)
+    text = tmp_path / "abc.txt"
+    text.write_text("abc cab\n" * 50)
+    with pytest.raises(ValueError, match=r"vocab_size 263 is too small for .*abc.txt.*: expected at least 264 "
+                                         r"\(4 special and 256 byte pieces, plus the text's 4 distinct characters\)"):
+        train_sentencepiece([text], tmp_path / "t", 263)  # SentencePiece's own words: "required_chars. 263 vs 264"
+    assert train_sentencepiece([text], tmp_path / "t", 264).vocab_size == 264
