@@ -19,11 +19,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+import zeropp.checkpoint
 from data.indexed import IndexedDatasetBuilder
 from rlhf.config import RLHFConfig
 from tests.trainer.test_finetune import LORA, LORA_TARGETS, ft_args, ft_config, hf_dirs, synthetic, tokenizer_dir  # noqa: F401
+from trainer.checkpoint import verify_checkpoint
 from trainer.config import Config, ConfigError, all_fields, field_docs
 from trainer.loop import Trainer, cross_node_report, train
 
@@ -224,6 +227,37 @@ def test_a_truncated_token_store_is_one_line(suffix, keep, expected, token_store
                         str(prefix), "--data.tokenizer", str(tokenizer_dir), cwd=tmp_path)
     assert result.returncode == 1
     one_line_error(result, f"train.py: error: {prefix}", *expected)
+
+
+@pytest.mark.parametrize("message", [
+    "Error while serializing: I/O error: No space left on device (os error 28)",  # 0.8, on a full tmpfs
+    'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })',
+], ids=["safetensors-0.8", "older"])
+def test_a_full_disk_during_a_save_is_one_line_and_leaves_nothing(message, token_store, tokenizer_dir,  # noqa: F811
+                                                                   tmp_path, capfd, monkeypatch):
+    """safetensors raises its own SafetensorError when the disk fills: the run ends in one line
+    naming the checkpoint, the partial save is gone, and `latest` and the previous checkpoint are
+    as they were."""
+    real_save_file = zeropp.checkpoint.save_file
+
+    def save_file(tensors, filename, metadata=None):
+        if ".tmp-step_00000002" not in filename:
+            return real_save_file(tensors, filename, metadata=metadata)
+        Path(filename).write_bytes(b"x" * 1000)  # what fitted
+        raise SafetensorError(message)
+
+    monkeypatch.setattr(zeropp.checkpoint, "save_file", save_file)
+    out = tmp_path / "out"
+    result = call_entry(capfd, "train.py", *TINY_RUN, "--train.out_dir", str(out), "--train.checkpoint_interval", "1",
+                        "--data.path", str(store_copy(token_store, tmp_path)), "--data.tokenizer", str(tokenizer_dir),
+                        cwd=tmp_path)
+    assert result.returncode == 1
+    root = out / "checkpoints"
+    one_line_error(result, f"train.py: error: the disk is full: checkpoint {root / 'step_00000002'} not saved",
+                   "No space left on device", "model.safetensors", f"{root / 'latest'} still names step_00000001")
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
+    assert (root / "latest").read_text().strip() == "step_00000001"
+    verify_checkpoint(root / "step_00000001")
 
 
 def test_rlhf_run_errors_are_one_line(tmp_path, capfd):

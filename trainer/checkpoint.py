@@ -22,6 +22,7 @@ file, or a manifest or shard from another checkpoint is an error naming the file
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -60,11 +61,15 @@ def _write_json(path: Path, obj) -> None:
 
 def _replace_file(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written pointer behind
+        raise
 
 
 def _rng_state() -> dict:
@@ -184,12 +189,27 @@ def save_checkpoint(ckpt_root: str | Path, step: int, state: dict, optimizer: to
             _install(root, tmp, final)
             _replace_file(root / LATEST, name + "\n")
             _fsync_dir(root)
-    except BaseException:
+    except BaseException as e:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a failed save must not keep holding the disk
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            latest = root / LATEST
+            kept = f"{latest} still names {latest.read_text().strip()}" if latest.is_file() else "no checkpoint yet"
+            raise DiskFullError(f"the disk is full: checkpoint {final} not saved ({e.strerror} writing "
+                                f"{e.filename or tmp}); its partial files were removed, {kept}") from e
         raise
     barrier()
     return final
+
+
+class DiskFullError(OSError):
+    """A save that ran out of disk (ENOSPC), said in one line naming the checkpoint it did not write."""
+
+    def __init__(self, message: str):
+        super().__init__(errno.ENOSPC, message)
+
+    def __str__(self) -> str:
+        return self.strerror
 
 
 def _install(root: Path, tmp: Path, final: Path) -> None:

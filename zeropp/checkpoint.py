@@ -30,6 +30,8 @@ of the rank files that hold it, with plain reads (no memory map): its peak is on
 from __future__ import annotations
 
 import json
+import os
+import re
 import warnings
 from pathlib import Path
 
@@ -51,6 +53,19 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be read, or was written for another model; the message says why."""
 
 
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """save_file, whose failure to write is an OSError naming the file: safetensors raises its own
+    SafetensorError for every I/O error (a full disk: "... No space left on device (os error 28)")."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:
+        code = re.search(r"os error (\d+)|code: (\d+)", str(e))  # or, older: "IoError(Os { code: 28, ..."
+        if code is None:
+            raise
+        number = int(code[1] or code[2])
+        raise OSError(number, os.strerror(number), str(path)) from e
+
+
 def shard_file(directory: Path, rank: int) -> Path:
     return Path(directory) / f"shards_rank{rank:05d}.safetensors"
 
@@ -63,7 +78,7 @@ def save_reducer_state(reducer, directory: str | Path, rank: int, world_size: in
     """This rank's gradient reducer state (ZeRO's and DDP's alike), when it keeps any."""
     state = {k: v.detach().cpu().contiguous() for k, v in reducer.state_dict().items()}
     if state:
-        save_file(state, str(reducer_file(directory, rank)), metadata={"world_size": str(world_size)})
+        write_safetensors(state, reducer_file(directory, rank), metadata={"world_size": str(world_size)})
 
 
 def load_reducer_state(reducer, directory: str | Path, rank: int, world_size: int, device: torch.device) -> None:
@@ -150,7 +165,7 @@ def save_shards(engine, directory: str | Path, optimizer) -> None:
                     tensors[f"{name}.{key}"] = value.detach().cpu().clone()
                 else:
                     tensors[f"{name}.{key}"][start:start + piece.numel()] = value.detach().cpu()
-    save_file(tensors, str(shard_file(directory, engine.mesh.rank)))
+    write_safetensors(tensors, shard_file(directory, engine.mesh.rank))
     save_reducer_state(engine.reducer, directory, engine.mesh.rank, engine.mesh.world_size)
     if engine.mesh.rank == 0:
         manifest = {"format": FORMAT, "world_size": engine.mesh.world_size,
@@ -443,8 +458,8 @@ def save_full(directory: Path, model: torch.nn.Module, optimizer, rank: int) -> 
     names = {p: name for name, p in model.named_parameters()}
     states = {f"{names[p]}.{key}": value.detach().contiguous().cpu()
               for p, state in optimizer.state.items() for key, value in state.items()}
-    save_file(model_tensors(model), str(Path(directory) / "model.safetensors"))
-    save_file(states, str(Path(directory) / "optimizer.safetensors"))
+    write_safetensors(model_tensors(model), Path(directory) / "model.safetensors")
+    write_safetensors(states, Path(directory) / "optimizer.safetensors")
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
