@@ -11,8 +11,8 @@ appearing). After each kill it checks every checkpoint against its checksums and
 (metrics.jsonl, exact floats) and every tensor of the final checkpoint with an uninterrupted
 run's: bit-identical or not.
 
-Other scenarios, 4 ranks: one rank killed, one rank frozen (SIGSTOP; the others must time out
-after train.dist_timeout and name the collective), the preemption signal to the torchrun
+Other scenarios, 4 ranks: one rank killed, one rank frozen (SIGSTOP; every other rank must
+time out after train.dist_timeout and name the frozen rank), the preemption signal to the torchrun
 agent (the ranks must save one checkpoint and exit 0), an elastic restart (torchrun
 --max-restarts 1, a rank killed: the restart must resume bit-identically); 1 process: a full
 disk (a small tmpfs, needs root) and divergence (lr 1e6).
@@ -244,8 +244,10 @@ def rank_fault(layout: Layout, work: Path, cache: Path, sig: int, name: str, tim
         return f"FAIL: {name}: the job was still running 120 s after the fault"
     took = time.time() - began
     text = log.read_text()
-    if sig == signal.SIGSTOP:  # the survivors must say which collective they waited in
-        named = [line.strip() for line in text.splitlines() if "a collective failed" in line]
+    if sig == signal.SIGSTOP:  # every survivor must name the stopped rank (trainer.heartbeat)
+        named = [line.strip() for line in text.splitlines() if line.startswith("train.py: error: rank")
+                 and f"rank {victim} (host " in line and "stopped responding" in line]
+        named = named if len(named) == len(workers) - 1 else []
     else:  # torchrun's summary names the failed rank and its exit code
         lines = text.splitlines()
         named = [" ".join(x.strip() for x in lines[i:i + 3]) for i, x in enumerate(lines)

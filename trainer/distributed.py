@@ -206,6 +206,18 @@ def is_peer_failure(error: BaseException) -> bool:
     if isinstance(error, dist.DistError):
         return True
     text = str(error)
-    return isinstance(error, RuntimeError) and any(s in text for s in (
-        "Timed out", "timed out", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
-        "NCCL communicator was aborted", "Socket Timeout"))
+    return isinstance(error, RuntimeError) and any(s in text for s in PEER_FAILURES)
+
+
+def is_timeout(error: BaseException) -> bool:
+    """Whether a peer failure is a collective that waited out its timeout (a peer stopped answering),
+    rather than one that lost its connection (a peer died)."""
+    return any(s in str(error) for s in TIMEOUTS)
+
+
+# What gloo and NCCL say when a collective waited out its timeout (gloo's "pair closure" comes
+# from a collective issued before an earlier one timed out), and when a peer died.
+TIMEOUTS = ("Timed out", "timed out", "Application timeout caused pair closure", "Socket Timeout",
+            "Watchdog caught collective operation timeout")
+PEER_FAILURES = (*TIMEOUTS, "Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                 "NCCL communicator was aborted")

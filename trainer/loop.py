@@ -11,7 +11,9 @@ from outside; the loop calls only the runtime interface and never asks which one
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import math
 import os
 import shutil
@@ -37,8 +39,9 @@ from trainer.checkpoint import (FULL, LATEST, CheckpointError, export_hf, export
                                 recover, resolve_checkpoint, save_checkpoint)
 from trainer.config import Config, ConfigError, LoraSection, check_held_out, check_values, pop_debug, to_dict
 from trainer.distributed import (DistEnv, LauncherError, PeerError, all_gather_objects, all_reduce_sum, barrier,
-                                 init_distributed, is_peer_failure)
+                                 init_distributed, is_peer_failure, is_timeout)
 from trainer.finetune_data import FinetuneData, prepare_finetuning
+from trainer.heartbeat import start_heartbeat
 from trainer.memory import baseline_bytes, peak_bytes, predicted_peak
 from trainer.metrics import MetricsLogger
 from trainer.nonfinite import NonFiniteError, NonFiniteSteps, nonfinite_tensors
@@ -155,9 +158,12 @@ class Trainer:
         _check(cfg)
         return_freed_memory_to_the_os()
         self.cfg = cfg
-        self.phase = "startup"  # what the ranks do now: named when a collective fails
+        self.heartbeat = None
+        self.phase = "startup"
         self.owns_group = env is None and not dist.is_initialized()
         self.env = env or init_distributed(cfg.train.dist_timeout)
+        self.heartbeat = start_heartbeat(self.env.rank, self.env.world_size, cfg.train.dist_timeout,
+                                         lambda: self.phase)
         self.ckpt_root = Path(cfg.train.out_dir) / "checkpoints"
         overwrite = self._check_out_dir()
         torch.manual_seed(cfg.train.seed)
@@ -466,8 +472,26 @@ class Trainer:
         barrier()
         return out
 
-    def close(self) -> None:
-        self.runtime.close()
+    @property
+    def phase(self) -> str:
+        """What the rank does now ("training step 5"): named when a collective fails, here and in
+        the rank's heartbeat, which beats at each change."""
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        self._phase = value
+        if self.heartbeat is not None:
+            self.heartbeat.wake()
+
+    def close(self, after_failure: bool = False) -> None:
+        """After a failure the runtime is left as it is: its pending collectives may wait for a
+        peer that is gone (and then fail with errors of their own), while this rank's error must
+        reach the log before the launcher stops the rank."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        if not after_failure:
+            self.runtime.close()
 
     def run(self) -> TrainResult:
         """Train to train.steps (or to the preemption signal) through the one loop skeleton
@@ -664,17 +688,17 @@ def train(cfg: Config) -> TrainResult:
         trainer = Trainer(cfg)
         try:
             result = trainer.run()
-        finally:
-            trainer.close()
-    except Exception as e:
-        if not is_peer_failure(e):
+        except Exception as e:
+            error = peer_error(e, trainer, cfg) if is_peer_failure(e) else None
+            trainer.close(after_failure=True)
+            if error is not None:
+                raise error from e
             raise
-        phase = trainer.phase if trainer is not None else "startup"
-        rank = trainer.env.rank if trainer is not None else int(os.environ.get("RANK", "0"))
-        raise PeerError(
-            f"rank {rank}: a collective failed during {phase}: another rank died, stopped responding for "
-            f"train.dist_timeout={cfg.train.dist_timeout:g} s, or failed first (its own error names the cause). "
-            f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
+        trainer.close()
+    except Exception as e:
+        if isinstance(e, PeerError) or not is_peer_failure(e):
+            raise
+        raise peer_error(e, trainer, cfg) from e
     if trainer.env.is_main and not result.preempted:
         print(f"validation loss {result.val_loss:.4f} | perplexity {math.exp(min(result.val_loss, 50)):.2f}")
         print(f"checkpoint: {result.checkpoint}")
@@ -684,6 +708,20 @@ def train(cfg: Config) -> TrainResult:
         # exception") where the group outlives the run: a finished run would end with SIGABRT.
         dist.destroy_process_group()
     return result
+
+
+def peer_error(e: Exception, trainer: Trainer | None, cfg: Config) -> PeerError:
+    """A failed collective as one line: which rank stopped responding, where and when (from the
+    ranks' heartbeats), or, before they beat, the possible causes."""
+    phase = trainer.phase if trainer is not None else "startup"
+    rank = trainer.env.rank if trainer is not None else int(os.environ.get("RANK", "0"))
+    heartbeat = trainer.heartbeat if trainer is not None else None
+    cause = heartbeat.diagnosis(timed_out=is_timeout(e)) if heartbeat is not None else (
+        f"another rank died, stopped responding for train.dist_timeout={cfg.train.dist_timeout:g} s, or failed "
+        f"first (its own error names the cause)")
+    text = str(e).strip()
+    return PeerError(f"rank {rank}: a collective failed during {phase}: {cause}. "
+                     f"{type(e).__name__}: {text.splitlines()[0] if text else ''}")
 
 
 # What an entry point reports in one line: the message names the key, file or rank at fault.
@@ -714,4 +752,16 @@ def run_main(prog: str, argv: list[str], parse, work) -> None:
     except USER_ERRORS as e:
         rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE", "1")
         where = f" (rank {rank})" if rank is not None and world != "1" and not isinstance(e, PeerError) else ""
-        sys.exit(f"{prog}{where}: error: {e}")
+        line = f"{prog}{where}: error: {e}"
+        record_for_torchrun(line)
+        sys.exit(line)
+
+
+def record_for_torchrun(line: str) -> None:
+    """Under torchrun, the rank's error file (TORCHELASTIC_ERROR_FILE) gets the one line, so the
+    agent's failure summary shows it instead of "To enable traceback see ...": its root cause (the
+    first rank to exit) is often a survivor, whose line names the rank that stopped."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with contextlib.suppress(OSError):
+            Path(path).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))

@@ -34,6 +34,7 @@ each local rank will own, then a ring across nodes of the node sums. Both move e
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import threading
 import weakref
@@ -57,6 +58,23 @@ class LedgerEntry:
     dtypes: set = field(default_factory=set)
 
 
+class FlightRecord:
+    """The last collective this process issued, whichever Comm issued it: its tag and how many
+    collectives came before it (what torchtitan's Flight Recorder keeps, per op). trainer.heartbeat
+    publishes it, so that when a collective times out the ranks can say who stopped where."""
+
+    def __init__(self):
+        self._numbers = itertools.count(1)
+        self.calls = 0
+        self.tag: str | None = None
+
+    def issued(self, tag: str) -> None:
+        self.calls, self.tag = next(self._numbers), tag
+
+
+FLIGHT = FlightRecord()  # the process's
+
+
 class CommLedger:
     """Bytes moved by this rank, by tag (e.g. "forward gather"), since the last reset()."""
 
@@ -67,6 +85,7 @@ class CommLedger:
     def record(self, tag: str, dtype: torch.dtype | None, sent: int, received: int, cross_sent: int,
                cross_received: int):
         """One call under `tag`; dtype None: a call that carries no payload (a barrier)."""
+        FLIGHT.issued(tag)
         with self._lock:
             e = self.entries[tag]
             e.calls += 1

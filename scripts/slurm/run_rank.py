@@ -7,6 +7,7 @@ first on sys.path and sys.argv[0] set to it), then writes one line to
 $RANK_EXIT_DIR/rank-<RANK> (RANK from torchrun, else SLURM_PROCID):
 
     <time> <exit code> <how>
+    <the rank's one-line error>          (where it exited with one: sys.exit("train.py: error: ..."))
 
 `how` is `exited`; `preempted` where the rank's trainer saw the preemption signal and so
 stopped (trainer.preemption.preempted: the batch script requeues on that, also where only the
@@ -81,8 +82,9 @@ def _record(code: int, error: BaseException | None = None) -> None:
     try:
         os.makedirs(folder, exist_ok=True)
         tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}")
+        message = error.code if isinstance(error, SystemExit) and isinstance(error.code, str) else ""
         with open(tmp, "w") as f:
-            f.write(f"{time.time():.6f} {code} {how}\n")
+            f.write(f"{time.time():.6f} {code} {how}\n" + (message.splitlines()[0] + "\n" if message else ""))
         os.replace(tmp, path)
     except OSError as e:  # recording is best effort; never mask the rank's own outcome
         print(f"run_rank.py: could not record exit code {code} in {folder}: {e}", file=sys.stderr)

@@ -274,7 +274,10 @@ if env.rank == env.world_size - 1:  # on the second node
         sys.exit(7)
     if os.environ["FAIL_MODE"] == "hang":
         time.sleep(3600)  # never joins the next collective
-dist.barrier()
+try:
+    dist.barrier()
+except RuntimeError as e:  # as the entry points end: one line naming this rank
+    sys.exit(f"failing.py: error: rank {env.rank}: {str(e).splitlines()[0]}")
 """
 
 
@@ -304,7 +307,10 @@ def test_hung_rank_fails_the_job_after_dist_timeout(cluster, tmp_path):
     log = job.text()
     # The waiting ranks' collective times out after 3 s; srun then kills the hung rank.
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "1:0", log[-4000:]
-    assert "Timed out" in log or "timed out" in log, log[-4000:]
+    # The job's last line carries the first failure's one-line error.
+    last = log.strip().splitlines()[-1]
+    assert re.fullmatch(r"launch: exit code 1 \(first failure: failing.py: error: rank [0-2]: .*[Tt]imed out.*\)",
+                        last), log[-4000:]
     assert job.elapsed < 60, f"job took {job.elapsed:.0f}s"
 
 
@@ -478,8 +484,11 @@ def test_run_rank_records_the_exit_code(tmp_path, body, code, how):
     proc = subprocess.run([sys.executable, str(SLURM / "run_rank.py"), str(script), "--a", "b"], env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == code, proc.stderr
-    when, recorded, recorded_how = (tmp_path / "ranks" / "rank-3").read_text().split()
+    lines = (tmp_path / "ranks" / "rank-3").read_text().splitlines()
+    when, recorded, recorded_how = lines[0].split()
     assert (int(recorded), recorded_how) == (code, how) and float(when) > 0
+    # A one-line error is the record's second line (the launcher's last line repeats the first failure's).
+    assert lines[1:] == ([body.split("sys.exit(")[-1].strip(")'")] if "sys.exit('" in body else []), lines
 
 
 def test_a_rank_killed_by_a_signal_is_recorded_by_its_watcher(tmp_path):

@@ -4,6 +4,7 @@ a reused out_dir, durability, corrupted or mixed-up checkpoint files, unclear er
 Each test checks behaviour against an independent reference: an uninterrupted run's losses
 and tensors (bit-identical), or the bytes saved before the damage."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -306,6 +307,99 @@ def test_every_process_group_gets_the_configured_timeout():
         assert "secondary partition of 1" in mesh.describe()
     finally:
         dist.destroy_process_group()
+
+
+def _frozen_rank_run(rank, world_size, argv, port, victim, freeze_at, pid_file):
+    """One rank of a 3-rank ZeRO++ run in which `victim` stops itself (SIGSTOP) before step
+    `freeze_at`. A survivor returns its error line and the seconds since the freeze, then wakes
+    the victim (SIGCONT), which fails on its own once the others are gone."""
+    import time
+    from datetime import timedelta
+
+    from trainer.distributed import PeerError
+    from trainer.heartbeat import interval_for
+
+    cfg = parse_args(argv)
+    dist.destroy_process_group()  # the spawner's group has no train.dist_timeout: the trainer's own
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=cfg.train.dist_timeout))
+    if rank == victim:
+        step = Trainer.train_step
+
+        def freezing_step(self, *a, **k):
+            if self.step + 1 == freeze_at:
+                time.sleep(2 * interval_for(cfg.train.dist_timeout))  # a heartbeat of this step first
+                Path(pid_file).write_text(f"{os.getpid()} {time.time()}")
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return step(self, *a, **k)
+        Trainer.train_step = freezing_step
+    try:
+        train(cfg)
+        return "finished", 0.0
+    except PeerError as e:
+        if rank == victim:
+            return "the victim", 0.0
+        pid, frozen_at = Path(pid_file).read_text().split()
+        with contextlib.suppress(ProcessLookupError):  # (another survivor woke it, and it has ended)
+            os.kill(int(pid), signal.SIGCONT)
+        return str(e), time.time() - float(frozen_at)
+
+
+def test_a_frozen_rank_is_named_by_every_survivor_within_twice_the_timeout(corpus, tmp_path):  # noqa: F811
+    """Issue 36, item 1: a SIGSTOPped rank used to leave only "Timed out" (or "pair closure")
+    errors, and torchrun blamed a healthy rank. Every survivor now names the stopped rank, its
+    host, pid, phase and last collective (from the ranks' heartbeats) within 2 x dist_timeout."""
+    from trainer.spawn import free_port, run_ranks
+
+    timeout = 4.0
+    argv = tiny_args(corpus, tmp_path / "run", tmp_path / "cache", "--train.micro_batch_size", "1",
+                     "--train.dist_timeout", str(timeout), "--zero_optimization.stage", "3",
+                     "--zero_optimization.zero_quantized_weights", "true",
+                     "--zero_optimization.zero_quantized_gradients", "true",
+                     "--zero_optimization.zero_quantization_block_size", "64")
+    out = run_ranks(_frozen_rank_run, 3, (argv, free_port(), 1, 3, str(tmp_path / "victim.pid")), timeout=120)
+    assert out[1][0] == "the victim"
+    pid = (tmp_path / "victim.pid").read_text().split()[0]
+    for rank in (0, 2):
+        line, seconds = out[rank]
+        assert line.startswith(f"rank {rank}: a collective failed during training step 3: rank 1 (host ") and \
+            f"pid {pid}) stopped responding: its last heartbeat was" in line and \
+            "during training step 3, its last collective '" in line, line
+        assert seconds < 2 * timeout, (seconds, line)
+
+
+def test_every_timeout_message_maps_to_the_line_naming_the_stopped_rank():
+    """gloo's and NCCL's messages for a collective that waited out its timeout are peer failures
+    and timeouts (the "pair closure" one used to escape as a traceback), a lost connection a peer
+    failure only; the heartbeats' records give the sentence either way."""
+    from trainer.distributed import is_peer_failure, is_timeout
+    from trainer.heartbeat import describe, stale
+
+    for text in ("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms for recv operation to complete",
+                 "[gloo/transport/tcp/pair.cc:598] Application timeout caused pair closure",
+                 "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE)"):
+        assert is_peer_failure(RuntimeError(text)) and is_timeout(RuntimeError(text)), text
+    closed = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:3472")
+    assert is_peer_failure(closed) and not is_timeout(closed)
+    assert not is_peer_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+    def record(age, doing, tag, calls):
+        return {"time": 1000.0 - age, "host": "node1", "pid": 42, "doing": doing, "collective": tag, "calls": calls}
+    records = {0: record(0.5, "training step 7", "qgZ all-to-all", 812),
+               1: record(31.0, "training step 7", "forward gather", 809),
+               2: record(0.2, "training step 7", "qgZ all-to-all", 812)}
+    silent = stale(records, 0, 4.0, 1000.0)
+    assert silent == [1]
+    line = describe(records, silent, 0, 1000.0, records[0], timed_out=True)
+    assert line.startswith("rank 1 (host node1, pid 42) stopped responding: its last heartbeat was 31 s ago, "
+                           "during training step 7, its last collective 'forward gather' (call 809)"), line
+    # Nobody stopped: a timeout then lists where each rank is (a diverging rank stands out) ...
+    records[1] = record(0.1, "evaluation at step 6", "barrier", 700)
+    line = describe(records, [], 0, 1000.0, records[0], timed_out=True)
+    assert "ranks 0, 2: 'qgZ all-to-all' (call 812); rank 1: 'barrier' (call 700)" in line, line
+    # ... and a lost connection says a rank died (its own error or the launcher's names it).
+    assert "closed its connection" in describe(records, [], 0, 1000.0, records[0], timed_out=False)
 
 
 # ---------------------------------------------------------------------------------- defect 10
