@@ -73,7 +73,10 @@ class ResumableBatchSampler:
     global micro-batches of `micro_batch_size * world_size` samples, of which rank r takes
     `[r*micro_batch_size : (r+1)*micro_batch_size]`. So one process with micro_batch_size
     `mbs * world` sees exactly the union of what `world` ranks see, and a run can resume on a
-    different world size. The tail of an epoch smaller than a global micro-batch is dropped.
+    different world size. The tail of an epoch smaller than `samples_per_step` (one optimizer
+    step's samples, the global batch; default a global micro-batch) is dropped, so that the
+    samples of step N are the same set whatever the world size, micro-batch and accumulation
+    that make up the same global batch, in every epoch.
 
     `consumed_samples` counts global samples; a sampler built with the value a checkpoint saved
     continues with exactly the next micro-batch. The sampler advances it as it yields, but a
@@ -84,7 +87,7 @@ class ResumableBatchSampler:
     """
 
     def __init__(self, indices: Sequence[int] | np.ndarray, micro_batch_size: int, rank: int, world_size: int,
-                 seed: int, consumed_samples: int = 0, shuffle: bool = True):
+                 seed: int, consumed_samples: int = 0, shuffle: bool = True, samples_per_step: int | None = None):
         self.indices = np.asarray(indices, dtype=np.int64)
         if self.indices.ndim != 1:
             raise ValueError(f"indices must be 1-D, got shape {self.indices.shape}")
@@ -96,10 +99,15 @@ class ResumableBatchSampler:
         self.rank = rank
         self.world_size = world_size
         self.global_batch_size = micro_batch_size * world_size
-        self.samples_per_epoch = len(self.indices) - len(self.indices) % self.global_batch_size
-        if self.samples_per_epoch == 0:
-            raise ValueError(f"{len(self.indices)} samples are fewer than one global micro-batch of "
+        step = samples_per_step or self.global_batch_size
+        if step % self.global_batch_size:
+            raise ValueError(f"samples_per_step={step} is not a multiple of the global micro-batch of "
                              f"{micro_batch_size} x {world_size} ranks = {self.global_batch_size}")
+        self.samples_per_epoch = len(self.indices) - len(self.indices) % step
+        if self.samples_per_epoch == 0:
+            raise ValueError(f"{len(self.indices)} samples are fewer than one step's {step} "
+                             f"(micro-batch {micro_batch_size} x {world_size} ranks x {step // self.global_batch_size} "
+                             f"accumulated)")
         self.seed = seed
         self.shuffle = shuffle
         self.consumed_samples = self._checked(consumed_samples)

@@ -569,8 +569,10 @@ class _TrainerStage(Stage):
             for note in tr.notes:
                 log.info(note)
             if tr.resumed_from is not None:
-                log.info(f"resumed from checkpoint {tr.resumed_from} (step {tr.step}, "
-                         f"{tr.consumed_samples} samples consumed)")
+                log.info(f"resumed from checkpoint {tr.resumed_from} (step {tr.step}, {tr.consumed_samples} samples "
+                         f"consumed; global batch {tr.global_batch} = micro-batch {t.micro_batch_size} x grad_accum "
+                         f"{t.grad_accum} x {tr.dp_size} data-parallel ranks, as the checkpoint's: every step "
+                         f"draws the same samples as it would have there)")
         tr.model.train()
         self._new_window()
 

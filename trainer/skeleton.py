@@ -151,7 +151,7 @@ def _steps(stage: Stage, t: RunSection, result: StageResult) -> None:
             evaluate(0)
         rank, size = stage.data_parallel
         batches = iter(ResumableBatchSampler(stage.train_indices, t.micro_batch_size, rank, size, t.seed,
-                                             consumed_samples=consumed))
+                                             consumed_samples=consumed, samples_per_step=stage.samples_per_step))
         while step < stage.steps:
             stage.begin_step()
             metrics = stage.update(step, batches, nonfinite, preemption.received)

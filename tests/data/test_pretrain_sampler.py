@@ -98,6 +98,29 @@ def test_resume_on_another_world_size():
     assert [sum(step, []) for step in zip(*after)] == single[5:]
 
 
+def test_the_samples_of_each_step_do_not_depend_on_how_the_global_batch_is_split():
+    """Issue 36, item 4: a resume on another world size keeps the global batch, re-deriving the
+    accumulation; the samples of step N are then the same set, in every epoch (the epoch's tail is
+    cut at a whole step, not at a global micro-batch, which differs between the splits)."""
+    indices, global_batch, steps = np.arange(103), 12, 26  # 96 samples an epoch: 8 steps; 26 cross 3 epochs
+
+    def step_sets(world, micro, resume_at=0):
+        accum = global_batch // (micro * world)
+        ranks = [iter(ResumableBatchSampler(indices, micro, r, world, seed=3, samples_per_step=global_batch,
+                                            consumed_samples=resume_at * global_batch)) for r in range(world)]
+        return [sorted(sum((next(it) for _ in range(accum) for it in ranks), [])) for _ in range(steps - resume_at)]
+
+    one = step_sets(1, 12)
+    assert len({tuple(s) for s in one[:8]}) == 8 and one[:8] != one[8:16]  # real steps, reshuffled each epoch
+    for world, micro in [(2, 3), (3, 1), (4, 3), (2, 1)]:  # grad_accum 2, 4, 1 and 6
+        assert step_sets(world, micro) == one, (world, micro)
+    # A 4-rank run resumed at step 11 (in the second epoch) on 3 ranks continues the same sets.
+    assert step_sets(4, 3)[:11] + step_sets(3, 1, resume_at=11) == one
+    # Cut at a global micro-batch instead, the splits part ways after the first epoch.
+    split = [iter(ResumableBatchSampler(indices, 1, r, 2, seed=3)) for r in range(2)]
+    assert [sorted(sum((next(it) for _ in range(6) for it in split), [])) for _ in range(steps)] != one
+
+
 def test_sampler_with_dataloader(indexed):
     ds = PretrainDataset(indexed, 16)
     assert len(pickle.dumps(ds)) < 1000  # goes to DataLoader workers by path, not as a copy of the tokens
@@ -111,8 +134,10 @@ def test_sampler_with_dataloader(indexed):
 
 
 def test_sampler_errors():
-    with pytest.raises(ValueError, match="fewer than one global micro-batch"):
+    with pytest.raises(ValueError, match=r"fewer than one step's 8 \(micro-batch 4 x 2 ranks x 1 accumulated\)"):
         ResumableBatchSampler(range(7), 4, 0, 2, seed=0)
+    with pytest.raises(ValueError, match="samples_per_step=12 is not a multiple of the global micro-batch"):
+        ResumableBatchSampler(range(70), 4, 0, 2, seed=0, samples_per_step=12)
     with pytest.raises(ValueError, match="rank=2"):
         ResumableBatchSampler(range(70), 4, 2, 2, seed=0)
     with pytest.raises(ValueError, match="multiple of the global micro-batch 8"):

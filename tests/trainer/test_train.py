@@ -189,8 +189,12 @@ def test_zero3_training_matches_one_process_resumes_reshards_and_exports(corpus,
     assert max(abs(one.losses[s] - losses[s]) for s in range(5, 9)) < 1e-5
     # Resharded with this run's own micro-batch 4: the checkpoint's global batch 8 is kept
     # (grad_accum 1 -> 2), not silently halved; one that no grad_accum can give is refused.
-    kept = train(parse_args(tiny_args(corpus, tmp_path / "kept", cache, *ZERO3_FP32, "--resume", str(ckpt))))
+    with contextlib.redirect_stdout(io.StringIO()) as log:
+        kept = train(parse_args(tiny_args(corpus, tmp_path / "kept", cache, *ZERO3_FP32, "--resume", str(ckpt))))
     assert max(abs(kept.losses[s] - losses[s]) for s in range(5, 9)) < 1e-5
+    assert f"resumed from checkpoint {ckpt} (step 4, 32 samples consumed; global batch 8 = micro-batch 4 x " \
+           "grad_accum 2 x 1 data-parallel ranks, as the checkpoint's: every step draws the same samples" in \
+           log.getvalue(), log.getvalue()
     with pytest.raises(ConfigError, match=r"global batch of 8 samples per step; this run's is 3 .* divides 8"):
         Trainer(parse_args(tiny_args(corpus, tmp_path / "x", cache, *ZERO3_FP32, "--resume", str(ckpt),
                                      "--train.micro_batch_size", "3")))
