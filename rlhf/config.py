@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from trainer.config import (ConfigError, HeldOutSection, InputPath, ModelSection, OptimSection, ResumeConfig,
-                            RunSection, check_held_out, check_optim_section, check_run_section)
+                            RunSection, check_held_out, check_model_section, check_optim_section, check_run_section)
 from zeropp.config import ZeroConfig, ZeroConfigError
 
 STAGES = ("sft", "reward", "dpo", "ppo", "grpo")
@@ -174,6 +174,7 @@ def check(cfg: RLHFConfig, stage: str) -> None:
             raise ConfigError(f"{key} must be at least 1, got {value}")
     check_run_section(cfg.train)  # the shared keys: checked as train.py checks them
     check_optim_section(cfg.optim)
+    check_model_section(cfg.model)
     check_held_out(cfg.data)
     if cfg.data.max_prompt_len >= cfg.data.max_len:
         raise ConfigError(f"data.max_prompt_len {cfg.data.max_prompt_len} must be below data.max_len "

@@ -64,6 +64,8 @@ class RLHFStage(Stage):
 
     def open_log(self, step: int) -> MetricsLogger:
         self.log = open_log(self.cfg, self.name, self.steps, self.env, step)
+        if self.newest_checkpoint is not None:  # set by resume() alone, just before
+            self.log.info(f"{self.name}: resumed from checkpoint {self.newest_checkpoint} (step {step})")
         return self.log
 
     def begin_step(self) -> None:

@@ -1,32 +1,49 @@
-"""Fault injection: kill, freeze, starve and poison training runs, then check what survives.
+"""Fault injection: kill, freeze, starve, flip and poison training runs, then check what survives.
 
-    python -m scripts.chaos --trials 30 --out /tmp/chaos                 # the full harness (minutes)
-    python -m scripts.chaos --trials 4 --ranks 0 --scenarios kill        # a quick look
+    python -m scripts.chaos --trials 64 --flips 20 --out /tmp/chaos      # the release run: >= 100 faults (an hour)
+    python -m scripts.chaos --trials 5 --ranks 0 --scenarios kill        # a quick look
 
-Kill trials: a run (1 process; and 4 ranks with ZeRO++ under torchrun, 2 nodes x 2) is killed
-with SIGKILL at a random moment, about half of them inside a checkpoint save (the harness
-watches for the save's temporary directory and kills within a few milliseconds of it
-appearing). After each kill it checks every checkpoint against its checksums and the
-`latest` pointer, then resumes with --resume auto to the end and compares every step's loss
-(metrics.jsonl, exact floats) and every tensor of the final checkpoint with an uninterrupted
-run's: bit-identical or not.
+Kill trials: a run is killed with SIGKILL (its whole process tree) at a random moment, about
+half of them inside a checkpoint save (the harness watches for the save's temporary directory
+and kills within a few milliseconds of it appearing). After each kill it checks every
+checkpoint against its checksums and the `latest` pointer, then resumes with --resume auto to
+the end and compares every step's losses (metrics.jsonl, exact floats) and every tensor of the
+final checkpoint with an uninterrupted run's: bit-identical or not. The trials are spread over
+the layouts (--layouts): one process; 4 ranks under torchrun as 2 nodes x 2 with ZeRO++ (qwZ,
+hpZ, qgZ), and with int4 qwZ deltas; 2 ranks of tensor parallelism with AccTFM's planned
+partitions (tensor_parallel.partitions 0); RLHF (rlhf.py ppo: its SFT stage, then PPO).
 
-Other scenarios, 4 ranks: one rank killed, one rank frozen (SIGSTOP; every other rank must
-time out after train.dist_timeout and name the frozen rank), the preemption signal to the torchrun
-agent (the ranks must save one checkpoint and exit 0), an elastic restart (torchrun
---max-restarts 1, a rank killed: the restart must resume bit-identically); 1 process: a full
-disk (a small tmpfs, needs root) and divergence (lr 1e6).
+Other scenarios, each checked against an uninterrupted run:
+  rank-kill      one of 4 ranks SIGKILLed: the job ends at once, the launcher names the rank;
+  rank-freeze    one of 4 ranks SIGSTOPped: every other rank names it (trainer.heartbeat);
+  agent-signal   SIGUSR1 to the torchrun agent: every rank saves one checkpoint and exits 0;
+  preempt        the preemption signal to the ranks (SIGUSR1 on 4 ranks, SIGTERM with
+                 --train.preempt_signal SIGTERM on 1 process): exit 0 with a checkpoint, and the
+                 resume ends bit-identical;
+  elastic        torchrun --max-restarts 1, a rank killed: the restart resumes bit-identically;
+  reshard        4 ranks of ZeRO-3 killed, resumed on 2: the global batch is kept (grad_accum
+                 re-derived), every step draws the same samples, and the losses stay within
+                 RESHARD_TOLERANCE of the uninterrupted 4-rank run (the reductions' order changes);
+  bit-flip       one random bit of a random file of the newest checkpoint (half the trials also
+                 without its checksums.json): the resume must refuse it, naming the checkpoint;
+  overwrite      --train.overwrite true with a bad value over a finished run: refused, and the
+                 old run intact byte for byte; with good values: the run is replaced;
+  full-disk      a small tmpfs (needs root): one-line error, nothing half-written;
+  nan            lr 1e6: the run stops, no non-finite checkpoint.
 
-It ends with a table: trials, corrupt checkpoints, dangling pointers, failed resumes, steps
-lost, bit-identical resumes; and one line per other scenario. Exit status 1 if any check failed.
+It ends with a table of the kill trials (corrupt checkpoints, dangling pointers, failed
+resumes, steps lost, bit-identical resumes), one line per other scenario, and the number of
+faults injected. Exit status 1 if any check failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -37,32 +54,62 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from trainer.checkpoint import LATEST, is_complete, verify_checkpoint
+from trainer.checkpoint import CHECKSUMS, LATEST, is_complete, verify_checkpoint
 from trainer.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, INTERVAL = 24, 4
+RESHARD_TOLERANCE = 1e-4  # |loss difference| per step after a 4 -> 2 rank resume of fp32 ZeRO-3
 TINY = ["--model.preset", "gpt2-tiny", "--data.vocab_size", "512", "--data.seq_len", "32", "--data.workers", "1",
         "--train.micro_batch_size", "4", "--train.steps", str(STEPS), "--train.log_interval", "1",
         "--train.eval_interval", str(STEPS), "--train.eval_batches", "2", "--train.checkpoint_interval",
         str(INTERVAL), "--train.tensorboard", "false", "--train.progress_bar", "false", "--optim.warmup_steps", "2"]
-ZEROPP = ["--train.micro_batch_size", "1", "--zero_optimization.stage", "3", "--zero_optimization.ranks_per_node",
+ZEROPP = ("--train.micro_batch_size", "1", "--zero_optimization.stage", "3", "--zero_optimization.ranks_per_node",
           "2", "--zero_optimization.zero_quantized_weights", "true", "--zero_optimization.zero_hpz_partition_size",
           "2", "--zero_optimization.zero_quantized_gradients", "true",
-          "--zero_optimization.zero_quantization_block_size", "64"]
+          "--zero_optimization.zero_quantization_block_size", "64")
+DELTAS = (*ZEROPP, "--zero_optimization.zero_quantized_weights_bits", "4",
+          "--zero_optimization.zero_quantized_weights_delta", "true")
+TENSOR_PARALLEL = ("--tensor_parallel.size", "2", "--tensor_parallel.partitions", "0")
+ZERO3_FP32 = ("--train.micro_batch_size", "1", "--zero_optimization.stage", "3",
+              "--zero_optimization.communication_data_type", "fp32")
+RLHF = ["--config", "configs/rlhf_tiny.yaml", "--data.task_samples", "200", "--sft.steps", "6", "--ppo.steps",
+        str(STEPS), "--train.micro_batch_size", "4", "--train.log_interval", "1", "--generation.max_new_tokens", "6",
+        "--train.checkpoint_interval", str(INTERVAL), "--reward.source", "task", "--train.precision", "fp32"]
 
 
 @dataclass
 class Layout:
     name: str
     ranks: int  # 0: one plain process
+    extra: tuple | None = None  # the layout's own arguments (None: ZeRO++ on several ranks)
+    rlhf: bool = False  # `rlhf.py ppo` (its SFT stage first) instead of train.py
 
     def command(self, out: Path, cache: Path, *extra: str) -> list[str]:
-        args = [*TINY, "--data.cache_dir", str(cache), "--train.out_dir", str(out), *extra]
+        own = self.extra if self.extra is not None else (ZEROPP if self.ranks else ())
+        if self.rlhf:
+            script = [str(ROOT / "rlhf.py"), "ppo"]
+            args = [*RLHF, "--train.out_dir", str(out), *own, *extra]
+        else:
+            script = [str(ROOT / "train.py")]
+            args = [*TINY, "--data.cache_dir", str(cache), "--train.out_dir", str(out), *own, *extra]
         if not self.ranks:
-            return [sys.executable, str(ROOT / "train.py"), *args]
+            return [sys.executable, *script, *args]
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(self.ranks),
-                "--master-port", str(free_port()), str(ROOT / "train.py"), *args, *ZEROPP]
+                "--master-port", str(free_port()), *script, *args]
+
+    def run_dir(self, out: Path) -> Path:
+        """Where its checkpoints and metrics.jsonl are."""
+        return out / "ppo" if self.rlhf else out
+
+    def losses(self, out: Path) -> dict[int, object]:
+        keys = ("policy loss", "value loss", "reward") if self.rlhf else ("lm loss",)
+        return losses(self.run_dir(out), keys)
+
+
+LAYOUTS = {layout.name: layout for layout in (
+    Layout("1-process", 0), Layout("4-ranks-ZeRO++", 4), Layout("4-ranks-ZeRO++-int4-deltas", 4, DELTAS),
+    Layout("2-ranks-tensor-parallel", 2, TENSOR_PARALLEL), Layout("1-process-RLHF-PPO", 0, rlhf=True))}
 
 
 @dataclass
@@ -108,14 +155,15 @@ def kill_tree(proc: subprocess.Popen) -> None:
             time.sleep(0.01)
 
 
-def losses(out: Path) -> dict[int, float]:
-    """Each step's training loss; the last line for a step wins (a resumed run logs it again)."""
+def losses(out: Path, keys: tuple[str, ...] = ("lm loss",)) -> dict[int, object]:
+    """Each step's training loss (a tuple for several `keys`) from out/metrics.jsonl; the last line
+    for a step wins (a resumed run logs it again)."""
     found = {}
     path = out / "metrics.jsonl"
     for line in path.read_text().splitlines() if path.is_file() else []:
         record = json.loads(line)
-        if "lm loss" in record:
-            found[record["step"]] = record["lm loss"]
+        if keys[0] in record:
+            found[record["step"]] = record[keys[0]] if len(keys) == 1 else tuple(record[k] for k in keys)
     return found
 
 
@@ -143,7 +191,7 @@ def kill_trial(layout: Layout, work: Path, cache: Path, reference: tuple, in_sav
                tally: Tally) -> None:
     label = f"{layout.name} trial {tally.trials + 1}"
     out = work / f"{layout.name}-{tally.trials}"
-    root = out / "checkpoints"
+    root = layout.run_dir(out) / "checkpoints"
     proc = start(layout.command(out, cache), work / f"{out.name}.log")
     deadline = time.time() + 600
     if in_save:  # the first save after a random number of steps
@@ -154,7 +202,7 @@ def kill_trial(layout: Layout, work: Path, cache: Path, reference: tuple, in_sav
                 break
             time.sleep(0.0005)
     else:  # a random moment of the training steps
-        while time.time() < deadline and proc.poll() is None and not losses(out):
+        while time.time() < deadline and proc.poll() is None and not layout.losses(out):
             time.sleep(0.05)
         time.sleep(rng.uniform(0, reference[2]))
     if proc.poll() is not None:  # it ended first (or never saved): no trial, the caller draws again
@@ -163,7 +211,7 @@ def kill_trial(layout: Layout, work: Path, cache: Path, reference: tuple, in_sav
     tally.trials += 1
     hit_save = any(root.glob(".tmp-step_*")) or any(root.glob(".old-step_*"))
     tally.in_save += hit_save
-    killed_at = max(losses(out), default=0)
+    killed_at = max(layout.losses(out), default=0)
     inspect(root, tally, label)
     rc = run(layout.command(out, cache, "--resume", "auto"), work / f"{out.name}-resume.log")
     resumed_from = _resumed_step(work / f"{out.name}-resume.log")
@@ -172,7 +220,7 @@ def kill_trial(layout: Layout, work: Path, cache: Path, reference: tuple, in_sav
         tally.problems.append(f"{label}: resume exited {rc} (see {work / f'{out.name}-resume.log'})")
         return
     tally.steps_lost.append(killed_at - resumed_from)
-    same_losses = losses(out) == reference[0]
+    same_losses = layout.losses(out) == reference[0]
     same_tensors = _equal(tensors(root / f"step_{STEPS:08d}"), reference[1])
     if same_losses and same_tensors:
         tally.identical += 1
@@ -187,8 +235,9 @@ def _equal(a: dict, b: dict) -> bool:
 
 def _resumed_step(log: Path) -> int:
     for line in log.read_text().splitlines():
-        if "resumed from checkpoint" in line:
-            return int(line.split("(step ")[1].split(",")[0])
+        found = re.search(r"resumed from checkpoint .* \(step (\d+)", line)
+        if found:
+            return int(found.group(1))
     return 0  # nothing to resume: a fresh start
 
 
@@ -196,20 +245,22 @@ def reference_run(layout: Layout, work: Path, cache: Path) -> tuple:
     """(losses, final tensors, seconds from the first logged step to the end) of an uninterrupted run."""
     out = work / f"{layout.name}-reference"
     proc = start(layout.command(out, cache), work / f"{out.name}.log")
-    watch(proc, out, 1)
+    watch(proc, out, 1, layout)
     began = time.time()
     if proc.wait(600) != 0:
         sys.exit(f"chaos: the uninterrupted {layout.name} run failed (rc {proc.returncode}); "
                  f"see {work / f'{out.name}.log'}")
-    return losses(out), tensors(out / "checkpoints" / f"step_{STEPS:08d}"), time.time() - began
+    return (layout.losses(out), tensors(layout.run_dir(out) / "checkpoints" / f"step_{STEPS:08d}"),
+            time.time() - began)
 
 
 # ------------------------------------------------------------------------------ other scenarios
 
-def watch(proc: subprocess.Popen, out: Path, step: int, timeout: float = 600) -> None:
+def watch(proc: subprocess.Popen, out: Path, step: int, layout: Layout | None = None, timeout: float = 600) -> None:
     """Wait until the run has logged `step`."""
     deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None and max(losses(out), default=0) < step:
+    logged = layout.losses if layout is not None else losses
+    while time.time() < deadline and proc.poll() is None and max(logged(out), default=0) < step:
         time.sleep(0.05)
 
 
@@ -309,6 +360,117 @@ def elastic_restart(layout: Layout, work: Path, cache: Path, reference: tuple) -
             f"uninterrupted run: {same}")
 
 
+def preempt(layout: Layout, work: Path, cache: Path, reference: tuple, sig: int) -> str:
+    """The preemption signal to every rank (as Slurm's --signal sends it to the steps) in the middle
+    of training: exit 0 with one checkpoint of the step they agreed on; the resume ends bit-identical."""
+    name = f"preempt-{signal.Signals(sig).name}"
+    out, log = work / name, work / f"{name}.log"
+    extra = ("--train.preempt_signal", signal.Signals(sig).name)
+    proc = start(layout.command(out, cache, *extra), log)
+    watch(proc, out, 3, layout)
+    for pid in (ranks_of(proc).values() if layout.ranks else [proc.pid]):
+        os.kill(pid, sig)
+    try:
+        rc = proc.wait(300)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        rc = -9
+    saved = [line for line in log.read_text().splitlines() if "preempted at step" in line]
+    rc2 = run(layout.command(out, cache, *extra, "--resume", "auto"), work / f"{name}-resume.log")
+    final = layout.run_dir(out) / "checkpoints" / f"step_{STEPS:08d}"
+    same = rc2 == 0 and layout.losses(out) == reference[0] and final.is_dir() and \
+        _equal(tensors(final), reference[1])
+    ok = rc == 0 and saved and same
+    return (f"{'ok' if ok else 'FAIL'}: SIG{signal.Signals(sig).name[3:]} to the ranks of {layout.name}: rc {rc}, "
+            f"{saved[0].strip()[:80] if saved else 'no preemption checkpoint'}; resumed: rc {rc2}, "
+            f"bit-identical {same}")
+
+
+def reshard(work: Path, cache: Path) -> str:
+    """4 ranks of fp32 ZeRO-3 killed after a checkpoint and resumed on 2 with the same micro-batch:
+    the global batch stays 4 (grad_accum 1 -> 2), every step draws the same samples, and the losses
+    after the resume stay within RESHARD_TOLERANCE of the uninterrupted 4-rank run's."""
+    four, two = Layout("4-ranks-ZeRO-3", 4, ZERO3_FP32), Layout("2-ranks-ZeRO-3", 2, ZERO3_FP32)
+    reference = reference_run(four, work, cache)
+    out, log = work / "reshard", work / "reshard.log"
+    proc = start(four.command(out, cache), log)
+    watch(proc, out, INTERVAL + 2, four)
+    kill_tree(proc)
+    rc = run(two.command(out, cache, "--resume", "auto"), work / "reshard-resume.log")
+    text = (work / "reshard-resume.log").read_text()
+    resumed = _resumed_step(work / "reshard-resume.log")
+    got = four.losses(out)
+    worst = max((abs(got[s] - reference[0][s]) for s in range(resumed + 1, STEPS + 1) if s in got), default=None)
+    kept = "global batch 4 kept from the checkpoint: train.grad_accum 1 -> 2" in text and \
+        "global batch 4 = micro-batch 1 x grad_accum 2 x 2 data-parallel ranks" in text
+    ok = rc == 0 and resumed and kept and worst is not None and worst <= RESHARD_TOLERANCE and \
+        sorted(got) == list(range(1, STEPS + 1))
+    return (f"{'ok' if ok else 'FAIL'}: reshard 4 -> 2 ranks (fp32 ZeRO-3): rc {rc}, resumed from step {resumed}, "
+            f"global batch kept {kept}, largest loss difference {worst if worst is None else f'{worst:.1e}'} "
+            f"(tolerance {RESHARD_TOLERANCE:g})")
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def bit_flip(work: Path, cache: Path, reference_out: Path, rng: random.Random, trial: int) -> str:
+    """A copy of a finished 1-process run with one random bit of a random file of its newest
+    checkpoint flipped (odd trials also delete its checksums.json, which must not turn the
+    verification off): --resume auto must refuse it, naming the checkpoint, and change nothing."""
+    out = work / f"bit-flip-{trial}"
+    shutil.copytree(reference_out, out)
+    ckpt = out / "checkpoints" / f"step_{STEPS:08d}"
+    files = sorted(f for f in ckpt.iterdir() if f.is_file() and f.name != CHECKSUMS)
+    victim = rng.choice(files)
+    data = bytearray(victim.read_bytes())
+    bit = rng.randrange(len(data) * 8)
+    data[bit // 8] ^= 1 << (bit % 8)
+    victim.write_bytes(bytes(data))
+    if trial % 2:
+        (ckpt / CHECKSUMS).unlink()
+    before = _digest(out)
+    rc = run(Layout("1-process", 0).command(out, cache, "--resume", "auto", "--train.steps", str(STEPS + 2)),
+             work / f"bit-flip-{trial}.log")
+    last = (work / f"bit-flip-{trial}.log").read_text().strip().splitlines()[-1:] or [""]
+    refused = rc == 1 and last[0].startswith("train.py: error:") and ckpt.name in last[0]
+    untouched = all(_digest(out).get(k) == v for k, v in before.items())
+    ok = refused and untouched
+    return (f"{'ok' if ok else 'FAIL'}: bit {bit % 8} of byte {bit // 8} of {victim.name} flipped"
+            f"{' and checksums.json deleted' if trial % 2 else ''}: rc {rc}, checkpoint files unchanged "
+            f"{untouched}; {last[0][:160]}")
+
+
+BAD_VALUES = [("--data.path", "/nonexistent/corpus.txt"), ("--model.n_head", "3"), ("--train.micro_batch_size", "0"),
+              ("--optim.lr", "-1"), ("--zero_optimization.stage", "2"), ("--model.preset", "gpt9"),
+              ("--data.vocab_size", "0"), ("--train.dist_timeout", "0")]
+
+
+def overwrite(work: Path, cache: Path, reference_out: Path, reference: tuple) -> list[str]:
+    """--train.overwrite true over a finished run: each bad value is refused with the old run
+    intact byte for byte; with good values the run is replaced (and equals the uninterrupted one)."""
+    out = work / "overwrite"
+    shutil.copytree(reference_out, out)
+    before = _digest(out)
+    lines = []
+    for key, value in BAD_VALUES:
+        log = work / f"overwrite{key.replace('.', '-')}.log"
+        rc = run(Layout("1-process", 0).command(out, cache, "--train.overwrite", "true", key, value), log)
+        last = log.read_text().strip().splitlines()[-1:] or [""]
+        intact = _digest(out) == before
+        ok = rc == 1 and intact and last[0].startswith("train.py:") and "Traceback" not in log.read_text()
+        lines.append(f"{'ok' if ok else 'FAIL'}: --train.overwrite true {key} {value}: rc {rc}, old run intact "
+                     f"{intact}; {last[0][:120]}")
+    rc = run(Layout("1-process", 0).command(out, cache, "--train.overwrite", "true"), work / "overwrite.log")
+    logged = [line for line in (out / "metrics.jsonl").read_text().splitlines() if '"lm loss"' in line]
+    same = rc == 0 and len(logged) == STEPS and losses(out) == reference[0] and \
+        _equal(tensors(out / "checkpoints" / f"step_{STEPS:08d}"), reference[1])
+    lines.append(f"{'ok' if same else 'FAIL'}: --train.overwrite true with good values: rc {rc}, the run replaced "
+                 f"and equal to the uninterrupted one: {same}")
+    return lines
+
+
 def _state(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2]
@@ -365,28 +527,38 @@ def table(rows: list[tuple[str, Tally]]) -> str:
     return "\n".join(lines)
 
 
+SCENARIOS = "kill,rank-kill,rank-freeze,agent-signal,preempt,elastic,reshard,bit-flip,overwrite,full-disk,nan"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trials", type=int, default=30, help="kill trials in all (split over the layouts)")
-    parser.add_argument("--ranks", type=int, default=4, help="ranks of the ZeRO++ layout; 0 skips it")
-    parser.add_argument("--multi-rank-share", type=float, default=0.3, help="share of the kill trials on --ranks")
-    parser.add_argument("--scenarios", default="kill,rank-kill,rank-freeze,agent-signal,elastic,full-disk,nan",
-                        help="comma-separated subset")
-    parser.add_argument("--dist-timeout", type=float, default=20, help="train.dist_timeout of the fault runs")
+    parser.add_argument("--trials", type=int, default=30, help="kill trials in all, spread over the layouts")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated layouts of the kill trials")
+    parser.add_argument("--flips", type=int, default=6, help="bit-flip trials")
+    parser.add_argument("--scenarios", default=SCENARIOS, help="comma-separated subset")
+    parser.add_argument("--dist-timeout", type=float, default=20, help="train.dist_timeout of the rank-fault runs")
     parser.add_argument("--out", default="/tmp/chaos")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     scenarios = set(args.scenarios.split(","))
+    unknown = scenarios - set(SCENARIOS.split(",")) or set(args.layouts.split(",")) - set(LAYOUTS)
+    if unknown:
+        parser.error(f"unknown scenario or layout {sorted(unknown)}: scenarios {SCENARIOS}; layouts {','.join(LAYOUTS)}")
     work = Path(args.out)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     cache = work / "cache"
     rng = random.Random(args.seed)
-    layouts = [Layout("1-process", 0)] + ([Layout(f"{args.ranks}-ranks-ZeRO++", args.ranks)] if args.ranks else [])
+    layouts = [LAYOUTS[name] for name in args.layouts.split(",")]
     rows, others = [], []
+
+    def report(line: str) -> None:
+        others.append(line)
+        print(line, flush=True)
+
     if "kill" in scenarios:
-        multi = round(args.trials * args.multi_rank_share) if args.ranks else 0
-        for layout, n in zip(layouts, (args.trials - multi, multi)):
+        for k, layout in enumerate(layouts):
+            n = args.trials // len(layouts) + (k < args.trials % len(layouts))
             if not n:
                 continue
             reference = reference_run(layout, work, cache)
@@ -397,19 +569,32 @@ def main(argv=None) -> int:
                 kill_trial(layout, work, cache, reference, in_save=tally.trials % 2 == 0, rng=rng, tally=tally)
                 print(f"{layout.name}: {tally.trials} trials, {tally.identical} bit-identical", flush=True)
             rows.append((layout.name, tally))
-    multi = Layout("ranks", args.ranks)
-    if args.ranks and "rank-kill" in scenarios:
-        others.append(rank_fault(multi, work, cache, signal.SIGKILL, "rank-kill", args.dist_timeout))
-    if args.ranks and "rank-freeze" in scenarios:
-        others.append(rank_fault(multi, work, cache, signal.SIGSTOP, "rank-freeze", args.dist_timeout))
-    if args.ranks and "agent-signal" in scenarios:
-        others.append(agent_signal(multi, work, cache))
-    if args.ranks and "elastic" in scenarios:
-        others.append(elastic_restart(multi, work, cache, reference_run(multi, work, cache)))
+    zeropp, single = LAYOUTS["4-ranks-ZeRO++"], LAYOUTS["1-process"]
+    if "rank-kill" in scenarios:
+        report(rank_fault(zeropp, work, cache, signal.SIGKILL, "rank-kill", args.dist_timeout))
+    if "rank-freeze" in scenarios:
+        report(rank_fault(zeropp, work, cache, signal.SIGSTOP, "rank-freeze", args.dist_timeout))
+    if "agent-signal" in scenarios:
+        report(agent_signal(zeropp, work, cache))
+    needs_zeropp, needs_single = {"preempt", "elastic"} & scenarios, {"preempt", "bit-flip", "overwrite"} & scenarios
+    zeropp_reference = reference_run(zeropp, work, cache) if needs_zeropp else None
+    single_reference = reference_run(single, work, cache) if needs_single else None
+    if "preempt" in scenarios:
+        report(preempt(zeropp, work, cache, zeropp_reference, signal.SIGUSR1))
+        report(preempt(single, work, cache, single_reference, signal.SIGTERM))
+    if "elastic" in scenarios:
+        report(elastic_restart(zeropp, work, cache, zeropp_reference))
+    if "reshard" in scenarios:
+        report(reshard(work, cache))
+    for trial in range(args.flips if "bit-flip" in scenarios else 0):
+        report(bit_flip(work, cache, work / f"{single.name}-reference", rng, trial))
+    if "overwrite" in scenarios:
+        for line in overwrite(work, cache, work / f"{single.name}-reference", single_reference):
+            report(line)
     if "full-disk" in scenarios:
-        others.append(full_disk(work, cache))
+        report(full_disk(work, cache))
     if "nan" in scenarios:
-        others.append(divergence(work, cache))
+        report(divergence(work, cache))
     if rows:
         print(table(rows))
     for line in others:
@@ -417,7 +602,11 @@ def main(argv=None) -> int:
     problems = [p for _, t in rows for p in t.problems]
     for p in problems:
         print(f"  {p}")
-    return 1 if problems or any(line.startswith("FAIL") for line in others) else 0
+    faults = sum(t.trials for _, t in rows) + sum(not line.startswith("skipped") for line in others)
+    failed = len(problems) + sum(line.startswith("FAIL") for line in others)
+    print(f"faults injected: {faults} ({sum(t.trials for _, t in rows)} kills, {len(others)} other scenarios); "
+          f"failed checks: {failed}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -289,7 +289,9 @@ class Trainer:
         defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.default is not dataclasses.MISSING}
         saved_cfg = {**defaults, **saved["model_config"]}
         if saved_cfg != ours:
-            diff = {k: (saved_cfg.get(k), ours.get(k)) for k in {**saved_cfg, **ours} if saved_cfg.get(k) != ours.get(k)}
+            absent = "(absent)"  # a key only one side has (a misspelt one in an edited state.json), even if None
+            diff = {k: (saved_cfg.get(k, absent), ours.get(k, absent)) for k in {**saved_cfg, **ours}
+                    if saved_cfg.get(k, absent) != ours.get(k, absent)}
             raise ConfigError(f"resume: checkpoint {path} was made for another model; (saved, ours): {diff}")
         if saved.get("lora") != _lora_state(self.cfg.finetune.lora):
             raise ConfigError(f"resume: checkpoint {path} has LoRA adapters {saved.get('lora')}, this run "

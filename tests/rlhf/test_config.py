@@ -29,6 +29,8 @@ def test_one_preset_per_stage_and_one_for_the_pipeline():
     (["--reward.source", "task", "--data.task", "", "--data.preferences", "pairs.jsonl"], "reward.source"),
     (["--ppo.mini_batches", "16"], "ppo.mini_batches"),
     (["--train.dist_timeout", "0"], "train.dist_timeout"),
+    (["--model.n_head", "3"], "model.n_head: value 3 does not divide model.d_model"),  # as train.py says it
+    (["--model.preset", "gpt9"], "model.preset: value 'gpt9' is not a preset"),
 ])
 def test_bad_values_name_the_key(argv, key):
     cfg = parse_args(["--data.task", "word", *argv], RLHFConfig())

@@ -117,7 +117,7 @@ def _metrics(path) -> dict[int, dict]:
     return {r["step"]: r for r in rows if "policy loss" in r}
 
 
-def test_ppo_resumes_bit_exactly(tmp_path, monkeypatch):
+def test_ppo_resumes_bit_exactly(tmp_path, monkeypatch, capfd):
     monkeypatch.chdir(ROOT)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     args = ["--reward.source", "task", "--train.checkpoint_interval", "2", "--ppo.ema", "0.9"]
@@ -127,6 +127,9 @@ def test_ppo_resumes_bit_exactly(tmp_path, monkeypatch):
                     resumed / "ppo" / "checkpoints" / "step_00000002")
     run_ranks(_main, world_size=1, args=(["ppo", *_tiny(resumed, *args), "--models.sft", str(straight / "sft" / "hf"),
                                           "--resume", str(resumed / "ppo" / "checkpoints" / "step_00000002")],))
+    # The resume says so (it used to be silent).
+    assert f"ppo: resumed from checkpoint {resumed / 'ppo' / 'checkpoints' / 'step_00000002'} (step 2)" in \
+        capfd.readouterr().out
     a, b = _metrics(straight / "ppo" / "metrics.jsonl"), _metrics(resumed / "ppo" / "metrics.jsonl")
     assert sorted(b) == [3, 4]
     for step in (3, 4):

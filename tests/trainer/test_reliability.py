@@ -276,6 +276,17 @@ ZERO3 = ("--zero_optimization.stage", "3", "--zero_optimization.communication_da
 QWZ = ("--zero_optimization.zero_quantized_weights", "true", "--zero_optimization.zero_quantization_block_size", "256")
 
 
+def test_a_misspelt_key_in_state_json_is_named(corpus, reference, tmp_path):  # noqa: F811
+    """state.json is the one file people may edit (it is tied to the rest by its checkpoint_id, not
+    a checksum): a key the model config does not have, even one whose value is null (a bit flip in
+    "rope_scaling", as the chaos harness made), is named, not reported as an empty difference."""
+    out = resumed_copy(reference, tmp_path, ["step_00000008"])
+    state = out / "checkpoints" / "step_00000008" / "state.json"
+    state.write_text(state.read_text().replace('"rope_scaling"', '"rope_scalinf"'))
+    with pytest.raises(ConfigError, match=r"another model; \(saved, ours\): .*'rope_scalinf': \(None, '\(absent\)'\)"):
+        Trainer(args(corpus, tmp_path, "run", "--resume", "auto", "--train.steps", "9"))
+
+
 def test_a_foreign_manifest_is_an_error_for_resume_and_consolidation(corpus, tmp_path):  # noqa: F811
     train(args(corpus, tmp_path, "plain", *ZERO3, "--train.steps", "2"))
     train(args(corpus, tmp_path, "qwz", *ZERO3, *QWZ, "--train.steps", "2"))
