@@ -18,6 +18,7 @@ import torch
 
 from export.quantized import _fp32_weights, is_lowbit_dir, lowbit_weights
 from models.config import ModelConfig
+from models.lora import apply_lora
 from models.streaming import LazyTensors
 from models.transformer import Transformer
 from trainer.checkpoint import checkpoint_weights, read_state, resolve_checkpoint
@@ -40,6 +41,9 @@ class Source:
     tokenizer: Path | None  # the tokenizer the source names, if any
     grid: Grid | None  # where the weights came from a quantized forward (qwZ) or export
     kind: str  # "lowbit", "hf" or "checkpoint"
+    # Weights a LoRA adapter is merged into (W + B @ A * alpha / r): off the grid, since the run's
+    # forward computed base(x) on it and the adapter beside it in full precision.
+    merged: tuple[str, ...] = ()
 
     @functools.cached_property
     def model(self) -> Transformer:
@@ -91,4 +95,10 @@ def load_source(path) -> Source:
         grid = Grid(zero.zero_quantized_weights_bits, zero.zero_quantization_block_size, True)
     tokenizer = state.get("tokenizer")
     config, weights = checkpoint_weights(ckpt)
-    return Source(config, weights, Path(tokenizer) if tokenizer else None, grid, "checkpoint")
+    merged = ()
+    if state.get("lora"):
+        with torch.device("meta"), torch.random.fork_rng(devices=[]):  # names only: no draw
+            lora = state["lora"]
+            merged = tuple(f"{name}.weight" for name in
+                           apply_lora(Transformer(config), lora["targets"], lora["r"], lora["alpha"]))
+    return Source(config, weights, Path(tokenizer) if tokenizer else None, grid, "checkpoint", merged)

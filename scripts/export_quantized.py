@@ -20,6 +20,7 @@ import sys
 
 from export import export_gguf, export_lowbit, gguf_qtype, load_source
 from export.compressed import export_compressed_tensors
+from kernels.quant import on_grid
 from trainer.checkpoint import CheckpointError
 
 
@@ -63,9 +64,24 @@ def main(argv=None) -> None:
         how = "round-to-nearest post-training quantization (RTN baseline)"
     elif source.kind == "lowbit":
         how = "exact: the codes of the source export"
+    elif source.merged:
+        how = (f"the base weights exact (the qwZ grid the training forward computed with); the {len(source.merged)} "
+               f"weights a LoRA adapter is merged into are off that grid and quantized again round-to-nearest "
+               f"(relative RMS error up to {merged_error(source, bits, block_size):.2e}); the run's exact forward is "
+               f"the quantized base with the adapter beside it (scripts/consolidate.py --peft-adapter, "
+               f"docs/export.md)")
     else:
         how = "exact: the weights the qwZ training forward computed with"
     print(f"{out}: {args.format}, {bits} bits, block size {block_size}; {how}")
+
+
+def merged_error(source, bits: int, block_size: int) -> float:
+    """The largest ||W - dequant(quant(W))|| / ||W|| over the LoRA-merged weights (one at a time)."""
+    worst = 0.0
+    for name in source.merged:
+        w = source.weights[name]
+        worst = max(worst, float((w - on_grid(w, bits, block_size)).norm() / w.norm().clamp_min(1e-30)))
+    return worst
 
 
 if __name__ == "__main__":

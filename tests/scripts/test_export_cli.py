@@ -14,7 +14,9 @@ from safetensors.torch import save_file
 from export import load_lowbit
 from scripts.export_quantized import main
 from tests.export.test_export import grid
-from trainer.checkpoint import consolidated_model, export_hf, resolve_checkpoint
+from tests.trainer.test_finetune import (LORA, LORA_TARGETS, ft_args, ft_config, hf_dirs, synthetic,  # noqa: F401
+                                         tokenizer_dir)
+from trainer.checkpoint import checkpoint_weights, consolidated_model, export_hf, resolve_checkpoint
 from trainer.config import parse_args
 from trainer.loop import train
 
@@ -44,6 +46,28 @@ def qwz_checkpoints(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     return qwz_checkpoints(tmp_path_factory)
+
+
+def test_a_merged_lora_export_says_what_is_exact_and_measures_the_rest(hf_dirs, synthetic, tmp_path, capsys):  # noqa: F811
+    """Issue 37, item 4: a qwZ LoRA run's export used to say "exact", but the weights the adapters are
+    merged into are off the int8 grid the forward computed with and are quantized again. The label
+    now says which are exact and gives the merged weights' re-quantization error."""
+    out = tmp_path / "lora"
+    train(ft_config(*ft_args(hf_dirs["llama"], synthetic, out, *LORA, "--train.steps", "2",
+                             "--zero_optimization.stage", "3", "--zero_optimization.zero_quantized_weights", "true",
+                             "--zero_optimization.zero_quantized_weights_bits", "8",
+                             "--zero_optimization.zero_quantization_block_size", "64")))
+    main([str(out / "checkpoints"), str(tmp_path / "int8"), "--format", "safetensors"])
+    line = capsys.readouterr().out
+    merged = [f"blocks.{i}.{part}.weight" for i in range(2) for part in
+              ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.up_proj")]
+    assert len(merged) == 2 * len(LORA_TARGETS)
+    _, weights = checkpoint_weights(resolve_checkpoint(str(out / "checkpoints"), "."))
+    worst = max(float((weights[n] - grid(weights[n], 8, 64)).norm() / weights[n].norm()) for n in merged)
+    assert "exact: the weights" not in line and worst > 0
+    assert (f"8 bits, block size 64; the base weights exact (the qwZ grid the training forward computed with); "
+            f"the {len(merged)} weights a LoRA adapter is merged into are off that grid and quantized again "
+            f"round-to-nearest (relative RMS error up to {worst:.2e})") in line, line
 
 
 def test_defaults_to_the_trained_grid_and_is_exact(checkpoints, tmp_path, capsys):
