@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import importlib.util
 import inspect
 import io
 import math
@@ -128,8 +129,19 @@ class RunSection:
     checkpoint_interval: int = 0  # steps between checkpoints; 0: only at the end
     # checkpoints/, metrics.jsonl, tensorboard/ and hf/ go here (rlhf.py: each stage's under <out_dir>/<stage>/)
     out_dir: str = "runs/default"
-    tensorboard: bool = True  # write TensorBoard scalars to <out_dir>/tensorboard
-    progress_bar: bool = True  # a tqdm bar on rank 0
+    # Write TensorBoard scalars (grouped: train/, eval/, perf/, comm/, memory/) and the run's
+    # hyperparameters to <out_dir>/tensorboard.
+    tensorboard: bool = True
+    # A tqdm bar on rank 0, only where stdout is a terminal: a Slurm log file or a pipe never gets one.
+    progress_bar: bool = True
+    # Also log to Weights & Biases (rank 0) in this project; the run is named after out_dir, the entity
+    # and mode come from wandb's own settings (WANDB_ENTITY, WANDB_MODE=offline). Needs
+    # `pip install wandb`. None: off.
+    wandb_project: str | None = None
+    # Also log to MLflow (rank 0) at this tracking URI (a server, or a local directory such as mlruns);
+    # the experiment is MLFLOW_EXPERIMENT_NAME's (else MLflow's default), the run named after out_dir.
+    # Needs `pip install mlflow`. None: off.
+    mlflow_tracking_uri: str | None = None
     # Peak of the hardware in TFLOP/s per rank, for MFU. On CPU a rough figure suffices.
     peak_tflops: float = 1.0
     # The scheduler's warning signal (Slurm --signal): checkpoint at the end of the current
@@ -277,6 +289,14 @@ def check_run_section(t: RunSection) -> None:
             signal_number(t.preempt_signal)
     except ValueError as e:
         raise ConfigError(f"train.preempt_signal: {e}") from None
+    for key, package in (("wandb_project", "wandb"), ("mlflow_tracking_uri", "mlflow")):
+        if getattr(t, key) is not None and not _installed(package):
+            raise ConfigError(f"train.{key} is set but the {package} package is not installed: pip install {package}")
+
+
+def _installed(package: str) -> bool:
+    """Whether `package` can be imported, without importing it (the loggers import theirs on rank 0 only)."""
+    return importlib.util.find_spec(package) is not None
 
 
 def check_held_out(d: HeldOutSection) -> None:
