@@ -1,6 +1,6 @@
 """Checks that need a CUDA GPU (not in the test suite: CI has none), printed as JSON:
 
-    PYTHONPATH=. python scripts/check_cuda.py
+    python scripts/check_cuda.py
 
 - the Triton kernels on CUDA against the torch path on CPU, bit for bit: every bit width,
   fp32/bf16/fp16 input, fp32/fp16 scales, at the test suite's adversarial small sample and at
@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import traceback
 
@@ -174,7 +175,10 @@ def engine_on_cuda() -> dict:
     return out
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("check_cuda.py needs a CUDA GPU: torch.cuda.is_available() is False")
     result = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}
     failures = {}
     for name, run in kernel_cases().items():

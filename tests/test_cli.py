@@ -119,6 +119,15 @@ def test_every_config_class_documents_every_field():
         assert all(doc.strip() for doc in field_docs(cls).values()), cls
 
 
+def test_check_cuda_help_from_another_directory_without_pythonpath(tmp_path):
+    """As run on a GPU machine: `python scripts/check_cuda.py -h`, from anywhere, no PYTHONPATH."""
+    environ = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_cuda.py"), "-h"], cwd=tmp_path,
+                            env={**environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: check_cuda.py") and "Checks that need a CUDA GPU" in result.stdout
+
+
 # --- user errors: one line; --debug: the traceback -----------------------------------------
 
 def one_line_error(result, *expected: str) -> str:
