@@ -15,6 +15,7 @@ from typing import Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
+from data.chat import ChatTemplate, chat_example
 from data.indexed import IndexedDataset
 from data.sources import MissingKeyError, iter_json_records
 from data.tokenizer import Tokenizer
@@ -162,7 +163,8 @@ def split_hh_dialogue(text: str) -> tuple[str, str]:
 
 
 # format name -> keys a record must have
-SFT_FORMATS = {"alpaca": ("instruction", "output"), "hh": ("chosen",), "completion": ("prompt", "completion")}
+SFT_FORMATS = {"alpaca": ("instruction", "output"), "hh": ("chosen",), "completion": ("prompt", "completion"),
+               "messages": ("messages",)}
 PREFERENCE_FORMATS = {"pairs": ("prompt", "chosen", "rejected"), "hh": ("chosen", "rejected")}
 
 
@@ -199,8 +201,12 @@ def _field(record: dict, key: str, i: int, name: str) -> str:
 def _supervised(prompt_ids: list[int], response_ids: list[int],
                 max_len: int) -> tuple[np.ndarray, np.ndarray] | None:
     """(tokens, labels) truncated to max_len with the prompt masked; None if no target survives."""
-    tokens = np.asarray(prompt_ids + response_ids, dtype=np.int64)[:max_len]
-    labels = np.asarray([IGNORE_INDEX] * len(prompt_ids) + response_ids, dtype=np.int64)[:max_len]
+    return _truncated(np.asarray(prompt_ids + response_ids, dtype=np.int64),
+                      np.asarray([IGNORE_INDEX] * len(prompt_ids) + response_ids, dtype=np.int64), max_len)
+
+
+def _truncated(tokens: np.ndarray, labels: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray] | None:
+    tokens, labels = tokens[:max_len], labels[:max_len]
     if not np.any(labels[1:] != IGNORE_INDEX):  # labels[0] is never a target
         return None
     return tokens, labels
@@ -243,7 +249,9 @@ class SFTDataset(_TokenizedRecords):
     Formats (auto-detected from the first record's keys, or given as `format=`):
     `alpaca`: instruction / input / output, prompt from `alpaca_prompt`;
     `hh`: HH-RLHF `chosen` dialogue, split by `split_hh_dialogue`;
-    `completion`: TRL's prompt / completion records, the prompt verbatim.
+    `completion`: TRL's prompt / completion records, the prompt verbatim;
+    `messages`: TRL's conversational records, multi-turn, rendered with the tokenizer's chat
+    template, the loss on every assistant turn (data/chat.py).
     Items are {"tokens", "labels"} int64 tensors truncated to `max_len`; records whose response
     is truncated away entirely are skipped (counted in `num_skipped`).
     """
@@ -252,15 +260,20 @@ class SFTDataset(_TokenizedRecords):
                  format: str | None = None):
         super().__init__(max_len)
         records, self.format, name = _load_records(source, SFT_FORMATS, format)
+        template = ChatTemplate(tokenizer.path) if self.format == "messages" else None
         for i, record in enumerate(records):
-            if self.format == "alpaca":
-                prompt = alpaca_prompt(_field(record, "instruction", i, name), record.get("input"))
-                response = _field(record, "output", i, name)
-            elif self.format == "completion":  # TRL's prompt-completion records: the prompt verbatim
-                prompt, response = _field(record, "prompt", i, name), _field(record, "completion", i, name)
+            if template is not None:
+                example = _truncated(*chat_example(template, tokenizer.encode, record.get("messages"),
+                                                   IGNORE_INDEX, f"{name}: record {i}"), max_len)
             else:
-                prompt, response = split_hh_dialogue(_field(record, "chosen", i, name))
-            example = _supervised(prompt_ids(tokenizer, prompt), response_ids(tokenizer, response), max_len)
+                if self.format == "alpaca":
+                    prompt = alpaca_prompt(_field(record, "instruction", i, name), record.get("input"))
+                    response = _field(record, "output", i, name)
+                elif self.format == "completion":  # TRL's prompt-completion records: the prompt verbatim
+                    prompt, response = _field(record, "prompt", i, name), _field(record, "completion", i, name)
+                else:
+                    prompt, response = split_hh_dialogue(_field(record, "chosen", i, name))
+                example = _supervised(prompt_ids(tokenizer, prompt), response_ids(tokenizer, response), max_len)
             if example is None:
                 self.num_skipped += 1
             else:

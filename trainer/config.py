@@ -204,9 +204,10 @@ class FinetuneSection:
     # own unless data.tokenizer names another.
     hf_checkpoint: Annotated[str | None, InputPath()] = None
     # Record format of data.path (docs/data.md): auto-detected from the first record's keys,
-    # or alpaca (instruction / input / output), hh (HH-RLHF "chosen" dialogues) or completion
-    # (prompt / completion, the prompt verbatim).
-    data_format: Literal["auto", "alpaca", "hh", "completion"] = "auto"
+    # or alpaca (instruction / input / output), hh (HH-RLHF "chosen" dialogues), completion
+    # (prompt / completion, the prompt verbatim) or messages (multi-turn chats rendered with the
+    # tokenizer's chat template, the loss on the assistant turns).
+    data_format: Literal["auto", "alpaca", "hh", "completion", "messages"] = "auto"
     lora: LoraSection = field(default_factory=LoraSection)  # LoRA adapters instead of training every weight
 
 

@@ -133,3 +133,89 @@ def test_sft_errors(tmp_path, sp_tokenizer):
         SFTDataset([{"instruction": "a", "output": "b"}, {"instruction": "c"}], sp_tokenizer, max_len=64)
     with pytest.raises(ValueError, match="supported formats pairs"):
         PreferenceDataset([{"chosen": "x"}], sp_tokenizer, max_len=64)
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chatml_tokenizer(tmp_path_factory):
+    """A byte-level BPE tokenizer.json with ChatML's special tokens and template, made here."""
+    from tokenizers import Tokenizer as RustTokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = RustTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["You are terse. What is two plus two? Four. And three? Three, twice over."] * 20, trainer)
+    directory = tmp_path_factory.mktemp("chatml")
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "chat_template": CHATML}))
+    return directory
+
+
+def test_messages_are_rendered_with_the_chat_template_and_train_assistant_turns_only(chatml_tokenizer, tmp_path):
+    """Issue 37, item 6: TRL's conversational records, multi-turn; the tokens are the template's text
+    (compared with a conversation written out by hand), and exactly the assistant turns (content and
+    end of turn) are targets."""
+    from data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(chatml_tokenizer)
+    chat = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is two plus two?"},
+            {"role": "assistant", "content": "Four."}, {"role": "user", "content": "And three?"},
+            {"role": "assistant", "content": "Three, twice over."}]
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"messages": chat}) + "\n" + json.dumps({"messages": chat[:3]}) + "\n")
+    ds = SFTDataset(path, tok, max_len=512)
+    assert ds.format == "messages" and len(ds) == 2
+    pieces = [("<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nWhat is two plus two?<|im_end|>\n"
+               "<|im_start|>assistant\n", False), ("Four.<|im_end|>\n", True),
+              ("<|im_start|>user\nAnd three?<|im_end|>\n<|im_start|>assistant\n", False),
+              ("Three, twice over.<|im_end|>\n", True)]
+    expected_tokens, expected_labels = [], []
+    for text, trained in pieces:
+        ids = tok.encode(text)
+        expected_tokens += ids
+        expected_labels += ids if trained else [IGNORE_INDEX] * len(ids)
+    item = ds[0]
+    assert item["tokens"].tolist() == tok.encode("".join(text for text, _ in pieces)) == expected_tokens
+    assert item["labels"].tolist() == expected_labels
+    assert tok.decode([t for t in item["labels"].tolist() if t != IGNORE_INDEX]) == "Four.\nThree, twice over.\n"
+    # Truncated inside the first answer: still an example; before it: skipped and counted.
+    first_answer = len(tok.encode(pieces[0][0]))
+    assert len(SFTDataset(path, tok, max_len=first_answer + 2)) == 2
+    short = SFTDataset(path, tok, max_len=first_answer)
+    assert len(short) == 0 and short.num_skipped == 2
+
+
+def test_bad_chat_records_and_templates_are_named(chatml_tokenizer, tmp_path):
+    from data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(chatml_tokenizer)
+    path = tmp_path / "bad.jsonl"
+    for messages, match in [([{"role": "user", "content": "hi"}], "record 0: no assistant message"),
+                            ([{"role": "robot", "content": "hi"}], r"record 0: message 0 is .*expected \{'role'"),
+                            ("hi", "record 0: 'messages' is 'hi', expected a non-empty list")]:
+        path.write_text(json.dumps({"messages": messages}) + "\n")
+        with pytest.raises(ValueError, match=match):
+            SFTDataset(path, tok, max_len=64)
+    # A template that rewrites earlier turns (here: it numbers turns from the end) cannot be masked.
+    config = json.loads((chatml_tokenizer / "tokenizer_config.json").read_text())
+    rewriting = tmp_path / "rewriting"
+    rewriting.mkdir()
+    (rewriting / "tokenizer.json").write_text((chatml_tokenizer / "tokenizer.json").read_text())
+    (rewriting / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": (
+        "{% for m in messages %}{{ messages|length - loop.index }}{{ m['content'] }}{% endfor %}")}))
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}))
+    with pytest.raises(ValueError, match="does not render message 1 .* as a continuation"):
+        SFTDataset(path, load_tokenizer(rewriting), max_len=64)
+    no_template = tmp_path / "plain"
+    no_template.mkdir()
+    (no_template / "tokenizer.json").write_text((chatml_tokenizer / "tokenizer.json").read_text())
+    with pytest.raises(ValueError, match="has no chat template"):
+        SFTDataset(path, load_tokenizer(no_template), max_len=64)
