@@ -1,11 +1,17 @@
 """Tensor parallelism (zeropp.tensor_parallel) against the single-process reference: same losses, same weights."""
 
+import contextlib
+import io
+import re
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from models.config import ModelConfig
 from models.transformer import Transformer, lm_loss
+from tests.trainer.test_train import corpus  # noqa: F401  (the module-scoped corpus fixture)
 from tests.zeropp.test_engine import BATCH, OPTIM, batches
 from tests.zeropp.test_engine import reference as engine_reference
 from trainer.optim import build_optimizer
@@ -287,3 +293,120 @@ def test_the_ledger_counts_every_byte_of_a_tensor_parallel_step(tp_config):
         assert counted["unexpected"] == []
         assert counted["sent"] > 0 and ledgered == counted["sent"], (ledgered, counted["sent"], tags)
         assert "tp loss" in tags
+
+
+# ------------------------------------------ AccTFM's plan (partitions 0): one decision for all ranks, kept on resume
+
+RIG_BETA = 1e-8  # the link the rigged profiles report: no startup cost, 800 Mbit/s
+RIG_COMPUTE = 1e-4  # a sublayer's rigged compute at K = 1, of the order of its all-reduce on that link
+SUBLAYERS = 4  # attention and MLP of the tiny presets' 2 blocks
+PLAN_LINE = re.compile(r"AccTFM partition plan \(K per sublayer, attention/MLP alternating\): (\[[\d, ]*\])(.*)")
+
+
+class _RiggedClock:
+    """Stands in for the `time` module of the sublayers' profiling (zeropp.tensor_parallel.layers):
+    the two readings around a partition's compute differ by the rigged seconds of that partition,
+    whatever the machine's load. A rank preferring K = 4 reports RIG_COMPUTE / K per partition
+    (pipelining pays), one preferring K = 1 RIG_COMPUTE * K. A stall makes K = 4 100x slower in
+    the first forward at K = 4 ("once": it passes) or in all of them ("always")."""
+
+    def __init__(self, prefer: int, stall: str | None):
+        self.prefer, self.stall = prefer, stall
+        self.now, self.started, self.readings, self.k4_partitions = 0.0, False, 0, 0
+
+    def perf_counter(self) -> float:
+        self.readings += 1
+        self.started = not self.started
+        if self.started:
+            return self.now
+        k = sys._getframe(1).f_locals["k"]  # the partitions of the sublayer forward being timed
+        seconds = RIG_COMPUTE / k if self.prefer == 4 else RIG_COMPUTE * k
+        if k == 4:
+            self.k4_partitions += 1
+            if self.stall == "always" or (self.stall == "once" and self.k4_partitions <= 4 * SUBLAYERS):
+                seconds *= 100
+        self.now += seconds
+        return self.now
+
+
+def _rig_profile(rank: int, prefer: dict[int, int], stall_rank: int | None = None, stall: str = "once"):
+    from zeropp import acctfm
+    from zeropp.tensor_parallel import layers
+    acctfm.measure_alpha_beta = lambda *args, **kwargs: (0.0, RIG_BETA)
+    layers.time = _RiggedClock(prefer[rank], stall if rank == stall_rank else None)
+    return layers.time
+
+
+def _planned_run(rank, world, prefer, stall_rank=None, stall="once"):
+    _rig_profile(rank, prefer, stall_rank, stall)
+    return _accftm_run(rank, world, TensorParallelConfig(size=2, partitions=0), 2)[3]
+
+
+def test_every_rank_ends_with_the_same_plan_whatever_its_own_profile():
+    """TP 2 x DP 2: one tensor-parallel group's profile prefers K = 4, the other's K = 1. Each
+    group deciding alone (the group's slowest rank) would train the two data-parallel halves on
+    different partitions, i.e. different rounding; the world's slowest times decide instead. (Ranks
+    that all prefer K = 4 do plan K = 4: test_the_plan_follows_a_stall_only_when_every_forward_sees_it.)"""
+    plans = run_ranks(_planned_run, 4, args=({0: 4, 1: 4, 2: 1, 3: 1},))
+    assert plans == [[1, 1, 1, 1]] * 4, plans  # K = 1 is what the slowest ranks' times favour
+
+
+def test_the_plan_follows_a_stall_only_when_every_forward_sees_it():
+    """A stall of K = 4 on rank 1 in every profiling forward changes the plan; one in a single
+    forward (what a profile of one forward per K would take for the truth) does not."""
+    steady, once, always = (run_ranks(_planned_run, 2, args=({0: 4, 1: 4}, 1, stall))[0]
+                            for stall in (None, "once", "always"))
+    assert 4 in steady and once == steady != always, (steady, once, always)
+
+
+def _trained(rank, world, argv, prefer, stall_rank=None):
+    """train.py's run on this rank, its profile rigged: the losses, how many profiling clock
+    readings it took, and (rank 0, which logs) the plan lines it logged."""
+    from trainer.config import parse_args
+    from trainer.loop import train
+    clock = _rig_profile(rank, prefer, stall_rank)
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        losses = train(parse_args(argv)).losses
+    return losses, clock.readings, PLAN_LINE.findall(out.getvalue())
+
+
+def _trainer_args(text, out_dir, *extra):
+    from tests.trainer.test_train import tiny_args
+    # int4 all-reduces: there K changes the rounding, so a different plan gives different losses
+    return tiny_args(text, out_dir, out_dir.parent / "cache", "--tensor_parallel.size", "2",
+                     "--tensor_parallel.partitions", "0", "--tensor_parallel.quantize_bits", "4",
+                     "--train.steps", "4", *extra)
+
+
+@pytest.fixture(scope="module")
+def planned_run(corpus, tmp_path_factory):  # noqa: F811
+    """A partitions-0 run of the trainer on 2 ranks (TP 2), its profile rigged to favour K = 4,
+    checkpointed at step 2."""
+    out = tmp_path_factory.mktemp("planned") / "a"
+    argv = _trainer_args(corpus, out, "--train.checkpoint_interval", "2")
+    losses, _, lines = run_ranks(_trained, 2, args=(argv, {0: 4, 1: 4}))[0]
+    (plan, _), = lines
+    assert "4" in plan
+    return out, losses, plan, lines[0][1]
+
+
+def test_two_identical_planned_runs_are_bit_identical_despite_a_stall_in_the_profile(corpus, planned_run, tmp_path):  # noqa: F811
+    """The second run's profile sees a passing stall on rank 1 (its first K = 4 forward): the plan
+    stays the first run's, and the profile's own forwards leave nothing behind, so the losses are
+    the first run's bit for bit."""
+    _, losses, plan, how = planned_run
+    again, _, lines = run_ranks(_trained, 2, args=(_trainer_args(corpus, tmp_path / "b"), {0: 4, 1: 4}, 1))[0]
+    assert [p for p, _ in lines] == [plan]
+    assert again == losses  # exact
+    assert "profiled" in how
+
+
+def test_a_resume_reuses_the_checkpoints_plan_and_continues_exactly(corpus, planned_run, tmp_path):  # noqa: F811
+    """Resumed at step 2 with a profile that would now favour K = 1 everywhere: the plan comes from
+    the checkpoint (no profiling forward runs), and steps 3-4 equal the uninterrupted run's."""
+    out, losses, plan, _ = planned_run
+    checkpoint = out / "checkpoints" / "step_00000002"
+    argv = _trainer_args(corpus, tmp_path / "c", "--resume", str(checkpoint))
+    resumed, readings, lines = run_ranks(_trained, 2, args=(argv, {0: 1, 1: 1}))[0]
+    assert readings == 0 and [p for p, _ in lines] == [plan] and "from checkpoint" in lines[0][1], lines
+    assert sorted(resumed) == [3, 4] and all(resumed[s] == losses[s] for s in resumed), (resumed, losses)

@@ -4,14 +4,16 @@ and a data-parallel runtime (DDP, ZeRO-3 / ZeRO++) across the groups; docs/tenso
 It slices the model (zeropp.tensor_parallel.parallelize), wraps it in the data-parallel runtime,
 plans AccTFM's partitions on the first batch (`tensor_parallel.partitions 0`), takes the loss from
 the vocabulary slices (zeropp.tensor_parallel.loss) and clips over the whole model. Its checkpoints:
-each TP rank's data-parallel runtime writes `tp<rank>/`, rank 0 writes PLAN_FILE (the group size
-and each sliced tensor's dim); `consolidated_tensors` puts the slices back together offline, and
-`load` re-slices a checkpoint of another TP size.
+each TP rank's data-parallel runtime writes `tp<rank>/`, rank 0 writes PLAN_FILE (the group size,
+each sliced tensor's dim and AccTFM's partition plan, which a resume reuses instead of profiling
+again); `consolidated_tensors` puts the slices back together offline, and `load` re-slices a
+checkpoint of another TP size.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -30,7 +32,12 @@ from zeropp.tensor_parallel.loss import vocab_parallel_cross_entropy
 from zeropp.tensor_parallel.parallelize import parallelize
 from zeropp.topology import mesh_from_config
 
-PLAN_FILE = "tensor_parallel.json"  # in a checkpoint: the group size and each sliced tensor's dim
+PLAN_FILE = "tensor_parallel.json"  # in a checkpoint: the group size, each sliced tensor's dim, AccTFM's plan
+# The partition planner's profile: timed no-grad forwards per K, of which each sublayer's median counts (one
+# forward alone lets a passing stall pick the plan); and the predicted gain a plan needs over all K = 1,
+# since differences below the profile's noise would make identical runs pick different plans.
+PROFILE_REPEATS = 3
+MIN_PREDICTED_GAIN = 0.05
 
 
 class TensorParallelRuntime(Runtime):
@@ -53,6 +60,7 @@ class TensorParallelRuntime(Runtime):
         self.timings = self.inner.timings
         self.checkpoint_format = f"{self.inner.checkpoint_format}+tp"  # loads any TP size (see load)
         self.partition_plan: list[int] | None = None  # tensor_parallel.partitions 0: planned on the first batch
+        self.plan_source = ""  # where partition_plan came from: "profiled" or "from checkpoint"
         self._notes: list[str] = []
 
     def __call__(self, *args, **kwargs):
@@ -60,32 +68,38 @@ class TensorParallelRuntime(Runtime):
             self._plan_partitions(*args, **kwargs)
         return self.inner(*args, **kwargs)
 
+    def _sublayers(self) -> list[TensorParallelSublayer]:
+        return [m for m in self.module.modules() if isinstance(m, TensorParallelSublayer)]
+
+    def _use_plan(self, plan: list[int], source: str) -> None:
+        for sub, k in zip(self._sublayers(), plan):
+            sub.partitions, sub.profile = k, None
+        self.partition_plan, self.plan_source = list(plan), source
+
     def _plan_partitions(self, *args, **kwargs) -> None:
         """AccTFM's partition plan (paper Algorithm 1), from the first batch: each sublayer's compute
-        per partition profiled at K = 1, 2, 4 (no-grad forwards; the backward taken as twice the
-        forward), the link's alpha and beta measured on the group, the all-reduce times predicted
-        from them. The dynamic program runs on the forward and on the reversed backward; one K
-        per sublayer serves both (autograd replays the forward's partitions), so the plan with
-        the smaller predicted forward + backward time is kept. Every rank plans from the group's
-        slowest times, so all ranks choose alike."""
-        subs = [m for m in self.module.modules() if isinstance(m, TensorParallelSublayer)]
+        per partition profiled at K = 1, 2, 4 (no-grad forwards, the median of PROFILE_REPEATS; the
+        backward taken as twice the forward), the link's alpha and beta measured on the group, the
+        all-reduce times predicted from them. The dynamic program runs on the forward and on the
+        reversed backward; one K per sublayer serves both (autograd replays the forward's
+        partitions), so the plan with the smaller predicted forward + backward time is kept, if it
+        beats all K = 1 by MIN_PREDICTED_GAIN. Every rank of the world plans from the slowest rank's
+        times, so all ranks choose alike (K changes the rounding: data-parallel groups on different
+        plans would train on different numbers). The profile leaves no trace in training: the RNG
+        state is restored, no gradient is made, and its all-reduce waits are not counted."""
+        subs = self._sublayers()
         cfg = self.tp.config
         op = "all_gather" if cfg.quantize_bits else "all_reduce"
-        alpha, beta = acctfm.measure_alpha_beta(self.tp.comm, "tp", op=op, tag="tp plan")
+        tokens = args[0] if args else next(iter(kwargs.values()))
+        with torch.random.fork_rng(devices=[tokens.device] if tokens.device.type == "cuda" else []):
+            compute, rows, row_bytes = self._profile(subs, args, kwargs)
+            alpha, beta = acctfm.measure_alpha_beta(self.tp.comm, "tp", op=op, tag="tp plan")
+        self.tp.seconds_waiting = 0.0
+        link = torch.tensor([alpha, beta], dtype=torch.float64)
+        self.tp.comm.all_reduce(compute, "world", "tp plan", op=dist.ReduceOp.MAX)
+        self.tp.comm.all_reduce(link, "world", "tp plan", op=dist.ReduceOp.MAX)
+        alpha, beta = link.tolist()
         sizes = acctfm.PARTITION_SIZES
-        compute = torch.zeros(len(subs), len(sizes), dtype=torch.float64)
-        rows, row_bytes = [0] * len(subs), [0] * len(subs)
-        with torch.no_grad():
-            for i, k in enumerate((1, *sizes)):  # K = 1 twice: the first forward warms up
-                for sub in subs:
-                    sub.partitions, sub.profile = k, []
-                self.inner(*args, **kwargs)
-                for j, sub in enumerate(subs):
-                    if i > 0:
-                        compute[j, i - 1] = sum(t for t, _, _ in sub.profile) / len(sub.profile)
-                    rows[j] = sum(r for _, r, _ in sub.profile)
-                    row_bytes[j] = sub.profile[0][2]
-        self.tp.comm.all_reduce(compute, "tp", "tp plan", op=dist.ReduceOp.MAX)
         sparse = {"forward": cfg.topk_passes != "backward", "backward": cfg.topk_passes != "forward"}
 
         def comm(j, k, direction):  # one partition's all-reduce, predicted from the measured link
@@ -107,14 +121,46 @@ class TensorParallelRuntime(Runtime):
         def total(plan):
             return acctfm.simulate(plan, t_fw, t_cm) + acctfm.simulate(plan[::-1], t_bw, t_cm_bw)
         chosen = min((forward.partitions, backward.partitions[::-1]), key=total)
-        for sub, k in zip(subs, chosen):
-            sub.partitions, sub.profile = k, None
         synchronous = [1] * len(subs)
-        self.partition_plan = chosen
+        below = total(chosen) > (1 - MIN_PREDICTED_GAIN) * total(synchronous)
+        kept = f"; best plan {chosen} predicted {total(chosen) * 1e3:.1f} ms, under {MIN_PREDICTED_GAIN:.0%} gain: " \
+               f"all K = 1 kept" if below and chosen != synchronous else ""
+        if below:
+            chosen = synchronous
+        self._use_plan(chosen, "profiled")
         self._notes.append(
-            f"AccTFM partition plan (K per sublayer, attention/MLP alternating): {chosen}; link alpha "
-            f"{alpha * 1e6:.0f} us, {8e-6 / beta if beta > 0 else float('inf'):.0f} Mbit/s; predicted forward + "
-            f"backward {total(chosen) * 1e3:.1f} ms (all K = 1: {total(synchronous) * 1e3:.1f} ms)")
+            f"AccTFM partition plan (K per sublayer, attention/MLP alternating): {chosen}, profiled on the first "
+            f"batch (median of {PROFILE_REPEATS} forwards per K, slowest rank); link alpha {alpha * 1e6:.0f} us, "
+            f"{8e-6 / beta if beta > 0 else float('inf'):.0f} Mbit/s; predicted forward + backward "
+            f"{total(chosen) * 1e3:.1f} ms (all K = 1: {total(synchronous) * 1e3:.1f} ms){kept}")
+
+    def _profile(self, subs, args, kwargs) -> tuple[torch.Tensor, list[int], list[int]]:
+        """[sublayer, K] compute seconds per partition, each the median of PROFILE_REPEATS forwards (the K
+        taken in turn within each round, so a passing load slows them alike), after one warm-up
+        forward; and each sublayer's output rows and bytes per row."""
+        sizes = acctfm.PARTITION_SIZES
+        samples = [[[] for _ in sizes] for _ in subs]
+        with torch.no_grad():
+            self._timed_forward(subs, 1, args, kwargs)
+            for _ in range(PROFILE_REPEATS):
+                for i, k in enumerate(sizes):
+                    measured = self._timed_forward(subs, k, args, kwargs)
+                    for j, (seconds, _, _) in enumerate(measured):
+                        samples[j][i].append(seconds)
+        compute = torch.tensor([[statistics.median(s) for s in row] for row in samples], dtype=torch.float64)
+        return compute, [rows for _, rows, _ in measured], [nbytes for _, _, nbytes in measured]
+
+    def _timed_forward(self, subs, k: int, args, kwargs) -> list[tuple[float, int, int]]:
+        """One forward with every sublayer cut into k partitions: per sublayer, its mean compute
+        seconds per partition, its output rows and bytes per row."""
+        for sub in subs:
+            sub.partitions, sub.profile = k, []
+        self.inner(*args, **kwargs)
+        measured = [(sum(t for t, _, _ in sub.profile) / len(sub.profile), sum(r for _, r, _ in sub.profile),
+                     sub.profile[0][2]) for sub in subs]
+        for sub in subs:
+            sub.profile = None
+        return measured
 
     def lm_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, labels, self.vocab_start, self.tp)
@@ -157,9 +203,12 @@ class TensorParallelRuntime(Runtime):
 
     def save(self, directory, optimizer) -> None:
         self.inner.save(self._subdir(directory), optimizer)
-        if dist.get_rank() == 0:  # how to put the slices back together, for consolidation
+        if dist.get_rank() == 0:  # how to put the slices back together, for consolidation; the plan, for a resume
             dims = {name: dim for name, (dim, _, _) in self.plan.items()}
-            (Path(directory) / PLAN_FILE).write_text(json.dumps({"size": self.tp.size, "dims": dims}, indent=1))
+            meta = {"size": self.tp.size, "dims": dims}
+            if self.partition_plan is not None:
+                meta["partitions"] = self.partition_plan
+            (Path(directory) / PLAN_FILE).write_text(json.dumps(meta, indent=1))
 
     def load(self, directory, optimizer) -> None:
         """Restore a checkpoint of any tensor-parallel size (a plain one is size 1): the same size
@@ -167,7 +216,9 @@ class TensorParallelRuntime(Runtime):
         consolidated in memory and re-sliced for this rank, weights and optimizer states alike."""
         directory = Path(directory)
         plan_path = directory / PLAN_FILE
-        saved_size = json.loads(plan_path.read_text())["size"] if plan_path.is_file() else 1
+        meta = json.loads(plan_path.read_text()) if plan_path.is_file() else {}
+        saved_size = meta.get("size", 1)
+        self._reuse_plan(meta.get("partitions"), saved_size, directory)
         if saved_size == self.tp.size:
             self.inner.load(directory / f"tp{self.tp.rank:02d}", optimizer)
             return
@@ -182,6 +233,20 @@ class TensorParallelRuntime(Runtime):
             mine[key] = tensor
         self.inner.load_unsharded(mine, optimizer)
 
+    def _reuse_plan(self, saved: list[int] | None, saved_size: int, directory: Path) -> None:
+        """`partitions 0`: the checkpoint's AccTFM plan, not a new profile, so the resumed run computes
+        exactly as the saved one did (K changes the rounding, and a profile's pick varies with load).
+        A plan for another TP size does not fit its sublayers' work: planned anew on the first batch."""
+        if self.tp.config.partitions != 0 or saved is None:
+            return
+        if saved_size != self.tp.size or len(saved) != len(self._sublayers()):
+            self._notes.append(f"AccTFM partition plan {saved} of checkpoint {directory} was made for tensor parallel "
+                               f"{saved_size}, this run is {self.tp.size}: profiling again on the first batch")
+            return
+        self._use_plan(saved, "from checkpoint")
+        self._notes.append(f"AccTFM partition plan (K per sublayer, attention/MLP alternating): {saved}, from "
+                           f"checkpoint {directory} (not profiled again)")
+
     @contextmanager
     def inference_weights(self, max_bytes=None):
         raise NotImplementedError("generation under tensor parallelism is not supported (the logits are "
@@ -189,7 +254,10 @@ class TensorParallelRuntime(Runtime):
         yield
 
     def describe(self) -> str:
-        return f"{self.tp.config.describe()} x {self.inner.describe()}"
+        """E.g. "tensor parallel 2 + pipelined (planned per sublayer): plan [1, 2, 1, 1] from checkpoint ... x
+        ZeRO-3 ...": the TP group, its AccTFM options and plan (once known), then the data-parallel runtime."""
+        plan = "" if self.partition_plan is None else f": plan {self.partition_plan} {self.plan_source}"
+        return f"{self.tp.config.describe()}{plan} x {self.inner.describe()}"
 
     def zero3_cross_node_bytes(self, micro_batches: int = 1) -> dict[str, int]:
         return self.inner.zero3_cross_node_bytes(micro_batches)
