@@ -208,6 +208,13 @@ class FinetuneSection:
     # (prompt / completion, the prompt verbatim) or messages (multi-turn chats rendered with the
     # tokenizer's chat template, the loss on the assistant turns).
     data_format: Literal["auto", "alpaca", "hh", "completion", "messages"] = "auto"
+    # More SFT data sets trained on together with data.path's, each in the format its records show
+    # (paths relative to the working directory; on the command line --finetune.mix b.jsonl,c.json).
+    mix: list[str] = field(default_factory=list)
+    # The weight of data.path's set, then of each finetune.mix set: an epoch draws that share of its
+    # examples from each (a small set repeated, a large one subsampled, in a seeded order a resume
+    # continues exactly). Empty: every example of every set once.
+    mix_weights: list[float] = field(default_factory=list)
     lora: LoraSection = field(default_factory=LoraSection)  # LoRA adapters instead of training every weight
 
 

@@ -6,6 +6,7 @@ Every rank tokenizes the SFT file itself, in memory: instruction sets are small 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,15 +16,15 @@ import torch
 from data.datasets import SFTDataset, collate_sft, split_train_valid
 from data.sources import is_json
 from data.tokenizer import Tokenizer, load_tokenizer
-from trainer.config import Config
+from trainer.config import Config, ConfigError
 from trainer.pretrain_data import DataError
 
 
 @dataclass
 class FinetuneData:
     tokenizer: Tokenizer
-    dataset: SFTDataset
-    train_indices: np.ndarray
+    dataset: torch.utils.data.Dataset  # every set's examples, one after the other
+    train_indices: np.ndarray  # an epoch's examples, as the mixture weighs them (ids may repeat)
     valid_indices: np.ndarray
     source: str
 
@@ -35,22 +36,53 @@ class FinetuneData:
         return batch["tokens"][:, :-1].to(device), batch["labels"][:, 1:].to(device)
 
 
-def prepare_finetuning(cfg: Config) -> FinetuneData:
-    data, ft = cfg.data, cfg.finetune
-    path = Path(data.path)
-    if not (path.is_file() and is_json(path)):
-        raise DataError(f"data.path {data.path!r}: {'not a JSON file' if path.is_file() else 'no such file'}; "
+def _sft_set(path: str, tokenizer: Tokenizer, cfg: Config, format: str | None, key: str) -> SFTDataset:
+    if not (Path(path).is_file() and is_json(Path(path))):
+        raise DataError(f"{key} {path!r}: {'not a JSON file' if Path(path).is_file() else 'no such file'}; "
                         f"fine-tuning reads an SFT data set from a .json / .jsonl(.gz) file (docs/finetune.md)")
-    tokenizer = load_tokenizer(data.tokenizer or ft.hf_checkpoint)
     try:
         # seq_len + 1 tokens give seq_len inputs and targets after the shift, as in pretraining.
-        dataset = SFTDataset(path, tokenizer, max_len=data.seq_len + 1,
-                             format=None if ft.data_format == "auto" else ft.data_format)
+        dataset = SFTDataset(path, tokenizer, max_len=cfg.data.seq_len + 1, format=format)
     except (KeyError, ValueError) as e:  # they name the file, the record and the key
         raise DataError(str(e)) from e
     if len(dataset) < 2:
-        raise DataError(f"data.path {data.path!r}: {len(dataset)} usable examples ({dataset.num_skipped} had no "
-                        f"response left within data.seq_len {data.seq_len}); need at least 2")
-    train_idx, valid_idx = split_train_valid(len(dataset), data.valid_fraction, cfg.train.seed)
-    source = f"{path} ({dataset.format}, {dataset.num_skipped} skipped)"
-    return FinetuneData(tokenizer, dataset, train_idx, valid_idx, source)
+        raise DataError(f"{key} {path!r}: {len(dataset)} usable examples ({dataset.num_skipped} had no response "
+                        f"left within data.seq_len {cfg.data.seq_len}); need at least 2")
+    return dataset
+
+
+def mixture(train_sets: list[np.ndarray], weights: list[float], seed: int) -> np.ndarray:
+    """One epoch of the sets' training examples, as many as they hold together, each set drawing
+    its weight's share: whole passes over it, then a seeded sample without replacement."""
+    total = sum(len(ids) for ids in train_sets)
+    rng = np.random.default_rng([seed, len(train_sets)])
+    epoch = []
+    for ids, weight in zip(train_sets, weights):
+        count = max(1, round(total * weight / sum(weights)))
+        passes, rest = divmod(count, len(ids))
+        epoch += [np.tile(ids, passes), np.sort(rng.choice(ids, rest, replace=False))]
+    return np.concatenate(epoch)
+
+
+def prepare_finetuning(cfg: Config) -> FinetuneData:
+    data, ft = cfg.data, cfg.finetune
+    paths = [data.path, *ft.mix]
+    if ft.mix_weights and (len(ft.mix_weights) != len(paths) or
+                           not all(math.isfinite(w) and w > 0 for w in ft.mix_weights)):
+        raise ConfigError(f"finetune.mix_weights: value {ft.mix_weights} does not fit; expected {len(paths)} "
+                          f"weights > 0 (data.path's, then one per finetune.mix set), or none")
+    tokenizer = load_tokenizer(data.tokenizer or ft.hf_checkpoint)
+    sets = [_sft_set(path, tokenizer, cfg, (None if ft.data_format == "auto" else ft.data_format) if i == 0 else None,
+                     "data.path" if i == 0 else "finetune.mix") for i, path in enumerate(paths)]
+    train_sets, valid_sets, offset = [], [], 0
+    for dataset in sets:
+        train_idx, valid_idx = split_train_valid(len(dataset), data.valid_fraction, cfg.train.seed)
+        train_sets.append(train_idx + offset)
+        valid_sets.append(valid_idx + offset)
+        offset += len(dataset)
+    train_idx = mixture(train_sets, ft.mix_weights, cfg.train.seed) if ft.mix_weights else np.concatenate(train_sets)
+    described = [f"{path} ({d.format}, {d.num_skipped} skipped)" for path, d in zip(paths, sets)]
+    if ft.mix_weights:
+        described = [f"{text} x {w / sum(ft.mix_weights):.0%}" for text, w in zip(described, ft.mix_weights)]
+    dataset = sets[0] if len(sets) == 1 else torch.utils.data.ConcatDataset(sets)
+    return FinetuneData(tokenizer, dataset, train_idx, np.concatenate(valid_sets), " + ".join(described))

@@ -353,3 +353,39 @@ def test_bad_inputs_name_the_file_key_or_value(hf_dirs, synthetic, tmp_path):
         Trainer(parse_args(["--finetune.lora.r", "4"]))
     with pytest.raises(SystemExit, match="needs --finetune.hf_checkpoint"):
         finetune.main(["--data.path", str(synthetic)])
+
+
+def test_weighted_mixture_of_sft_sets_is_seeded_and_resumes_exactly(hf_dirs, synthetic, tmp_path):
+    """Issue 37, item 6: several SFT sets, each in its own format, mixed by weight: an epoch draws
+    each set's share (the small set repeated, the large one subsampled), the same on every run, and
+    a run resumed mid-way continues the uninterrupted one's losses exactly."""
+    from trainer.finetune_data import prepare_finetuning
+
+    small = tmp_path / "small.jsonl"  # 20 prompt / completion records: a different format
+    small.write_text("".join(json.dumps({"prompt": f"Count to {i}:", "completion": " ".join(map(str, range(i)))}) + "\n"
+                             for i in range(2, 22)))
+    mixed = ("--finetune.mix", str(small), "--finetune.mix_weights", "1,1")
+    data = prepare_finetuning(ft_config(*ft_args(hf_dirs["llama"], synthetic, tmp_path / "a", *mixed)))
+    assert "alpaca" in data.source and "completion" in data.source and "x 50%" in data.source
+    sizes = [len(d) for d in data.dataset.datasets]
+    order = data.train_indices
+    from_small = int((order >= sizes[0]).sum())
+    assert abs(from_small - len(order) / 2) <= 1  # half the epoch from a set of 20, so each repeated
+    assert len(set(order[order >= sizes[0]].tolist())) < from_small
+    again = prepare_finetuning(ft_config(*ft_args(hf_dirs["llama"], synthetic, tmp_path / "b", *mixed)))
+    assert again.train_indices.tolist() == order.tolist()
+    # Without weights the sets are concatenated, every example once.
+    plain = prepare_finetuning(ft_config(*ft_args(hf_dirs["llama"], synthetic, tmp_path / "c", "--finetune.mix",
+                                                  str(small))))
+    assert sorted(plain.train_indices.tolist()) == sorted(set(plain.train_indices.tolist()))
+    # A resume in the middle continues the mixed stream exactly.
+    steps = ("--train.steps", "6", "--train.checkpoint_interval", "3")
+    full = train(ft_config(*ft_args(hf_dirs["llama"], synthetic, tmp_path / "full", *mixed, *steps)))
+    out = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "full", out)
+    resumed = train(ft_config(*ft_args(hf_dirs["llama"], synthetic, out, *mixed, *steps, "--resume",
+                                       str(out / "checkpoints" / "step_00000003"))))
+    assert {s: resumed.losses[s] for s in (4, 5, 6)} == {s: full.losses[s] for s in (4, 5, 6)}
+    with pytest.raises(ConfigError, match=r"finetune.mix_weights: value \[1.0\] does not fit; expected 2"):
+        prepare_finetuning(ft_config(*ft_args(hf_dirs["llama"], synthetic, tmp_path / "d", "--finetune.mix",
+                                              str(small), "--finetune.mix_weights", "1")))
