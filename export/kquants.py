@@ -1,0 +1,256 @@
+"""GGUF K-quants: Q4_K and Q6_K super-blocks in ggml's byte layout, and llama.cpp's Q4_K_M mix.
+
+K-quants are what people serve at 4 bits (Q4_K_M is the default download), but their grid is
+not ours: a 256-value super-block holds fp16 scales of sub-block scales (and, for Q4_K, of
+sub-block minimums), so the weights are quantized again here from fp32, as llama.cpp's
+`llama-quantize` does without an importance matrix (ggml-quants.c `quantize_row_q4_K_ref`,
+`quantize_row_q6_K_ref`). The math is the same, vectorized over all sub-blocks at once: the
+same candidate scales are tried and the best kept by the same error; only the summation order
+differs from ggml's loops, so a near-tie can pick another candidate and the bytes can differ
+from llama-quantize's in rare blocks (the values they hold are still read exactly). Where a
+sub-block's scale rounds to 0 its codes are written as 0 (ggml leaves its search's codes; the
+value, 0 * q - min, is the same).
+
+`kquant_tensor(name, weight, mix, n_layer, tied)` is the per-tensor entry point the GGUF writer
+calls: the GGML type llama.cpp's mix gives that tensor (`kquant_type`) and the bytes. Rows whose
+length is not a multiple of 256 fall back as llama.cpp falls back (Q4_K -> Q5_0, Q6_K -> Q8_0,
+F16 below 32), quantized by gguf-py's reference encoders for those types.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import LlamaFileType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+QK_K = 256  # values per super-block
+# Mixes: Q4_K_M as llama.cpp's llama_tensor_get_type makes it; Q4_K (llama-quantize --pure Q4_K_M) and
+# Q6_K put every matrix in one type. The file type is what llama-quantize writes for each.
+KQUANT_MIXES = {"Q4_K_M": LlamaFileType.MOSTLY_Q4_K_M, "Q4_K": LlamaFileType.MOSTLY_Q4_K_M,
+                "Q6_K": LlamaFileType.MOSTLY_Q6_K}
+# llama.cpp's tensor_type_fallback for rows that are not whole super-blocks.
+_FALLBACK = {T.Q4_K: T.Q5_0, T.Q6_K: T.Q8_0}
+
+
+def _rint(x: np.ndarray) -> np.ndarray:
+    """ggml's nearest_int: round half to even (it adds 1.5 * 2**23 in fp32)."""
+    return np.rint(x)
+
+
+def _fp16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x rounded to fp16: its two little-endian bytes, and its value read back in fp32 (as ggml reads it)."""
+    h = x.astype(np.float16)
+    return h.view(np.uint8).reshape(*x.shape, 2), h.astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Q4_K: 8 sub-blocks of 32, x = d * sc * q - dmin * m, q in 0..15, sc and m 6-bit
+
+
+def _scale_min_search(x: np.ndarray, w: np.ndarray, nmax: int = 15, rmin: float = -1.0, rdelta: float = 0.1,
+                      nstep: int = 20) -> tuple[np.ndarray, np.ndarray]:
+    """ggml's make_qkx2_quants over the last axis: the (scale, min) with x ~ scale * q - min, q in 0..nmax,
+    of least weighted squared error among min-max rounding and nstep + 1 stretched grids, each refit by
+    weighted least squares (min kept >= 0, i.e. the offset never above 0).
+
+    Codes are rounded in fp32 as ggml rounds them; the sums are fp64 and each candidate's error comes from
+    them in closed form (ggml sums the squared errors in fp32), which halves the passes over the data."""
+    lo, hi = np.minimum(x.min(-1), 0), x.max(-1)
+    span = hi - lo
+    flat = span == 0
+    span = np.where(flat, 1, span)
+    above = x - lo[..., None]
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    wx = w64 * x64
+    sum_w, sum_x, sum_x2 = w64.sum(-1), wx.sum(-1), (wx * x64).sum(-1)
+
+    def sums(iscale):
+        q = np.clip(_rint(iscale[..., None] * above), 0, nmax).astype(np.float64)
+        wq = w64 * q
+        return wq.sum(-1), np.einsum("...i,...i->...", wq, q), np.einsum("...i,...i->...", wx, q)
+
+    def error(scale, offset, sum_l, sum_l2, sum_xl):
+        return (scale * scale * sum_l2 + offset * offset * sum_w + sum_x2
+                + 2 * (scale * offset * sum_l - scale * sum_xl - offset * sum_x))
+
+    iscale = np.float32(nmax) / span
+    scale, offset = (1 / iscale).astype(np.float64), lo.astype(np.float64)
+    best = error(scale, offset, *sums(iscale))
+    for step in range(nstep + 1):
+        sum_l, sum_l2, sum_xl = sums((np.float32(rmin) + np.float32(rdelta) * np.float32(step) + np.float32(nmax))
+                                     / span)  # the stretched grid's inverse scale in fp32, as ggml computes it
+        det = sum_w * sum_l2 - sum_l * sum_l
+        ok = det > 0
+        det = np.where(ok, det, 1)
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
+        this_offset = (sum_l2 * sum_x - sum_l * sum_xl) / det
+        positive = this_offset > 0  # an offset above 0: refit the scale alone with offset 0
+        this_offset = np.where(positive, 0, this_offset)
+        this_scale = np.where(positive, sum_xl / np.where(sum_l2 > 0, sum_l2, 1), this_scale)
+        err = error(this_scale, this_offset, sum_l, sum_l2, sum_xl)
+        better = ok & (err < best)
+        scale, offset, best = (np.where(better, a, b) for a, b in ((this_scale, scale), (this_offset, offset),
+                                                                  (err, best)))
+    return np.where(flat, 0, scale).astype(np.float32), (-np.where(flat, lo, offset)).astype(np.float32)
+
+
+def _pack_scales_q4k(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Eight 6-bit scales and mins -> ggml's 12 bytes: bytes 0-3 sc[0:4] and 4-7 m[0:4] (low 6 bits),
+    their top 2 bits the high 2 bits of sc[4:8] / m[4:8]; bytes 8-11 sc[4:8] | m[4:8] << 4 (low nibbles)."""
+    lo_sc, hi_sc, lo_m, hi_m = sc[:, :4], sc[:, 4:], m[:, :4], m[:, 4:]
+    return np.concatenate([lo_sc | (hi_sc >> 4) << 6, lo_m | (hi_m >> 4) << 6, (hi_sc & 15) | (hi_m & 15) << 4],
+                          axis=1).astype(np.uint8)
+
+
+def quantize_q4_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K of fp32 `x` (a multiple of 256 values): bytes [n / 256, 144] and the values they hold.
+
+    Per sub-block the (scale, min) search weights each value by rms(sub-block) + |x|; the 8 scales and 8
+    mins are then put on 6-bit grids under fp16 d = max scale / 63 and dmin = max min / 63, and the codes
+    recomputed on the grid: q = round((x + dmin * m) / (d * sc)) in 0..15.
+    Layout (144 bytes): fp16 d, fp16 dmin, 12 bytes of scales / mins, 128 bytes of codes, byte
+    32 * c + l = q[64 * c + l] | q[64 * c + 32 + l] << 4.
+    """
+    x = np.asarray(x, dtype=np.float32).reshape(-1, 8, 32)
+    n = x.shape[0]
+    w = np.sqrt((x * x).mean(-1, keepdims=True)) + np.abs(x)
+    scales, mins = _scale_min_search(x, w)
+    max_scale, max_min = scales.max(-1, keepdims=True), mins.max(-1, keepdims=True)
+    inv_scale = np.where(max_scale > 0, np.float32(63) / np.where(max_scale > 0, max_scale, 1), 0)
+    inv_min = np.where(max_min > 0, np.float32(63) / np.where(max_min > 0, max_min, 1), 0)
+    sc = np.clip(_rint(inv_scale * scales), 0, 63).astype(np.uint8)
+    m = np.clip(_rint(inv_min * mins), 0, 63).astype(np.uint8)
+    d_bytes, d = _fp16(max_scale[:, 0] / np.float32(63))
+    dmin_bytes, dmin = _fp16(max_min[:, 0] / np.float32(63))
+    step = d[:, None] * sc.astype(np.float32)  # d * sc and dmin * m are exact in fp32, as in ggml
+    offset = dmin[:, None] * m.astype(np.float32)
+    safe = np.where(step == 0, 1, step)[..., None]
+    q = np.where(step[..., None] == 0, 0, np.clip(_rint((x + offset[..., None]) / safe), 0, 15)).astype(np.uint8)
+    values = step[..., None] * q.astype(np.float32) - offset[..., None]
+    pairs = q.reshape(n, 4, 2, 32)
+    qs = (pairs[:, :, 0] | pairs[:, :, 1] << 4).reshape(n, 128)
+    blocks = np.concatenate([d_bytes, dmin_bytes, _pack_scales_q4k(sc, m), qs], axis=1)
+    return blocks, values.reshape(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Q6_K: 16 sub-blocks of 16, x = d * sc * (q - 32), q in 0..63, sc int8
+
+
+def _symmetric_scale_search(x: np.ndarray, nmax: int = 32) -> np.ndarray:
+    """ggml's make_qx_quants with rmse_type 1 over the last axis: the scale with x ~ scale * l,
+    l in -nmax..nmax-1, that maximizes (sum w x l)^2 / sum w l^2 (weights w = x^2, i.e. least weighted
+    squared error at the refit scale), over grids that put the largest |x| at -(nmax + 0.1 k), k in -9..9."""
+    big = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]  # signed, first of the largest
+    zero = np.abs(big) < 1e-15
+    big = np.where(zero, 1, big)
+    w = x * x
+    wx = w * x
+
+    def fit(k):
+        iscale = -(np.float32(nmax) + np.float32(0.1) * np.float32(k)) / big  # fp32, as ggml
+        q = np.clip(_rint(iscale[..., None] * x), -nmax, nmax - 1)
+        return np.einsum("...i,...i->...", wx, q), np.einsum("...i,...i->...", w * q, q)
+
+    sum_lx, sum_l2 = fit(0)
+    scale = np.where(sum_l2 > 0, sum_lx / np.where(sum_l2 > 0, sum_l2, 1), 0)
+    best = scale * sum_lx
+    for k in (*range(-9, 0), *range(1, 10)):
+        sum_lx, sum_l2 = fit(k)
+        better = (sum_l2 > 0) & (sum_lx * sum_lx > best * sum_l2)
+        scale = np.where(better, sum_lx / np.where(sum_l2 > 0, sum_l2, 1), scale)
+        best = np.where(better, scale * sum_lx, best)
+    return np.where(zero, 0, scale).astype(np.float32)
+
+
+def quantize_q6_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K of fp32 `x` (a multiple of 256 values): bytes [n / 256, 210] and the values they hold.
+
+    The 16 sub-block scales are put on an int8 grid under fp16 d = -(the scale of largest |scale|) / 128
+    (that scale becomes -128), and the codes recomputed: q = round(x / (d * sc)) in -32..31, stored + 32.
+    Layout (210 bytes): 128 bytes ql (low nibbles), 64 bytes qh (high 2 bits), 16 int8 scales, fp16 d. Per
+    half h of 128 values with quarters Q0..Q3 of 32: ql[64h + l] = Q0[l] | Q2[l] << 4 (low nibbles),
+    ql[64h + 32 + l] = Q1[l] | Q3[l] << 4, qh[32h + l] = Q0[l] >> 4 | Q1[l] >> 4 << 2 | Q2 .. << 4 | Q3 .. << 6.
+    """
+    x = np.asarray(x, dtype=np.float32).reshape(-1, 16, 16)
+    n = x.shape[0]
+    scales = _symmetric_scale_search(x)
+    top = np.take_along_axis(scales, np.abs(scales).argmax(-1)[:, None], -1)  # signed, first of the largest
+    zero = np.abs(top) < 1e-15
+    iscale = np.where(zero, 0, np.float32(-128) / np.where(zero, 1, top))
+    sc = np.where(zero, 0, np.minimum(127, _rint(iscale * scales))).astype(np.int8)
+    d_bytes, d = _fp16(np.where(zero, 0, 1 / np.where(zero, 1, iscale))[:, 0])
+    step = d[:, None] * sc.astype(np.float32)
+    safe = np.where(step == 0, 1, step)[..., None]
+    q = np.where(step[..., None] == 0, 0, np.clip(_rint(x / safe), -32, 31)).astype(np.int8)
+    values = step[..., None] * q.astype(np.float32)
+    u = (q.astype(np.int16) + 32).astype(np.uint8).reshape(n, 2, 4, 32)
+    ql = ((u[:, :, 0:2] & 15) | (u[:, :, 2:4] & 15) << 4).reshape(n, 128)
+    qh = ((u[:, :, 0] >> 4) | (u[:, :, 1] >> 4) << 2 | (u[:, :, 2] >> 4) << 4 | (u[:, :, 3] >> 4) << 6).reshape(n, 64)
+    blocks = np.concatenate([ql, qh, sc.view(np.uint8), d_bytes], axis=1)
+    return blocks, values.reshape(-1)
+
+
+KQUANTIZERS = {T.Q4_K: quantize_q4_k, T.Q6_K: quantize_q6_k}
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp's Q4_K_M mix and the per-tensor entry point
+
+
+def _more_bits(layer: int, n_layer: int) -> bool:
+    """llama.cpp's use_more_bits: the first and last eighth of the layers and every third one between."""
+    return layer < n_layer // 8 or layer >= 7 * n_layer // 8 or (layer - n_layer // 8) % 3 == 2
+
+
+def _fallback(qtype: T, cols: int) -> T:
+    """llama.cpp's tensor_type_fallback: a K-quant needs whole 256-value super-blocks along a row."""
+    if qtype in KQUANTIZERS and cols % QK_K:
+        qtype = _FALLBACK[qtype]
+        if cols % 32:
+            qtype = T.F16
+    return qtype
+
+
+def kquant_type(name: str, cols: int, mix: str, n_layer: int, tied: bool) -> T:
+    """The GGML type of the 2-D GGUF tensor `name` (rows of `cols`) in `mix`, as llama-quantize picks it for a
+    dense model: Q4_K_M puts the LM head (token_embd where the head is tied) in Q6_K (Q8_0 for rows that
+    are not whole super-blocks), attn_v / attn_qkv and ffn_down in Q6_K on the _more_bits layers, every
+    other matrix in Q4_K; then the fallback for rows that are not whole super-blocks."""
+    if mix not in KQUANT_MIXES:
+        raise ValueError(f"K-quant mix {mix!r}: expected one of {list(KQUANT_MIXES)}")
+    qtype = T.Q6_K if mix == "Q6_K" else T.Q4_K
+    if mix == "Q4_K_M":
+        if name == "output.weight" or (tied and name == "token_embd.weight"):
+            qtype = T.Q6_K if cols % QK_K == 0 else T.Q8_0
+        elif name.startswith("blk.") and name.endswith((".attn_v.weight", ".attn_qkv.weight", ".ffn_down.weight")):
+            if _more_bits(int(name.split(".")[1]), n_layer):
+                qtype = T.Q6_K
+    return _fallback(qtype, cols)
+
+
+def quantize_rows(weight: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray]:
+    """`weight` [rows, cols] fp32 as GGML `qtype`: bytes [rows, row bytes] and the fp32 values they hold
+    (what gguf-py's and ggml's dequantizers give). K-quants by our encoders, the fallbacks by gguf-py's."""
+    weight = np.ascontiguousarray(weight, dtype=np.float32)
+    rows, cols = weight.shape
+    if qtype in KQUANTIZERS:
+        blocks, values = KQUANTIZERS[qtype](weight.reshape(-1))
+        return blocks.reshape(rows, -1), values.reshape(rows, cols)
+    data = gguf_quantize(weight, qtype)
+    return data, np.asarray(gguf_dequantize(data, qtype), dtype=np.float32).reshape(rows, cols)
+
+
+def kquant_tensor(name: str, weight: torch.Tensor | np.ndarray, mix: str, n_layer: int,
+                  tied: bool) -> tuple[np.ndarray, T]:
+    """What the GGUF writer stores for the matrix `name` (GGUF name, nn.Linear / embedding layout, q/k rows
+    already permuted) in `mix`: its bytes [rows, row bytes] (F16: the fp16 values) and GGML type."""
+    if isinstance(weight, torch.Tensor):
+        weight = weight.detach().float().numpy()
+    qtype = kquant_type(name, weight.shape[1], mix, n_layer, tied)
+    if qtype == T.F16:
+        return np.asarray(weight, dtype=np.float16), qtype
+    return quantize_rows(weight, qtype)[0], qtype

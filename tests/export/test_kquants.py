@@ -1,0 +1,268 @@
+"""GGUF K-quants (export/kquants.py) against gguf-py's dequantizer, a loop transcribed from ggml's
+dequantize_row_q4_K / _q6_K, llama.cpp's Q4_K_M type rules, and the error of the 4- and 8-bit block formats.
+
+The perplexity table of docs/export.md is `test_perplexity_table`, off by default (it trains a tiny model for
+about five minutes): KQUANTS_PERPLEXITY=1 pytest -s tests/export/test_kquants.py -k perplexity
+"""
+
+import dataclasses
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+import kernels
+from export.kquants import kquant_tensor, kquant_type, quantize_q4_k, quantize_q6_k, quantize_rows
+from models.config import PRESETS
+from models.transformer import Transformer, lm_loss
+
+ENCODERS = {T.Q4_K: quantize_q4_k, T.Q6_K: quantize_q6_k}
+BLOCK_BYTES = {T.Q4_K: 144, T.Q6_K: 210}
+
+
+def awkward_blocks(rng) -> np.ndarray:
+    """Super-blocks that take the encoders' special cases: all zero, a constant sub-block, all positive, all
+    negative, one outlier, values near fp16's smallest normal, and plain Gaussian ones at three scales."""
+    g = rng.standard_normal((9, 256)).astype(np.float32)
+    g[0] = 0
+    g[1, :32] = 0.5
+    g[2] = np.abs(g[2]) + 1
+    g[3] = -np.abs(g[3]) - 0.25
+    g[4, 77] = 40.0
+    g[5] *= 1e-4
+    g[6] *= 1e3
+    g[7, ::2] = 0
+    return g
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
+def test_gguf_py_reads_our_bytes_as_our_values(qtype):
+    rng = np.random.default_rng(0)
+    x = np.concatenate([awkward_blocks(rng).reshape(-1), rng.standard_normal(32 * 256).astype(np.float32) * 0.02])
+    blocks, values = ENCODERS[qtype](x)
+    assert blocks.dtype == np.uint8 and blocks.shape == (x.size // 256, BLOCK_BYTES[qtype])
+    theirs = gguf_dequantize(blocks, qtype).reshape(-1)
+    assert np.array_equal(theirs, values)
+    assert np.array_equal(values[:256], np.zeros(256, np.float32))  # an all-zero block stays zero
+    assert np.abs(values - x).max() <= np.abs(x).max() / 8  # and nothing is far off
+
+
+def ggml_q4_k_row(block: bytes) -> list[float]:
+    """ggml's dequantize_row_q4_K for one block, element by element (get_scale_min_k4 unpacks the scales)."""
+    d, dmin = np.frombuffer(block[:4], np.float16).astype(np.float32)
+    scales, qs = block[4:16], block[16:]
+
+    def scale_min(j):
+        if j < 4:
+            return scales[j] & 63, scales[j + 4] & 63
+        return (scales[j + 4] & 0xF) | ((scales[j - 4] >> 6) << 4), (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4)
+
+    out = []
+    for j in range(0, 8, 2):  # 64 values per 32 bytes: low nibbles, then high nibbles
+        sc1, m1 = scale_min(j)
+        sc2, m2 = scale_min(j + 1)
+        q = qs[16 * j:16 * j + 32]
+        out += [np.float32(d * sc1) * np.float32(b & 0xF) - np.float32(dmin * m1) for b in q]
+        out += [np.float32(d * sc2) * np.float32(b >> 4) - np.float32(dmin * m2) for b in q]
+    return out
+
+
+def ggml_q6_k_row(block: bytes) -> list[float]:
+    """ggml's dequantize_row_q6_K for one block, element by element."""
+    ql, qh, sc = block[:128], block[128:192], np.frombuffer(block[192:208], np.int8)
+    d = np.frombuffer(block[208:210], np.float16).astype(np.float32)[0]
+    out = [0.0] * 256
+    for half in range(2):
+        for lane in range(32):
+            low, high, s = ql[64 * half:], qh[32 * half + lane], 8 * half + lane // 16
+            quarters = ((low[lane] & 0xF) | (high & 3) << 4, (low[lane + 32] & 0xF) | ((high >> 2) & 3) << 4,
+                        (low[lane] >> 4) | ((high >> 4) & 3) << 4, (low[lane + 32] >> 4) | ((high >> 6) & 3) << 4)
+            for k, q in enumerate(quarters):
+                out[128 * half + 32 * k + lane] = np.float32(d * np.float32(sc[s + 2 * k])) * np.float32(q - 32)
+    return out
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
+def test_ggml_loop_reads_our_bytes_as_our_values(qtype):
+    """An independent decoding of ggml's layout (the C loops, not gguf-py's vectorized unpacking)."""
+    x = awkward_blocks(np.random.default_rng(1))[1:]
+    blocks, values = ENCODERS[qtype](x.reshape(-1))
+    decode = ggml_q4_k_row if qtype == T.Q4_K else ggml_q6_k_row
+    ours = np.concatenate([np.array(decode(b.tobytes()), np.float32) for b in blocks])
+    assert np.array_equal(ours, values)
+
+
+def rms(a, b) -> float:
+    return float(np.sqrt(np.mean((np.asarray(a, np.float64) - b) ** 2)))
+
+
+def rtn(x: np.ndarray, bits: int, block: int) -> np.ndarray:
+    """Our RTN: symmetric absmax per block, fp16 scale (what export_gguf's Q4_0 / Q8_0 hold at block 32)."""
+    return kernels.on_grid(torch.from_numpy(x), bits, block).numpy()
+
+
+def test_error_is_below_the_32_blocks_at_the_same_bits():
+    """Gaussian rows. Measured RMS (std 1): Q4_K 0.0719, ggml's Q4_0 0.0862, our RTN int4 block 32 0.0978 and
+    block 256 0.128; Q6_K 0.0178, Q8_0 0.0054 (x 3.3)."""
+    x = np.random.default_rng(2).standard_normal((64, 1024)).astype(np.float32)
+    q4k = rms(quantize_rows(x, T.Q4_K)[1], x)
+    q6k = rms(quantize_rows(x, T.Q6_K)[1], x)
+    q4_0 = rms(gguf_dequantize(gguf_quantize(x, T.Q4_0), T.Q4_0), x)
+    q8_0 = rms(gguf_dequantize(gguf_quantize(x, T.Q8_0), T.Q8_0), x)
+    assert q4k < 0.9 * q4_0 and q4k < 0.8 * rms(rtn(x, 4, 32), x) and q4k < 0.6 * rms(rtn(x, 4, 256), x)
+    assert q6k < 4 * q8_0 and q6k < 0.3 * q4k
+
+
+def test_q4_k_m_picks_llama_cpp_types():
+    # use_more_bits over 8 layers: 0, 3, 6, 7 (first and last eighth, then every third)
+    assert [kquant_type(f"blk.{i}.attn_v.weight", 256, "Q4_K_M", 8, False) for i in range(8)] == \
+        [T.Q6_K, T.Q4_K, T.Q4_K, T.Q6_K, T.Q4_K, T.Q4_K, T.Q6_K, T.Q6_K]
+    assert [i for i in range(8) if kquant_type(f"blk.{i}.ffn_down.weight", 512, "Q4_K_M", 8, False) == T.Q6_K] \
+        == [0, 3, 6, 7]
+    assert kquant_type("blk.3.attn_qkv.weight", 256, "Q4_K_M", 8, False) == T.Q6_K  # GPT-2's fused qkv
+    for name in ("blk.3.attn_q.weight", "blk.3.attn_k.weight", "blk.3.attn_output.weight", "blk.3.ffn_up.weight",
+                 "blk.3.ffn_gate.weight", "token_embd.weight"):
+        assert kquant_type(name, 256, "Q4_K_M", 8, False) == T.Q4_K, name
+    assert kquant_type("output.weight", 256, "Q4_K_M", 8, False) == T.Q6_K
+    assert kquant_type("token_embd.weight", 256, "Q4_K_M", 8, True) == T.Q6_K  # a tied head
+    assert kquant_type("output.weight", 96, "Q4_K_M", 8, False) == T.Q8_0
+    # rows that are not whole super-blocks fall back as llama.cpp does
+    assert kquant_type("blk.1.attn_q.weight", 96, "Q4_K_M", 8, False) == T.Q5_0
+    assert kquant_type("blk.0.attn_v.weight", 96, "Q4_K_M", 8, False) == T.Q8_0
+    assert kquant_type("blk.1.attn_q.weight", 100, "Q4_K_M", 8, False) == T.F16
+    assert kquant_type("blk.0.ffn_down.weight", 256, "Q4_K", 8, False) == T.Q4_K  # pure: no mix
+    assert {kquant_type(n, 256, "Q6_K", 8, False) for n in ("output.weight", "blk.1.attn_q.weight")} == {T.Q6_K}
+    with pytest.raises(ValueError, match="Q4_K_S"):
+        kquant_type("output.weight", 256, "Q4_K_S", 8, False)
+
+
+# Our parameter names -> GGUF's, for a LLaMA-layout model (export_gguf gets them from gguf-py's tables).
+GGUF_NAMES = {"embed.tokens": "token_embd", "head": "output", "attn.q_proj": "attn_q", "attn.k_proj": "attn_k",
+              "attn.v_proj": "attn_v", "attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
+              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(ours: str) -> str:
+    module = ours.removesuffix(".weight")
+    if module.startswith("blocks."):
+        _, layer, rest = module.split(".", 2)
+        return f"blk.{layer}.{GGUF_NAMES[rest]}.weight"
+    return f"{GGUF_NAMES[module]}.weight"
+
+
+def tiny_llama(d_model: int, d_ff: int, n_layer: int = 2, vocab: int = 320, seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    config = dataclasses.replace(PRESETS["llama-tiny"], vocab_size=vocab, n_layer=n_layer, d_model=d_model, d_ff=d_ff)
+    model = Transformer(config).eval()
+    with torch.no_grad():  # wider than the init, so that 4-bit grids change the logits visibly
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+def requantized(model: Transformer, fmt: str) -> Transformer:
+    """A copy of `model` whose matrices hold the values of `fmt`: a K-quant mix (via kquant_tensor, read back
+    by gguf-py), Q4_0 as export_gguf writes it (our RTN int4, block 32), or RTN int4 at block 256."""
+    copy = Transformer(model.config).eval()
+    copy.load_state_dict(model.state_dict())
+    n_layer, tied = model.config.n_layer, model.config.tie_embeddings
+    with torch.no_grad():
+        for name, p in copy.named_parameters():
+            if p.dim() != 2:
+                continue
+            w = p.detach().numpy()
+            if fmt.startswith("RTN"):
+                values = rtn(w, 4, 32 if fmt == "RTN int4 B32 (= Q4_0)" else 256)
+            else:
+                data, qtype = kquant_tensor(gguf_name(name), w, fmt, n_layer, tied)
+                values = gguf_dequantize(data, qtype).reshape(w.shape)
+            p.copy_(torch.from_numpy(np.asarray(values, np.float32)))
+    return copy
+
+
+def test_a_tiny_model_reads_back_exactly_and_falls_back_where_rows_are_short():
+    model = tiny_llama(256, 256, vocab=64)
+    types = {}
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            data, qtype = kquant_tensor(gguf_name(name), p, "Q4_K_M", 2, False)
+            types[gguf_name(name)] = qtype
+            ours = quantize_rows(p.detach().numpy(), qtype)[1]
+            assert np.array_equal(gguf_dequantize(data, qtype).reshape(p.shape), ours), name
+    # use_more_bits over 2 layers: layer 1 only
+    assert types["output.weight"] == types["blk.1.attn_v.weight"] == types["blk.1.ffn_down.weight"] == T.Q6_K
+    assert types["blk.0.attn_v.weight"] == types["blk.0.ffn_down.weight"] == types["token_embd.weight"] == T.Q4_K
+    narrow = tiny_llama(96, 256, vocab=64)  # rows of 96: the attention and up/gate matrices fall back, down_proj does not
+    fell = {gguf_name(n): kquant_tensor(gguf_name(n), p, "Q4_K_M", 2, False)[1]
+            for n, p in narrow.named_parameters() if p.dim() == 2}
+    assert fell["blk.0.attn_q.weight"] == fell["blk.0.ffn_up.weight"] == T.Q5_0
+    assert fell["blk.1.attn_v.weight"] == fell["output.weight"] == T.Q8_0 and fell["blk.0.attn_v.weight"] == T.Q5_0
+    assert fell["blk.1.ffn_down.weight"] == T.Q6_K and fell["blk.0.ffn_down.weight"] == T.Q4_K
+
+
+def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    p = torch.log_softmax(p_logits.double(), -1)
+    return float((p.exp() * (p - torch.log_softmax(q_logits.double(), -1))).sum(-1).mean())
+
+
+def test_q4_k_m_is_closer_to_fp32_than_q4_0():
+    model = tiny_llama(256, 256, vocab=128)
+    tokens = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(tokens)
+        gaps = {fmt: kl(ref, requantized(model, fmt)(tokens)) for fmt in ("Q4_K_M", "Q4_K", "RTN int4 B32 (= Q4_0)")}
+    assert gaps["Q4_K_M"] < gaps["Q4_K"] < gaps["RTN int4 B32 (= Q4_0)"], gaps
+
+
+@pytest.mark.skipif(not os.environ.get("KQUANTS_PERPLEXITY"), reason="set KQUANTS_PERPLEXITY=1 (trains ~5 min)")
+def test_perplexity_table(tmp_path):
+    """Held-out perplexity of a tiny LLaMA trained on the stdlib-docstring corpus, fp32 and quantized."""
+    from data.corpus import default_corpus
+    from data.tokenizer import train_sentencepiece
+
+    lines = default_corpus("cache").read_text(encoding="utf-8").splitlines()
+    (tmp_path / "train.txt").write_text("\n".join(lines[:20000]), encoding="utf-8")
+    tok = train_sentencepiece([tmp_path / "train.txt"], tmp_path / "sp", 512)
+    split = int(len(lines) * 0.9)
+    ids = [torch.tensor(tok.encode("\n".join(part)), dtype=torch.long) for part in (lines[:split], lines[split:])]
+    train_ids, held_out = ids
+    seq, batch, steps = 128, 12, int(os.environ.get("KQUANTS_STEPS", 300))
+    model = tiny_llama(256, 768, n_layer=4, vocab=512)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.02)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        starts = torch.randint(0, train_ids.numel() - seq - 1, (batch,), generator=g)
+        sample = torch.stack([train_ids[s:s + seq + 1] for s in starts.tolist()])
+        loss = lm_loss(model(sample[:, :-1]), sample[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    model.eval()
+    windows = held_out[:(held_out.numel() - 1) // seq * seq + 1]
+    x = windows[:-1].view(-1, seq)[:64]
+    y = windows[1:].view(-1, seq)[:64]
+
+    def perplexity(m):
+        with torch.no_grad():
+            return math.exp(float(lm_loss(m(x), y)))
+
+    rows = {"fp32": perplexity(model)}
+    for fmt in ("Q6_K", "Q4_K_M", "Q4_K", "RTN int4 B32 (= Q4_0)", "RTN int4 B256"):
+        rows[fmt] = perplexity(requantized(model, fmt))
+    print(f"\nfinal train loss {float(loss):.3f}; held-out tokens {x.numel()}")
+    for fmt, ppl in rows.items():
+        print(f"{fmt:24s} {ppl:8.3f}  {100 * (ppl / rows['fp32'] - 1):+6.2f}%")
+    assert rows["Q4_K_M"] < rows["RTN int4 B32 (= Q4_0)"] < rows["RTN int4 B256"]
