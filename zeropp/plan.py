@@ -146,9 +146,8 @@ def zero3_cross_node_bytes(numels: dict[str, int], mesh: Mesh, node_aware: bool,
                                   for b in position], ZeroConfig(stage=3))  # blocks the buffers hold
 
     def passes(name: str) -> tuple[int, int]:
-        if not name.startswith("blocks."):  # resident: gathered once per step and kept
-            return 1, 0
-        return block_gathers(position[int(name.split(".")[1])], len(position), held, micro_batches)
+        block = int(name.split(".")[1]) if name.startswith("blocks.") else None
+        return unit_gathers(position.get(block), len(position), held, micro_batches, name.endswith(FROZEN_SUFFIX))
 
     def cross(name: str) -> int:
         return remote * -(-max(1, numels[name]) // world) * DTYPES["bf16"].itemsize
@@ -177,13 +176,26 @@ def block_gathers(i: int, blocks: int, held: int, micro_batches: int) -> tuple[i
     return 1 + (micro_batches - 1) * (i >= held), micro_batches * (i < blocks - held)
 
 
+def unit_gathers(i: int | None, blocks: int, held: int, micro_batches: int, frozen: bool) -> tuple[int, int]:
+    """(forward, backward) gathers of a unit in a training step that follows one: the i-th
+    block's (`block_gathers`), or (i None) a resident unit's, gathered once per weight update
+    and kept. A frozen unit's weights never change, so what stays gathered across the optimizer
+    step is not gathered again: a resident frozen unit never, the first `held` blocks' frozen
+    units not in the first forward (they stay from the last backward)."""
+    if i is None:
+        return int(not frozen), 0
+    forward, backward = block_gathers(i, blocks, held, micro_batches)
+    return forward - (frozen and i < held), backward
+
+
 def predicted_step_bytes(units: dict, block_groups: list[list], held: int, comm, reducer,
                          micro_batches: int = 1) -> dict[str, dict[str, int]]:
     """What a rank of a Zero3Engine with these units (block groups, `held` of them in the rotating
     buffers) should send in one training step of `micro_batches` forward/backward passes, by
     ledger tag: {"sent", "cross_node_sent"} bytes, from the units' sizes and the configuration
-    alone (the ledger of the step measures the same). The embeddings and norms
-    are gathered once per step; the blocks per pass, the backward from the hpZ secondary.
+    alone (the ledger of a step that follows a training step measures the same). The embeddings
+    and norms are gathered once per step; the blocks per pass, the backward from the hpZ
+    secondary; frozen units not again where they stay gathered (`unit_gathers`).
     A reducer whose volume depends on the round (SEPARATE) leaves "gradient reduce" out."""
     totals: dict[str, list[int]] = {}
 
@@ -193,7 +205,8 @@ def predicted_step_bytes(units: dict, block_groups: list[list], held: int, comm,
 
     position = {id(u): i for i, group in enumerate(block_groups) for u in group}
     for u in units.values():
-        i = position.get(id(u))  # None: a resident unit, gathered once per step and kept
+        i = position.get(id(u))  # None: a resident unit
+        forwards, backwards = unit_gathers(i, len(block_groups), held, micro_batches, not u.trainable)
         if u.delta_codec is not None:  # the change across nodes once per step, the references inside
             first = comm.volume(u.wire.numel() * u.wire.element_size(), "inter_node")
             add("forward gather", first)
@@ -202,11 +215,8 @@ def predicted_step_bytes(units: dict, block_groups: list[list], held: int, comm,
             forward = comm.volume(u.wire.numel() * u.wire.element_size(), "dp", node_aware=True)
             backward = forward if u.secondary is None else \
                 comm.volume(u.secondary.numel() * u.secondary.element_size(), "secondary")
-        if i is None:
-            add("forward gather", forward)
-        else:
-            forwards, backwards = block_gathers(i, len(block_groups), held, micro_batches)
-            add("forward gather", forward, forwards)
+        add("forward gather", forward, forwards)
+        if i is not None:
             add("backward gather", backward, backwards)
         reduce = reducer.volume(u.padded_numel) if u.trainable else (0, 0)
         if reduce is not None:
