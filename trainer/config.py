@@ -171,7 +171,8 @@ class TrainSection(RunSection):
     steps: int = 200  # optimizer steps of the whole run
     grad_accum: int = 1  # micro-batches accumulated per optimizer step
     # A fresh run (no `resume`) refuses an out_dir that holds another run's checkpoints or
-    # metrics; true deletes them first (checkpoints/, metrics.jsonl, tensorboard/, hf/).
+    # metrics; true replaces them (checkpoints/, metrics.jsonl, tensorboard/, hf/), kept in
+    # <out_dir>/.overwritten until this run's first checkpoint.
     overwrite: bool = False
     # At the end, also write the final weights as a Hugging Face directory: <out_dir>/hf
     # (LoRA adapters merged into the weights).

@@ -151,6 +151,9 @@ def precision_line(precision: str, device: torch.device) -> str:
     return what + why.get(precision, f" (train.precision {precision})")
 
 
+OVERWRITTEN = ".overwritten"  # <out_dir>/.overwritten: the run train.overwrite replaces, until the first save
+
+
 class Trainer:
     def __init__(self, cfg: Config, env: DistEnv | None = None, build_runtime=build_runtime):
         """build_runtime(model, cfg.zero_optimization, device, cfg.tensor_parallel) -> zeropp.runtime.Runtime; the
@@ -160,6 +163,7 @@ class Trainer:
         self.cfg = cfg
         self.heartbeat = None
         self.phase = "startup"
+        self.notes: list[str] = []  # what startup repaired, moved or fell back to, logged by run()
         self.owns_group = env is None and not dist.is_initialized()
         self.env = env or init_distributed(cfg.train.dist_timeout)
         self.heartbeat = start_heartbeat(self.env.rank, self.env.world_size, cfg.train.dist_timeout,
@@ -190,8 +194,9 @@ class Trainer:
         self.predicted_memory = predicted_peak(
             self.runtime, self.optimizer, self.model_cfg, cfg.train.micro_batch_size, cfg.data.seq_len,
             compute_dtype(cfg.train.precision, self.env.device), set(self.checkpointed), self.baseline_memory)
+        self.replaced: Path | None = None  # the run train.overwrite replaces, until this one's first checkpoint
         if overwrite:  # only now: the config, data, model and topology have all been accepted
-            self._clear_out_dir()
+            self._move_old_run_aside()
         self.step_comm: dict[str, dict] = {}  # the runtime ledger's totals of the last training step
         self.step_timings: dict[str, float] = {}  # and the seconds it spent outside compute, by kind
         self.step = 0
@@ -202,7 +207,6 @@ class Trainer:
         self.saved: Path | None = None  # the newest checkpoint of ckpt_root this run wrote or resumed
         self.saved_step = -1  # and its step
         self.resumed_from: Path | None = None
-        self.notes: list[str] = []  # what startup repaired or fell back to, logged by run()
         if cfg.resume:
             self.phase = "resume"
             try:
@@ -224,23 +228,35 @@ class Trainer:
         if cfg.resume:
             return False
         held = [p for p in (self.ckpt_root / LATEST, out / "metrics.jsonl") if p.is_file() and p.stat().st_size]
-        held += sorted(self.ckpt_root.glob("step_*"))[-1:]
+        held += sorted(self.ckpt_root.glob("step_*"))[-1:] + [p for p in [out / OVERWRITTEN] if p.is_dir()]
         if not held:
             return False
         if not cfg.train.overwrite:
             raise ConfigError(
                 f"train.out_dir {str(out)!r} holds another run ({', '.join(str(p) for p in held)}); continue it "
-                f"with --resume auto (or latest), start over with --train.overwrite true (deletes its checkpoints "
+                f"with --resume auto (or latest), start over with --train.overwrite true (replaces its checkpoints "
                 f"and metrics), or choose another --train.out_dir")
         return True
 
-    def _clear_out_dir(self) -> None:
+    def _move_old_run_aside(self) -> None:
+        """train.overwrite: the old run's checkpoints, metrics, TensorBoard and export are moved into
+        <out_dir>/.overwritten (renames, on the same file system) and deleted only once this run
+        has written its first checkpoint: a run that fails before that leaves the old one there."""
         out = Path(self.cfg.train.out_dir)
-        barrier()  # every rank has looked before rank 0 deletes
+        self.replaced = out / OVERWRITTEN
+        barrier()  # every rank has looked before rank 0 moves
         if self.env.is_main:
-            for path in (self.ckpt_root, out / "tensorboard", out / "hf"):
-                shutil.rmtree(path, ignore_errors=True)
-            (out / "metrics.jsonl").unlink(missing_ok=True)
+            # An earlier overwrite that never reached its first checkpoint left the run it replaces
+            # there: that one is still the run replaced, and what the earlier attempt wrote goes.
+            earlier = self.replaced.is_dir()
+            self.replaced.mkdir(exist_ok=True)
+            for path in (self.ckpt_root, out / "tensorboard", out / "hf", out / "metrics.jsonl"):
+                if earlier:
+                    shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+                elif path.exists():
+                    os.replace(path, self.replaced / path.name)
+            self.notes.append(f"train.overwrite: the previous run is in {self.replaced} until this run's first "
+                              f"checkpoint, then deleted")
         barrier()
 
     def _build_model(self) -> tuple[Transformer, WeightSource]:
@@ -460,6 +476,10 @@ class Trainer:
         self.saved = save_checkpoint(self.ckpt_root, self.step, state, self.optimizer,
                                      lambda d: self.runtime.save(d, self.optimizer), self.env.rank)
         self.saved_step = self.step
+        if self.replaced is not None:  # this run is now resumable: the one it replaces can go
+            if self.env.is_main:
+                shutil.rmtree(self.replaced, ignore_errors=True)
+            self.replaced = None
         return self.saved
 
     def export(self, checkpoint: Path) -> Path:

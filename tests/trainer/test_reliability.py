@@ -202,8 +202,22 @@ def test_a_fresh_run_refuses_an_out_dir_holding_another_run(corpus, reference, t
                                    "--data.path", str(tmp_path / "missing.txt"))))
     assert (out / "metrics.jsonl").read_bytes() == before
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000008"
+    # Better: the old run is moved aside, and deleted only once the new run has a checkpoint. A run
+    # that fails before its first one leaves the old run whole, in .overwritten.
+    old_files = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    failing = Trainer(parse_args(tiny_args(corpus, out, tmp_path / "cache", "--train.steps", "2",
+                                           "--train.overwrite", "true")))
+    failing.train_step = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("died in its first step"))
+    with pytest.raises(RuntimeError, match="died in its first step"):
+        failing.run()
+    failing.close(after_failure=True)
+    assert {p.relative_to(out / ".overwritten"): p.read_bytes()
+            for p in (out / ".overwritten").rglob("*") if p.is_file()} == old_files
+    with pytest.raises(ConfigError, match="holds another run .*overwritten"):  # not silently left behind
+        train(parse_args(tiny_args(corpus, out, tmp_path / "cache", "--train.steps", "2")))
     result = train(parse_args(tiny_args(corpus, out, tmp_path / "cache", "--train.steps", "2",
                                         "--train.overwrite", "true")))
+    assert not (out / ".overwritten").exists()
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_00000002"]
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()][0] == 2
     assert result.losses == {s: reference[0].losses[s] for s in (1, 2)}
