@@ -1,16 +1,18 @@
-"""Model configuration: one dataclass describes GPT-2, OPT, LLaMA (1-3), Qwen2/2.5, Qwen3 and Mistral.
+"""Model configuration: one dataclass describes GPT-2, OPT, LLaMA (1-3), Qwen2/2.5, Qwen3, Mistral, Granite,
+OLMo 2 and SmolLM3.
 
-The families differ only in a handful of switches (norm type, activation, position scheme,
-RoPE scaling, biases, per-head q/k norms, sliding window, tying), so a single decoder
-implementation driven by `ModelConfig` covers all of them.
+The families differ only in a handful of switches (norm type and placement, activation, position scheme,
+RoPE scaling and the layers without RoPE, biases, q/k norms, sliding window and its layers, Granite's
+multipliers, tying), so a single decoder implementation driven by `ModelConfig` covers all of them.
 """
 
 import dataclasses
 from dataclasses import dataclass
 
-ARCHS = ("gpt2", "opt", "llama", "qwen2", "qwen3", "mistral")
+ARCHS = ("gpt2", "opt", "llama", "qwen2", "qwen3", "mistral", "granite", "olmo2", "smollm3")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu_tanh", "relu", "swiglu")
+GATE_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")  # on gate_proj of the gated MLP: SwiGLU, GeGLU (erf or tanh GELU)
 POSITIONS = ("learned", "rope")
 # RoPE scalings (transformers' rope_type) -> (required parameters, optional parameters). "dynamic" NTK scales
 # the base with the running sequence's length beyond max_seq_len (transformers' max_position_embeddings).
@@ -38,7 +40,8 @@ class ModelConfig:
     max_seq_len: int
     norm: str  # "layernorm" | "rmsnorm"
     norm_eps: float
-    activation: str  # "gelu_tanh" | "relu" | "swiglu"
+    activation: str  # "gelu_tanh" | "relu" | "swiglu" (the gated MLP: gate_proj, up_proj, down_proj)
+    gate_activation: str = "silu"  # the gated MLP's activation (GATE_ACTIVATIONS); "silu" where it has none
     positions: str  # "learned" | "rope"
     position_offset: int = 0  # OPT reserves 2 rows at the start of its position table
     rope_theta: float = 10000.0
@@ -51,11 +54,23 @@ class ModelConfig:
     qkv_bias: bool | None = None  # q/k/v projections (Qwen2: True while o_proj and the MLP have none)
     o_bias: bool | None = None  # attention output projection
     mlp_bias: bool | None = None  # MLP projections
-    qk_norm: bool = False  # RMSNorm over head_dim on each query and key head before RoPE (Qwen3)
+    qk_norm: bool = False  # RMSNorm on the queries and keys before RoPE (Qwen3, OLMo 2)
+    # True: over each head's head_dim (Qwen3). False: over the whole q (and k) projection, all heads together
+    # (OLMo 2). Kept True without qk_norm.
+    qk_norm_per_head: bool = True
     # Each query attends to the last `sliding_window` positions only (itself included); None: the whole prefix.
     sliding_window: int | None = None
+    # The layers (indices) the window applies to; None: every layer (Mistral). Kept None when it is all of them.
+    sliding_window_layers: list[int] | None = None
+    layers_without_rope: list[int] | None = None  # layers whose attention has no RoPE (SmolLM3); None: none
     word_embed_proj_dim: int | None = None  # OPT: token embedding width when != d_model
-    pre_norm: bool = True  # False: post-LN blocks (OPT-350m)
+    pre_norm: bool = True  # a norm on each sublayer's input. False with output_norm False: post-LN blocks (OPT-350m)
+    output_norm: bool = False  # a norm on each sublayer's output, before the residual add (OLMo 2, without pre_norm)
+    # Granite's scalings; these defaults leave every other family as it is.
+    embedding_multiplier: float = 1.0  # the token embeddings are multiplied by it
+    residual_multiplier: float = 1.0  # each sublayer's output is multiplied by it before the residual add
+    attention_multiplier: float | None = None  # the attention scores' scale; None: 1 / sqrt(head_dim)
+    logits_scaling: float = 1.0  # the LM head's logits are divided by it
     # 0: LM head over the vocabulary. n > 0: a scoring head (reward / value model) of n outputs
     # per token, never tied to the token embedding, whatever tie_embeddings says.
     num_labels: int = 0
@@ -69,8 +84,12 @@ class ModelConfig:
         if self.explicit_head_dim is not None and self.n_head and self.explicit_head_dim * self.n_head == self.d_model:
             self.explicit_head_dim = None
         self._canonical_biases()
+        if not self.qk_norm:
+            self.qk_norm_per_head = True
+        if self.attention_multiplier == (self.head_dim if self.n_head else 1) ** -0.5:
+            self.attention_multiplier = None
         for name, allowed in (("arch", ARCHS), ("norm", NORMS), ("activation", ACTIVATIONS),
-                              ("positions", POSITIONS)):
+                              ("gate_activation", GATE_ACTIVATIONS), ("positions", POSITIONS)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"ModelConfig.{name}={value!r} is not supported; expected one of {allowed}")
@@ -78,7 +97,7 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelConfig.{name}={value!r} must be a positive int")
-        for name in ("tie_embeddings", "bias", "pre_norm", "qk_norm"):
+        for name in ("tie_embeddings", "bias", "pre_norm", "output_norm", "qk_norm", "qk_norm_per_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} must be a bool")
         for name in ("qkv_bias", "o_bias", "mlp_bias"):
@@ -88,6 +107,15 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"ModelConfig.{name}={value!r} must be a positive int or None")
+        for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+            value = getattr(self, name)
+            if not (value is None and name == "attention_multiplier") and (
+                    not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf")):
+                raise ValueError(f"ModelConfig.{name}={value!r} must be a positive number")
+        if self.gate_activation != "silu" and self.activation != "swiglu":
+            raise ValueError(f"ModelConfig.gate_activation={self.gate_activation!r} needs the gated MLP "
+                             f"(activation='swiglu'), not activation={self.activation!r}")
+        self._canonical_layers()
         if self.explicit_head_dim is None and self.d_model % self.n_head:
             raise ValueError(f"ModelConfig.d_model={self.d_model} must be divisible by n_head={self.n_head} "
                              f"(or set explicit_head_dim)")
@@ -112,6 +140,41 @@ class ModelConfig:
         self.bias = sum(values) >= 2
         for part, value in zip(parts, values):
             setattr(self, part, None if value == self.bias else value)
+
+    def _canonical_layers(self):
+        """Sorted layer lists; None where they name no layer (without RoPE) or every layer (the window);
+        a window on no layer is no window."""
+        if self.sliding_window_layers is not None and len(self.sliding_window_layers) == 0:
+            self.sliding_window, self.sliding_window_layers = None, None
+        for name in ("sliding_window_layers", "layers_without_rope"):
+            layers = getattr(self, name)
+            if layers is None:
+                continue
+            if not isinstance(layers, (list, tuple)) or not all(
+                    isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.n_layer for i in layers):
+                raise ValueError(f"ModelConfig.{name}={layers!r} must be a list of layer indices in "
+                                 f"[0, n_layer={self.n_layer}) or None")
+            setattr(self, name, sorted(set(layers)) or None)
+        if self.sliding_window_layers is not None and self.sliding_window is None:
+            raise ValueError(f"ModelConfig.sliding_window_layers={self.sliding_window_layers!r} needs a sliding_window")
+        if self.sliding_window_layers == list(range(self.n_layer)):
+            self.sliding_window_layers = None
+        if self.layers_without_rope is not None and self.positions != "rope":
+            raise ValueError(f"ModelConfig.layers_without_rope={self.layers_without_rope!r} needs positions='rope'")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`, None where it attends to the whole prefix."""
+        if self.sliding_window_layers is None or layer in self.sliding_window_layers:
+            return self.sliding_window
+        return None
+
+    def layer_has_rope(self, layer: int) -> bool:
+        return self.positions == "rope" and layer not in (self.layers_without_rope or ())
+
+    @property
+    def post_ln(self) -> bool:
+        """OPT-350m's blocks: the norm after each residual add, and no final norm."""
+        return not self.pre_norm and not self.output_norm
 
     def _check_rope_scaling(self):
         scaling = self.rope_scaling
@@ -198,12 +261,13 @@ def num_params(config: ModelConfig, include_embeddings: bool = True) -> int:
 
     attn = d * q_dim + 2 * d * kv_dim + q_dim * d
     attn += (q_dim + 2 * kv_dim) * config.has_bias("qkv") + d * config.has_bias("o")
-    attn += 2 * config.head_dim * config.qk_norm
+    attn += (2 * config.head_dim if config.qk_norm_per_head else q_dim + kv_dim) * config.qk_norm
     mlp = (3 if config.activation == "swiglu" else 2) * d * ff
     mlp += ((2 if config.activation == "swiglu" else 1) * ff + d) * config.has_bias("mlp")
-    total = config.n_layer * (attn + mlp + 2 * norm)
+    block_norms = 2 * norm * ((config.pre_norm or config.post_ln) + config.output_norm)
+    total = config.n_layer * (attn + mlp + block_norms)
 
-    total += norm if config.pre_norm else 0  # final norm
+    total += 0 if config.post_ln else norm  # final norm
     total += 2 * e * d if config.word_embed_proj_dim else 0  # OPT project_in / project_out
     total += config.head_outputs * e  # LM head (== token embedding when tied) or score head
     if include_embeddings:

@@ -22,15 +22,22 @@ from models.streaming import LazyTensors, save_tensors
 from models.transformer import Transformer
 from models.weights import materialize
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "llama", "qwen2", "qwen3", "mistral", "granite")
 # Families with LLaMA's layout and tensor names, and transformers' class-name stem of each.
-LLAMA_LIKE = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+LLAMA_LIKE = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "granite": "Granite"}
 # Score models (ModelConfig.num_labels > 0) are saved and loaded as these classes, with the head
 # as `score.weight` [num_labels, hidden] on the same base model (transformer. / model.decoder. / model.).
+# transformers has no GraniteForSequenceClassification.
 SCORE_CLASSES = {"gpt2": "GPT2ForSequenceClassification", "opt": "OPTForSequenceClassification",
-                 **{arch: f"{stem}ForSequenceClassification" for arch, stem in LLAMA_LIKE.items()}}
+                 **{arch: f"{stem}ForSequenceClassification" for arch, stem in LLAMA_LIKE.items()
+                    if arch != "granite"}}
+# A tokenizer directory as transformers' save_pretrained writes it (the chat template in chat_template.jinja,
+# older ones in tokenizer_config.json or chat_template.json, named extras in additional_chat_templates/),
+# and generation_config.json (its EOS ids and sampling defaults): data/tokenizer.py saves them together.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "added_tokens.json")
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
 
 # ---------------------------------------------------------------------------------------------
 # config.json <-> ModelConfig
@@ -55,6 +62,8 @@ def _flag(hf: dict, source: str, key: str, default: bool) -> bool:
 
 
 _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+# Granite's config keys, which are ModelConfig's field names.
+GRANITE_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 
 
 def _gpt2_from_hf(hf: dict, source: str) -> dict:
@@ -117,17 +126,20 @@ def _layer_types(hf: dict, source: str, sliding: bool) -> None:
 
 
 def _llama_from_hf(hf: dict, source: str) -> dict:
-    """LLaMA and its descendants, which share its tensor layout: Qwen2 (q/k/v bias), Qwen3 (q/k norms), Mistral."""
+    """LLaMA and its descendants, which share its tensor layout: Qwen2 (q/k/v bias), Qwen3 (q/k norms), Mistral,
+    Granite (multipliers)."""
     model_type = hf["model_type"]
     _require(hf, source, "hidden_act", "silu", ("silu",))
     theta, rope_scaling = _rope_from_hf(hf, source)
     d_model, n_head = _get(hf, source, "hidden_size"), _get(hf, source, "num_attention_heads")
     head_dim = hf.get("head_dim") or (128 if model_type == "qwen3" else None)  # Qwen3Config's default
     fields = dict(qkv_bias=None, o_bias=None, mlp_bias=None, sliding_window=None)
-    if model_type in ("llama", "qwen3"):
+    if model_type in ("llama", "qwen3", "granite"):
         fields["qkv_bias"] = fields["o_bias"] = _flag(hf, source, "attention_bias", False)
-    if model_type == "llama":
+    if model_type in ("llama", "granite"):
         fields["mlp_bias"] = _flag(hf, source, "mlp_bias", False)
+    if model_type == "granite":  # GraniteConfig's defaults are 1.0, attention_multiplier's too (not 1 / sqrt(d))
+        fields.update({key: hf.get(key, 1.0) for key in GRANITE_MULTIPLIERS})
     if model_type == "qwen2":
         fields["qkv_bias"] = True  # transformers' Qwen2 hard-codes biases on q/k/v, none on o_proj or the MLP
     if model_type in ("qwen2", "qwen3"):
@@ -149,8 +161,7 @@ def _llama_from_hf(hf: dict, source: str) -> dict:
                 tie_embeddings=_flag(hf, source, "tie_word_embeddings", False), bias=False, **fields)
 
 
-_FROM_HF = {"gpt2": _gpt2_from_hf, "opt": _opt_from_hf, "llama": _llama_from_hf, "qwen2": _llama_from_hf,
-            "qwen3": _llama_from_hf, "mistral": _llama_from_hf}
+_FROM_HF = {"gpt2": _gpt2_from_hf, "opt": _opt_from_hf, **dict.fromkeys(LLAMA_LIKE, _llama_from_hf)}
 
 
 def _num_labels_from_hf(hf: dict, source: str, model_type: str) -> int:
@@ -162,9 +173,10 @@ def _num_labels_from_hf(hf: dict, source: str, model_type: str) -> int:
     architectures = hf.get("architectures") or []
     if not any(isinstance(a, str) and a.endswith("ForSequenceClassification") for a in architectures):
         return 0
-    if architectures != [SCORE_CLASSES[model_type]]:
+    if architectures != [SCORE_CLASSES.get(model_type)]:
+        expected = f"[{SCORE_CLASSES[model_type]!r}]" if model_type in SCORE_CLASSES else "none (no such class)"
         raise ValueError(f"{source}: architectures={architectures!r} is not supported for model_type="
-                         f"{model_type!r}; a sequence-classification model must be [{SCORE_CLASSES[model_type]!r}]")
+                         f"{model_type!r}; a sequence-classification model must be {expected}")
     id2label = hf.get("id2label")
     if id2label is not None:
         if not isinstance(id2label, dict) or not id2label:
@@ -222,16 +234,22 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32, token_
               "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps, "hidden_act": "silu",
               "rope_theta": c.rope_theta,
               "rope_parameters": {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_theta}}
-        if c.arch in ("llama", "qwen3"):
+        if c.arch in ("llama", "qwen3", "granite"):
             hf["attention_bias"] = c.has_bias("qkv")
-        if c.arch == "llama":
+        if c.arch in ("llama", "granite"):
             hf["mlp_bias"] = c.has_bias("mlp")
+        if c.arch == "granite":
+            hf.update({key: getattr(c, key) for key in GRANITE_MULTIPLIERS},
+                      attention_multiplier=c.attention_multiplier or c.head_dim ** -0.5)
         if c.arch in ("qwen2", "qwen3"):
             hf.update(use_sliding_window=False, sliding_window=None, layer_types=["full_attention"] * c.n_layer)
         if c.arch == "mistral":
             hf["sliding_window"] = c.sliding_window
     hf.update(token_ids or {})
     if c.num_labels:
+        if c.arch not in SCORE_CLASSES:
+            raise ValueError(f"a score model (num_labels={c.num_labels}) of arch={c.arch!r} cannot be written as a "
+                             f"Hugging Face config: transformers has no sequence-classification class for it")
         if hf.get("pad_token_id") is None:
             raise ValueError(f"a score model (num_labels={c.num_labels}) needs token_ids['pad_token_id'] for its "
                              f"Hugging Face config.json: {SCORE_CLASSES[c.arch]} reads the score at the last token "
@@ -711,6 +729,8 @@ def _copy_tokenizer(tokenizer_dir: Path, directory: Path):
         raise FileNotFoundError(f"no tokenizer files in {tokenizer_dir}; looked for {TOKENIZER_FILES}")
     for file in found:
         shutil.copy2(file, directory / file.name)
+    if (tokenizer_dir / CHAT_TEMPLATE_DIR).is_dir():
+        shutil.copytree(tokenizer_dir / CHAT_TEMPLATE_DIR, directory / CHAT_TEMPLATE_DIR)
     add_fast_tokenizer(directory)
 
 
@@ -752,8 +772,9 @@ def save_hf_checkpoint(model: Transformer | Mapping[str, torch.Tensor], path, ma
     A score model (config.num_labels > 0) is written as *ForSequenceClassification and needs
     token_ids["pad_token_id"] (see config_to_hf).
 
-    tokenizer_dir: tokenizer files to copy in (a SentencePiece tokenizer.model alone also gets a
-    tokenizer.json and tokenizer_config.json: sentencepiece_to_fast); token_ids: its special ids for
+    tokenizer_dir: tokenizer files to copy in (TOKENIZER_FILES: with the chat templates and
+    generation_config.json; a SentencePiece tokenizer.model alone also gets a tokenizer.json and
+    tokenizer_config.json: sentencepiece_to_fast); token_ids: its special ids for
     config.json, by default the tokenizer's own (its BOS, EOS and pad, the EOS where it has no pad).
 
     The dir is written beside `path` and renamed into place, so a reader (or a

@@ -1,4 +1,5 @@
-"""A decoder-only Transformer that is GPT-2, OPT, LLaMA, Qwen2/3 or Mistral depending on its ModelConfig.
+"""A decoder-only Transformer that is GPT-2, OPT, LLaMA, Qwen2/3, Mistral, Granite, OLMo 2 or SmolLM3
+depending on its ModelConfig.
 
 Top-level units are `embed`, `blocks[i]`, `norm`, `project_out` and `head`, so
 that a sharding runtime can wrap them from outside by name.
@@ -168,15 +169,21 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, kv_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(d, kv_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(q_dim, d, bias=config.has_bias("o"))
-        # Qwen3: RMSNorm over each head's head_dim on queries and keys, before RoPE.
-        self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
+        self.scale = config.attention_multiplier  # None: SDPA's 1 / sqrt(head_dim)
+        # RMSNorm on queries and keys before RoPE: over each head's head_dim (Qwen3), or over the whole
+        # projection, all heads together (OLMo 2).
+        self.qk_norm_per_head = config.qk_norm_per_head
+        q_width, k_width = (config.head_dim, config.head_dim) if config.qk_norm_per_head else (q_dim, kv_dim)
+        self.q_norm = RMSNorm(q_width, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_width, config.norm_eps) if config.qk_norm else None
 
     def forward(self, x, rope=None, mask=None, kv_cache=None):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)
-        if self.q_norm is not None:
+        q, k = self.q_proj(x), self.k_proj(x)
+        if self.q_norm is not None and not self.qk_norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(B, T, self.n_head, self.head_dim), k.view(B, T, self.n_kv_head, self.head_dim)
+        if self.q_norm is not None and self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
@@ -185,7 +192,7 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)
         # No mask means plain causal attention over this chunk (training, or a cache-less prefill).
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
                                            enable_gqa=self.n_kv_head != self.n_head)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -193,7 +200,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.activation = config.activation
+        self.activation, self.gate_activation = config.activation, config.gate_activation
         bias = config.has_bias("mlp")
         if config.activation == "swiglu":
             self.gate_proj = nn.Linear(config.d_model, config.d_ff, bias=bias)
@@ -202,28 +209,46 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if self.activation == "swiglu":
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            gate = self.gate_proj(x)
+            if self.gate_activation == "silu":
+                gate = F.silu(gate)
+            else:  # GeGLU
+                gate = F.gelu(gate, approximate="tanh" if self.gate_activation == "gelu_tanh" else "none")
+            return self.down_proj(gate * self.up_proj(x))
         if self.activation == "relu":
             return self.down_proj(F.relu(self.up_proj(x)))
         return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
 
 
 class Block(nn.Module):
+    """attn_norm / mlp_norm normalise each sublayer's input (pre-LN), or with config.post_ln the sum after
+    each residual add (OPT-350m); attn_out_norm / mlp_out_norm, with config.output_norm, each sublayer's
+    output before the add (OLMo 2). A norm a family does not have is an nn.Identity."""
+
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
-        self.pre_norm = config.pre_norm
-        self.attn_norm = make_norm(config)
+        self.post_ln = config.post_ln
+        self.residual_multiplier = config.residual_multiplier  # Granite
+
+        def norm(present: bool) -> nn.Module:
+            return make_norm(config) if present else nn.Identity()
+
+        self.attn_norm = norm(config.pre_norm or config.post_ln)
         self.attn = Attention(config, layer_idx)
-        self.mlp_norm = make_norm(config)
+        self.attn_out_norm = norm(config.output_norm)
+        self.mlp_norm = norm(config.pre_norm or config.post_ln)
         self.mlp = MLP(config)
+        self.mlp_out_norm = norm(config.output_norm)
 
     def forward(self, x, rope=None, mask=None, kv_cache=None):
-        if self.pre_norm:
-            x = x + self.attn(self.attn_norm(x), rope, mask, kv_cache)
-            return x + self.mlp(self.mlp_norm(x))
-        # Post-LN (OPT-350m): normalise after each residual add.
-        x = self.attn_norm(x + self.attn(x, rope, mask, kv_cache))
-        return self.mlp_norm(x + self.mlp(x))
+        if self.post_ln:
+            x = self.attn_norm(x + self.attn(x, rope, mask, kv_cache))
+            return self.mlp_norm(x + self.mlp(x))
+        x = x + self._scaled(self.attn_out_norm(self.attn(self.attn_norm(x), rope, mask, kv_cache)))
+        return x + self._scaled(self.mlp_out_norm(self.mlp(self.mlp_norm(x))))
+
+    def _scaled(self, y):
+        return y if self.residual_multiplier == 1.0 else y * self.residual_multiplier
 
 
 class Embedding(nn.Module):
@@ -232,6 +257,7 @@ class Embedding(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.position_offset = config.position_offset
+        self.multiplier = config.embedding_multiplier  # Granite
         self.tokens = nn.Embedding(config.vocab_size, config.embed_dim)
         self.project_in = None
         if config.word_embed_proj_dim:
@@ -242,6 +268,8 @@ class Embedding(nn.Module):
 
     def forward(self, tokens, position_ids):
         x = self.tokens(tokens)
+        if self.multiplier != 1.0:
+            x = x * self.multiplier
         if self.project_in is not None:
             x = self.project_in(x)
         if self.positions is not None:
@@ -290,7 +318,7 @@ class Transformer(nn.Module):
         self.embed = Embedding(config)
         self.blocks = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
         # OPT post-LN models have no final norm: every block already ends with one.
-        self.norm = make_norm(config) if config.pre_norm else nn.Identity()
+        self.norm = nn.Identity() if config.post_ln else make_norm(config)
         self.project_out = None
         if config.word_embed_proj_dim:
             self.project_out = nn.Linear(config.d_model, config.embed_dim, bias=False)
@@ -361,18 +389,27 @@ class Transformer(nn.Module):
         if self.config.positions == "rope":
             rope = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling,
                                 self.config.max_seq_len)
-        mask = None
-        window = self.config.sliding_window
-        if window is not None and past_len + T <= window:
-            window = None  # every key is inside the window
-        if attention_mask is not None or past_len > 0 or window is not None:
-            mask = attention_mask_4d(attention_mask, T, past_len, tokens.device, window)
-        for block in self.blocks:
-            x = block(x, rope, mask, kv_cache)
+        windows = [self.config.layer_window(i) for i in range(len(self.blocks))]
+        masks = {window: self._mask(attention_mask, T, past_len, tokens.device, window) for window in set(windows)}
+        for i, block in enumerate(self.blocks):
+            x = block(x, rope if self.config.layer_has_rope(i) else None, masks[windows[i]], kv_cache)
         x = self.norm(x)
         if self.project_out is not None:
             x = self.project_out(x)
-        return self.head(x).float()
+        logits = self.head(x)
+        if self.config.logits_scaling != 1.0 and not self.config.num_labels:  # Granite
+            logits = logits / self.config.logits_scaling
+        return logits.float()
+
+    @staticmethod
+    def _mask(attention_mask, seq_len: int, past_len: int, device, window: int | None) -> torch.Tensor | None:
+        """The boolean mask of the layers with sliding window `window` (None: full attention), or None
+        where plain causal attention over this chunk is the same."""
+        if window is not None and past_len + seq_len <= window:
+            window = None  # every key is inside the window
+        if attention_mask is None and past_len == 0 and window is None:
+            return None
+        return attention_mask_4d(attention_mask, seq_len, past_len, device, window)
 
 
 def score_model_from(model: Transformer, num_labels: int = 1) -> Transformer:

@@ -1,10 +1,16 @@
 """The newer families under the ZeRO-3 runtime: the two with parameters of new kinds (Qwen2's q/k/v
 biases without o_proj / MLP biases, Qwen3's per-head q/k norms); the rest are RoPE and mask changes
-inside a forward the runtime does not see."""
+inside a forward the runtime does not see. Then the families of issue 37 (Granite, ...) against
+transformers' own classes: logits both ways, LoRA, greedy generation."""
 
+import pytest
 import torch
+from transformers import AutoModelForCausalLM, GraniteConfig
 
 from models.config import ModelConfig
+from models.generate import generate
+from models.hf import load_hf_checkpoint, save_hf_checkpoint
+from models.lora import apply_lora, merge_lora
 from models.transformer import Transformer, lm_loss
 from trainer.config import OptimSection
 from trainer.optim import build_optimizer
@@ -12,10 +18,11 @@ from trainer.spawn import run_ranks
 from zeropp.config import ZeroConfig
 from zeropp.engine import Zero3Engine
 from zeropp.topology import build_mesh
+from tests.models.test_generate import hf_greedy
 
 PRESETS = ("qwen2-tiny", "qwen3-tiny")
 OPTIM = OptimSection(lr=1e-3, weight_decay=0.1, warmup_steps=0, decay="constant", eps=1e-6)
-STEPS, BATCH, SEQ, VOCAB = 3, 4, 12, 96
+STEPS, BATCH, SEQ, VOCAB = 3, 4, 12, 96  # VOCAB also sizes the new families' checkpoints
 
 
 def _model(preset: str) -> Transformer:
@@ -80,3 +87,104 @@ def test_zero3_trains_the_new_families_like_one_process():
         assert state.keys() == ref_state.keys()
         worst = max((state[k] - ref_state[k]).abs().max().item() for k in state)
         assert worst < 1e-5, (preset, worst)
+
+
+# --- the families of issue 37: parity with transformers' own classes, both ways, LoRA, generation ------------
+
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+NEW_FAMILIES = {
+    # every multiplier away from 1 (attention_multiplier from 1 / sqrt(head_dim)), biases on
+    "granite": lambda: GraniteConfig(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1,
+                                     logits_scaling=3.0, attention_bias=True, mlp_bias=True, **SMALL),
+}
+MAX_DIFF = 1e-5  # fp32, both ways
+
+
+def make_new_family(kind: str, seed: int = 0):
+    """transformers' model of `kind`, its matrices drawn at std 0.2 and its vectors (norm gains, biases) moved
+    by N(0, 0.1), so that a misplaced norm or a missing bias shows."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(NEW_FAMILIES[kind](), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2) if p.dim() == 2 else p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def _max_diff(a, b) -> float:
+    return (a - b).abs().max().item()
+
+
+def _padded_batch():
+    tokens = torch.randint(3, VOCAB, (3, 20), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(tokens)
+    mask[1, :5], mask[2, :17] = 0, 0
+    return tokens.masked_fill(mask == 0, 0), mask
+
+
+@pytest.mark.parametrize("kind", NEW_FAMILIES)
+def test_new_family_logits_match_transformers(kind, tmp_path):
+    hf = make_new_family(kind)
+    hf.save_pretrained(tmp_path)
+    model = load_hf_checkpoint(tmp_path).eval()
+    assert model.config.arch == hf.config.model_type
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert _max_diff(model(tokens), hf(tokens).logits) <= MAX_DIFF
+        tokens, mask = _padded_batch()
+        position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        ours = model(tokens, attention_mask=mask)
+        ref = hf(tokens, attention_mask=mask, position_ids=position_ids).logits
+    assert _max_diff(ours[mask.bool()], ref[mask.bool()]) <= MAX_DIFF
+
+
+@pytest.mark.parametrize("kind", NEW_FAMILIES)
+def test_new_family_saves_what_transformers_loads(kind, tmp_path):
+    make_new_family(kind, seed=1).save_pretrained(tmp_path / "src")
+    model = load_hf_checkpoint(tmp_path / "src").eval()
+    save_hf_checkpoint(model, tmp_path / "out")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(hf).__name__ == type(make_new_family(kind)).__name__
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert _max_diff(hf(tokens).logits, model(tokens)) <= MAX_DIFF
+        assert torch.equal(load_hf_checkpoint(tmp_path / "out").eval()(tokens), model(tokens))
+    assert load_hf_checkpoint(tmp_path / "out").config == model.config
+
+
+@pytest.mark.parametrize("kind", NEW_FAMILIES)
+def test_new_family_lora_trains_and_merges_into_what_transformers_loads(kind, tmp_path):
+    make_new_family(kind).save_pretrained(tmp_path / "src")
+    model = load_hf_checkpoint(tmp_path / "src")
+    torch.manual_seed(0)
+    apply_lora(model, ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"], r=4, alpha=8.0)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(trainable, lr=0.1)
+    sample = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(3))
+    losses = []
+    for _ in range(3):
+        loss = lm_loss(model(sample[:, :-1]), sample[:, 1:])
+        loss.backward()
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in trainable if p.shape[0] != 4)  # B's
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    model.eval()
+    with torch.no_grad():
+        adapted = model(sample)
+        merge_lora(model)
+    save_hf_checkpoint(model, tmp_path / "out")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        assert _max_diff(hf(sample).logits, adapted) <= MAX_DIFF
+
+
+@pytest.mark.parametrize("kind", NEW_FAMILIES)
+def test_new_family_greedy_generation_matches_transformers(kind, tmp_path):
+    hf = make_new_family(kind)
+    hf.save_pretrained(tmp_path)
+    model = load_hf_checkpoint(tmp_path)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4]]
+    assert generate(model, prompts, 12) == hf_greedy(hf, prompts, 12)
