@@ -15,6 +15,10 @@ value, 0 * q - min, is the same).
 calls: the GGML type llama.cpp's mix gives that tensor (`kquant_type`) and the bytes. Rows whose
 length is not a multiple of 256 fall back as llama.cpp falls back (Q4_K -> Q5_0, Q6_K -> Q8_0,
 F16 below 32), quantized by gguf-py's reference encoders for those types.
+
+A qwZ run's grid (symmetric codes, one fp16 scale per block) is a special case of these types: at
+4 bits with blocks a multiple of 256 long, every tensor of a Q4_K_M file holds it exactly
+(`grid_rows`), so such a run exports to Q4_K_M with the weights its training forward computed with.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import LlamaFileType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
+from kernels import WEIGHT_SCALE_DTYPE, quantize, unpack_codes
 
 QK_K = 256  # values per super-block
 # Mixes: Q4_K_M as llama.cpp's llama_tensor_get_type makes it; Q4_K (llama-quantize --pure Q4_K_M) and
@@ -97,12 +102,17 @@ def _scale_min_search(x: np.ndarray, w: np.ndarray, nmax: int = 15, rmin: float 
     return np.where(flat, 0, scale).astype(np.float32), (-np.where(flat, lo, offset)).astype(np.float32)
 
 
-def _pack_scales_q4k(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """Eight 6-bit scales and mins -> ggml's 12 bytes: bytes 0-3 sc[0:4] and 4-7 m[0:4] (low 6 bits),
-    their top 2 bits the high 2 bits of sc[4:8] / m[4:8]; bytes 8-11 sc[4:8] | m[4:8] << 4 (low nibbles)."""
+def _pack_q4_k(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, m: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """ggml's block_q4_K (144 bytes) from fp16 bytes d, dmin [n, 2], 6-bit sc, m [n, 8] and codes q [n, 8, 32]:
+    d, dmin, 12 bytes of scales (bytes 0-3 sc[0:4] and 4-7 m[0:4], low 6 bits, with the high 2 bits of
+    sc[4:8] / m[4:8] on top; bytes 8-11 sc[4:8] | m[4:8] << 4, low nibbles), 128 bytes of codes (byte
+    32 * c + l = q[64 * c + l] | q[64 * c + 32 + l] << 4)."""
+    n = q.shape[0]
     lo_sc, hi_sc, lo_m, hi_m = sc[:, :4], sc[:, 4:], m[:, :4], m[:, 4:]
-    return np.concatenate([lo_sc | (hi_sc >> 4) << 6, lo_m | (hi_m >> 4) << 6, (hi_sc & 15) | (hi_m & 15) << 4],
-                          axis=1).astype(np.uint8)
+    scales = np.concatenate([lo_sc | (hi_sc >> 4) << 6, lo_m | (hi_m >> 4) << 6, (hi_sc & 15) | (hi_m & 15) << 4],
+                            axis=1).astype(np.uint8)
+    pairs = q.reshape(n, 4, 2, 32)
+    return np.concatenate([d, dmin, scales, (pairs[:, :, 0] | pairs[:, :, 1] << 4).reshape(n, 128)], axis=1)
 
 
 def quantize_q4_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -110,12 +120,9 @@ def quantize_q4_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
     Per sub-block the (scale, min) search weights each value by rms(sub-block) + |x|; the 8 scales and 8
     mins are then put on 6-bit grids under fp16 d = max scale / 63 and dmin = max min / 63, and the codes
-    recomputed on the grid: q = round((x + dmin * m) / (d * sc)) in 0..15.
-    Layout (144 bytes): fp16 d, fp16 dmin, 12 bytes of scales / mins, 128 bytes of codes, byte
-    32 * c + l = q[64 * c + l] | q[64 * c + 32 + l] << 4.
+    recomputed on the grid: q = round((x + dmin * m) / (d * sc)) in 0..15 (layout: _pack_q4_k).
     """
     x = np.asarray(x, dtype=np.float32).reshape(-1, 8, 32)
-    n = x.shape[0]
     w = np.sqrt((x * x).mean(-1, keepdims=True)) + np.abs(x)
     scales, mins = _scale_min_search(x, w)
     max_scale, max_min = scales.max(-1, keepdims=True), mins.max(-1, keepdims=True)
@@ -130,10 +137,7 @@ def quantize_q4_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     safe = np.where(step == 0, 1, step)[..., None]
     q = np.where(step[..., None] == 0, 0, np.clip(_rint((x + offset[..., None]) / safe), 0, 15)).astype(np.uint8)
     values = step[..., None] * q.astype(np.float32) - offset[..., None]
-    pairs = q.reshape(n, 4, 2, 32)
-    qs = (pairs[:, :, 0] | pairs[:, :, 1] << 4).reshape(n, 128)
-    blocks = np.concatenate([d_bytes, dmin_bytes, _pack_scales_q4k(sc, m), qs], axis=1)
-    return blocks, values.reshape(-1)
+    return _pack_q4_k(d_bytes, dmin_bytes, sc, m, q), values.reshape(-1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,13 +174,9 @@ def quantize_q6_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q6_K of fp32 `x` (a multiple of 256 values): bytes [n / 256, 210] and the values they hold.
 
     The 16 sub-block scales are put on an int8 grid under fp16 d = -(the scale of largest |scale|) / 128
-    (that scale becomes -128), and the codes recomputed: q = round(x / (d * sc)) in -32..31, stored + 32.
-    Layout (210 bytes): 128 bytes ql (low nibbles), 64 bytes qh (high 2 bits), 16 int8 scales, fp16 d. Per
-    half h of 128 values with quarters Q0..Q3 of 32: ql[64h + l] = Q0[l] | Q2[l] << 4 (low nibbles),
-    ql[64h + 32 + l] = Q1[l] | Q3[l] << 4, qh[32h + l] = Q0[l] >> 4 | Q1[l] >> 4 << 2 | Q2 .. << 4 | Q3 .. << 6.
+    (that scale becomes -128), and the codes recomputed: q = round(x / (d * sc)) in -32..31 (layout: _pack_q6_k).
     """
     x = np.asarray(x, dtype=np.float32).reshape(-1, 16, 16)
-    n = x.shape[0]
     scales = _symmetric_scale_search(x)
     top = np.take_along_axis(scales, np.abs(scales).argmax(-1)[:, None], -1)  # signed, first of the largest
     zero = np.abs(top) < 1e-15
@@ -187,11 +187,19 @@ def quantize_q6_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     safe = np.where(step == 0, 1, step)[..., None]
     q = np.where(step[..., None] == 0, 0, np.clip(_rint(x / safe), -32, 31)).astype(np.int8)
     values = step[..., None] * q.astype(np.float32)
+    return _pack_q6_k(d_bytes, sc, q), values.reshape(-1)
+
+
+def _pack_q6_k(d: np.ndarray, sc: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """ggml's block_q6_K (210 bytes) from fp16 bytes d [n, 2], int8 sc [n, 16] and codes q in -32..31 [n, 16, 16]:
+    128 bytes ql (low nibbles of q + 32), 64 bytes qh (its high 2 bits), the 16 scales, d. Per half h of 128
+    values with quarters Q0..Q3 of 32: ql[64h + l] = Q0[l] | Q2[l] << 4, ql[64h + 32 + l] = Q1[l] | Q3[l] << 4,
+    qh[32h + l] = Q0[l] >> 4 | Q1[l] >> 4 << 2 | Q2[l] >> 4 << 4 | Q3[l] >> 4 << 6."""
+    n = q.shape[0]
     u = (q.astype(np.int16) + 32).astype(np.uint8).reshape(n, 2, 4, 32)
     ql = ((u[:, :, 0:2] & 15) | (u[:, :, 2:4] & 15) << 4).reshape(n, 128)
     qh = ((u[:, :, 0] >> 4) | (u[:, :, 1] >> 4) << 2 | (u[:, :, 2] >> 4) << 4 | (u[:, :, 3] >> 4) << 6).reshape(n, 64)
-    blocks = np.concatenate([ql, qh, sc.view(np.uint8), d_bytes], axis=1)
-    return blocks, values.reshape(-1)
+    return np.concatenate([ql, qh, sc.astype(np.int8).view(np.uint8), d], axis=1)
 
 
 KQUANTIZERS = {T.Q4_K: quantize_q4_k, T.Q6_K: quantize_q6_k}
@@ -244,13 +252,58 @@ def quantize_rows(weight: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray]
     return data, np.asarray(gguf_dequantize(data, qtype), dtype=np.float32).reshape(rows, cols)
 
 
-def kquant_tensor(name: str, weight: torch.Tensor | np.ndarray, mix: str, n_layer: int,
-                  tied: bool) -> tuple[np.ndarray, T]:
-    """What the GGUF writer stores for the matrix `name` (GGUF name, nn.Linear / embedding layout, q/k rows
-    already permuted) in `mix`: its bytes [rows, row bytes] (F16: the fp16 values) and GGML type."""
-    if isinstance(weight, torch.Tensor):
-        weight = weight.detach().float().numpy()
+# The largest of our bit widths each type holds as it is, and the span one scale of it covers.
+_GRID_BITS = {T.Q4_K: 4, T.Q6_K: 6, T.Q5_0: 5, T.Q8_0: 8}
+_GRID_SPAN = {T.Q4_K: QK_K, T.Q6_K: QK_K, T.Q5_0: 32, T.Q8_0: 32}
+
+
+def grid_rows(weight: torch.Tensor, qtype: T, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """`qtype` bytes [rows, row bytes] holding our grid, kernels.quantize(W.reshape(-1), bits, block_size) with
+    fp16 scales (what a qwZ forward computes with), exactly, and its values; None where `qtype` cannot.
+
+    Our value is q * s, |q| <= 2**(bits-1) - 1. Where each of the type's scaled spans (a Q4_K / Q6_K
+    super-block of 256, a Q5_0 / Q8_0 block of 32) lies in one of our blocks and one row (block_size and the
+    row length multiples of it) and the codes fit: Q4_K d = dmin = s, sc = 1, m = 8, code q + 8
+    (d * (q + 8) - 8 * s = q * s exactly in fp32); Q6_K d = s, sc = 1, code q; Q5_0 / Q8_0 d = s, code q.
+    """
+    rows, cols = weight.shape
+    span = _GRID_SPAN.get(qtype)
+    if span is None or bits > _GRID_BITS[qtype] or block_size % span or cols % span:
+        return None
+    grid = quantize(weight.detach().reshape(-1).float(), bits, block_size, scale_dtype=WEIGHT_SCALE_DTYPE)
+    n = rows * cols // span
+    q = (unpack_codes(grid.codes, bits)[:rows * cols].to(torch.int16) - 2 ** (bits - 1)).numpy().reshape(n, span)
+    s = grid.scales.repeat_interleave(block_size // span)[:n].numpy()
+    d = s.view(np.uint8).reshape(n, 2)
+    values = grid.dequantize().numpy().reshape(rows, cols)
+    if qtype == T.Q4_K:
+        blocks = _pack_q4_k(d, d, np.ones((n, 8), np.uint8), np.full((n, 8), 8, np.uint8), (q + 8).astype(np.uint8))
+    elif qtype == T.Q6_K:
+        blocks = _pack_q6_k(d, np.ones((n, 16), np.int8), q)
+    elif qtype == T.Q5_0:  # d, 4 bytes of fifth bits (bit j of element j), 16 bytes: low nibble j | j + 16 << 4
+        u = (q + 16).astype(np.uint8)
+        high = np.packbits(u >> 4, axis=1, bitorder="little")
+        blocks = np.concatenate([d, high, (u[:, :16] & 15) | (u[:, 16:] & 15) << 4], axis=1)
+    else:
+        blocks = np.concatenate([d, q.astype(np.int8).view(np.uint8)], axis=1)
+    return blocks.reshape(rows, -1), values
+
+
+def kquant_tensor(name: str, weight: torch.Tensor, mix: str, n_layer: int, tied: bool, *, grid=None,
+                  row_order=None) -> tuple[np.ndarray, T, bool]:
+    """What the GGUF writer stores for the matrix `name` (GGUF name; nn.Linear / embedding layout, ours) in
+    `mix`: its bytes [rows, row bytes] (F16: the fp16 values), GGML type, and whether they hold our grid.
+
+    With grid=(bits, block_size) (a qwZ checkpoint's settings) the bytes hold that grid exactly where the
+    type can (grid_rows); otherwise, and without a grid, `weight` is quantized by the type's encoder.
+    `row_order` permutes the rows afterwards (llama.cpp's q/k layout): our blocks run along W.reshape(-1).
+    """
     qtype = kquant_type(name, weight.shape[1], mix, n_layer, tied)
-    if qtype == T.F16:
-        return np.asarray(weight, dtype=np.float16), qtype
-    return quantize_rows(weight, qtype)[0], qtype
+    held = grid_rows(weight, qtype, *grid) if grid is not None else None
+    if held is not None:
+        data = held[0]
+    elif qtype == T.F16:
+        data = weight.detach().to(torch.float16).numpy()
+    else:
+        data = quantize_rows(weight.detach().float().numpy(), qtype)[0]
+    return (data if row_order is None else data[np.asarray(row_order)]), qtype, held is not None

@@ -17,7 +17,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 import kernels
-from export.kquants import kquant_tensor, kquant_type, quantize_q4_k, quantize_q6_k, quantize_rows
+from export.kquants import grid_rows, kquant_tensor, kquant_type, quantize_q4_k, quantize_q6_k, quantize_rows
 from models.config import PRESETS
 from models.transformer import Transformer, lm_loss
 
@@ -176,12 +176,11 @@ def requantized(model: Transformer, fmt: str) -> Transformer:
         for name, p in copy.named_parameters():
             if p.dim() != 2:
                 continue
-            w = p.detach().numpy()
             if fmt.startswith("RTN"):
-                values = rtn(w, 4, 32 if fmt == "RTN int4 B32 (= Q4_0)" else 256)
+                values = rtn(p.detach().numpy(), 4, 32 if fmt == "RTN int4 B32 (= Q4_0)" else 256)
             else:
-                data, qtype = kquant_tensor(gguf_name(name), w, fmt, n_layer, tied)
-                values = gguf_dequantize(data, qtype).reshape(w.shape)
+                data, qtype, _ = kquant_tensor(gguf_name(name), p, fmt, n_layer, tied)
+                values = gguf_dequantize(data, qtype).reshape(p.shape)
             p.copy_(torch.from_numpy(np.asarray(values, np.float32)))
     return copy
 
@@ -191,8 +190,9 @@ def test_a_tiny_model_reads_back_exactly_and_falls_back_where_rows_are_short():
     types = {}
     for name, p in model.named_parameters():
         if p.dim() == 2:
-            data, qtype = kquant_tensor(gguf_name(name), p, "Q4_K_M", 2, False)
+            data, qtype, exact = kquant_tensor(gguf_name(name), p, "Q4_K_M", 2, False)
             types[gguf_name(name)] = qtype
+            assert not exact
             ours = quantize_rows(p.detach().numpy(), qtype)[1]
             assert np.array_equal(gguf_dequantize(data, qtype).reshape(p.shape), ours), name
     # use_more_bits over 2 layers: layer 1 only
@@ -204,6 +204,28 @@ def test_a_tiny_model_reads_back_exactly_and_falls_back_where_rows_are_short():
     assert fell["blk.0.attn_q.weight"] == fell["blk.0.ffn_up.weight"] == T.Q5_0
     assert fell["blk.1.attn_v.weight"] == fell["output.weight"] == T.Q8_0 and fell["blk.0.attn_v.weight"] == T.Q5_0
     assert fell["blk.1.ffn_down.weight"] == T.Q6_K and fell["blk.0.ffn_down.weight"] == T.Q4_K
+
+
+@pytest.mark.parametrize("bits", [4, 3])
+def test_a_qwz_grid_at_block_256_is_held_exactly_by_every_q4_k_m_type(bits):
+    """Q4_K, Q6_K and the fallbacks Q5_0 / Q8_0 hold our codes and fp16 scales as they are (the bytes read back
+    bit for bit as kernels' dequant(quant(W))), also with blocks spanning rows and rows permuted afterwards."""
+    g = torch.Generator().manual_seed(3)
+    for name, shape, qtype in (("blk.0.attn_q.weight", (6, 512), T.Q4_K), ("blk.1.ffn_down.weight", (4, 256), T.Q6_K),
+                               ("blk.0.attn_q.weight", (8, 96), T.Q5_0), ("output.weight", (8, 96), T.Q8_0)):
+        w = torch.randn(shape, generator=g) * torch.logspace(-3, 1, shape[0]).unsqueeze(1)
+        w[1] = 0  # an all-zero row: scale 0
+        order = torch.randperm(shape[0], generator=g)
+        data, got, exact = kquant_tensor(name, w, "Q4_K_M", 2, False, grid=(bits, 512), row_order=order)
+        assert got == qtype and exact, name
+        on_grid = kernels.on_grid(w, bits, 512)[order]
+        assert torch.equal(torch.from_numpy(gguf_dequantize(data, qtype)).view(shape), on_grid), qtype
+    w = torch.randn(4, 256, generator=g)
+    assert grid_rows(w, T.Q4_K, 4, 64) is None and grid_rows(w, T.Q4_K, 6, 256) is None  # 4 scales / 6 bits
+    assert grid_rows(w, T.Q5_0, 4, 64) is not None and grid_rows(w, T.Q6_K, 6, 256) is not None
+    data, qtype, exact = kquant_tensor("blk.0.attn_q.weight", w, "Q4_K_M", 2, False, grid=(4, 64))
+    assert qtype == T.Q4_K and not exact  # quantized again from the weights given
+    assert np.array_equal(data, quantize_rows(w.numpy(), T.Q4_K)[0])
 
 
 def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
