@@ -231,10 +231,26 @@ class StageCheckpoint:
         resume = self.cfg.resume
         return resolve_checkpoint(resume, self.cfg.stage_dir(self.stage)) if resume else None
 
-    def load(self, path: Path, models: list[ModelRuntime], read_extra=None) -> dict:
+    def _check_global_batch(self, path: Path, saved: dict, samples_per_step: int) -> None:
+        """A resume keeps the checkpoint's samples per step (prompts, pairs or sequences of all ranks
+        together), as train.py keeps its global batch: on another world size the run is refused,
+        naming the micro-batch that keeps it (these stages accumulate no micro-batches)."""
+        if not saved.get("step") or saved["consumed_samples"] % saved["step"]:
+            return
+        want, world = saved["consumed_samples"] // saved["step"], self.env.world_size
+        if want == samples_per_step:
+            return
+        fix = (f"resume with --train.micro_batch_size {want // world}" if want % world == 0
+               else f"resume on a number of ranks that divides {want}")
+        raise ConfigError(f"resume: checkpoint {path} was trained with {want} samples per step; this run's is "
+                          f"{samples_per_step} (train.micro_batch_size {self.cfg.train.micro_batch_size} x {world} "
+                          f"ranks): {fix}")
+
+    def load(self, path: Path, models: list[ModelRuntime], samples_per_step: int, read_extra=None) -> dict:
         saved = read_state(path)
         if saved.get("stage") != self.stage:
             raise ConfigError(f"resume: checkpoint {path} is of stage {saved.get('stage')!r}, not {self.stage!r}")
+        self._check_global_batch(path, saved, samples_per_step)
         for m in models:
             want = dataclasses.asdict(m.config)
             if saved["models"].get(m.name) != want:

@@ -54,7 +54,7 @@ class RLHFStage(Stage):
         path = self.ckpt.resume_path()
         if path is None:
             return None
-        state = self.ckpt.load(path, self.models, self.load_tensors)
+        state = self.ckpt.load(path, self.models, self.samples_per_step, self.load_tensors)
         self.load_state_dict(state)
         self.newest_checkpoint = path
         return state

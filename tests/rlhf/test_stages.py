@@ -130,6 +130,12 @@ def test_ppo_resumes_bit_exactly(tmp_path, monkeypatch, capfd):
     # The resume says so (it used to be silent).
     assert f"ppo: resumed from checkpoint {resumed / 'ppo' / 'checkpoints' / 'step_00000002'} (step 2)" in \
         capfd.readouterr().out
+    # Another number of prompts per step is refused, naming the micro-batch that keeps the checkpoint's.
+    with pytest.raises(AssertionError, match=r"trained with 4 samples per step; this run's is 2 \(train.micro_batch_size "
+                                             r"2 x 1 ranks\): resume with --train.micro_batch_size 4"):
+        run_ranks(_main, world_size=1, args=(["ppo", *_tiny(tmp_path / "other", *args, "--train.micro_batch_size", "2"),
+                                              "--models.sft", str(straight / "sft" / "hf"), "--resume",
+                                              str(resumed / "ppo" / "checkpoints" / "step_00000002")],))
     a, b = _metrics(straight / "ppo" / "metrics.jsonl"), _metrics(resumed / "ppo" / "metrics.jsonl")
     assert sorted(b) == [3, 4]
     for step in (3, 4):
