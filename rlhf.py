@@ -22,7 +22,9 @@ import torch.distributed as dist
 from rlhf.config import STAGES, RLHFConfig, check
 from rlhf.common import setup_distributed
 from trainer.config import ConfigError, help_text, parse_args
-from trainer.loop import run_main
+from trainer.distributed import PeerError, is_peer_failure
+from trainer.heartbeat import start_heartbeat
+from trainer.loop import peer_error, run_main
 
 
 def _needs(cfg: RLHFConfig, stage: str) -> list[str]:
@@ -84,9 +86,17 @@ def main(argv: list[str]) -> None:
 
 def run(stage: str, cfg: RLHFConfig) -> dict:
     env, own_group = setup_distributed(cfg.train.dist_timeout)
+    doing = f"rlhf.py {stage}"
+    heartbeat = start_heartbeat(env.rank, env.world_size, cfg.train.dist_timeout, lambda: doing)
     try:
         return run_stage(stage, cfg, env)
+    except Exception as e:  # a failed collective names the rank that stopped responding, as train.py's do
+        if is_peer_failure(e) and not isinstance(e, PeerError):
+            raise peer_error(e, env.rank, doing, heartbeat, cfg.train.dist_timeout) from e
+        raise
     finally:
+        if heartbeat is not None:
+            heartbeat.stop()
         if own_group and dist.is_initialized():
             dist.destroy_process_group()
 

@@ -41,7 +41,7 @@ from trainer.config import Config, ConfigError, LoraSection, check_held_out, che
 from trainer.distributed import (DistEnv, LauncherError, PeerError, all_gather_objects, all_reduce_sum, barrier,
                                  init_distributed, is_peer_failure, is_timeout)
 from trainer.finetune_data import FinetuneData, prepare_finetuning
-from trainer.heartbeat import start_heartbeat
+from trainer.heartbeat import Heartbeat, start_heartbeat
 from trainer.memory import baseline_bytes, peak_bytes, predicted_peak
 from trainer.metrics import MetricsLogger
 from trainer.nonfinite import NonFiniteError, NonFiniteSteps, nonfinite_tensors
@@ -713,7 +713,8 @@ def train(cfg: Config) -> TrainResult:
         try:
             result = trainer.run()
         except Exception as e:
-            error = peer_error(e, trainer, cfg) if is_peer_failure(e) else None
+            error = peer_error(e, trainer.env.rank, trainer.phase, trainer.heartbeat, cfg.train.dist_timeout) \
+                if is_peer_failure(e) else None
             trainer.close(after_failure=True)
             if error is not None:
                 raise error from e
@@ -722,7 +723,7 @@ def train(cfg: Config) -> TrainResult:
     except Exception as e:
         if isinstance(e, PeerError) or not is_peer_failure(e):
             raise
-        raise peer_error(e, trainer, cfg) from e
+        raise peer_error(e, int(os.environ.get("RANK", "0")), "startup", None, cfg.train.dist_timeout) from e
     if trainer.env.is_main and not result.preempted:
         print(f"validation loss {result.val_loss:.4f} | perplexity {math.exp(min(result.val_loss, 50)):.2f}")
         print(f"checkpoint: {result.checkpoint}")
@@ -734,14 +735,11 @@ def train(cfg: Config) -> TrainResult:
     return result
 
 
-def peer_error(e: Exception, trainer: Trainer | None, cfg: Config) -> PeerError:
+def peer_error(e: Exception, rank: int, phase: str, heartbeat: Heartbeat | None, dist_timeout: float) -> PeerError:
     """A failed collective as one line: which rank stopped responding, where and when (from the
-    ranks' heartbeats), or, before they beat, the possible causes."""
-    phase = trainer.phase if trainer is not None else "startup"
-    rank = trainer.env.rank if trainer is not None else int(os.environ.get("RANK", "0"))
-    heartbeat = trainer.heartbeat if trainer is not None else None
+    ranks' heartbeats), or, without them, the possible causes."""
     cause = heartbeat.diagnosis(timed_out=is_timeout(e)) if heartbeat is not None else (
-        f"another rank died, stopped responding for train.dist_timeout={cfg.train.dist_timeout:g} s, or failed "
+        f"another rank died, stopped responding for train.dist_timeout={dist_timeout:g} s, or failed "
         f"first (its own error names the cause)")
     text = str(e).strip()
     return PeerError(f"rank {rank}: a collective failed during {phase}: {cause}. "
