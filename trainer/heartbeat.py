@@ -21,6 +21,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 from datetime import timedelta
 from typing import Callable
 
@@ -144,6 +145,12 @@ def start_heartbeat(rank: int, world_size: int, dist_timeout: float, doing: Call
     """This rank's running Heartbeat; None for one process, or without a launcher's store address."""
     if world_size < 2 or not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
         return None
-    heartbeat = Heartbeat(rank, world_size, dist_timeout, doing)
+    try:
+        heartbeat = Heartbeat(rank, world_size, dist_timeout, doing)
+    except Exception as e:  # no store there (a group made another way): train on, unwatched
+        warnings.warn(f"rank {rank}: no heartbeat (the store at {os.environ['MASTER_ADDR']}:"
+                      f"{os.environ['MASTER_PORT']} does not answer: {type(e).__name__}); a rank that stops "
+                      f"responding will not be named")
+        return None
     heartbeat.start()
     return heartbeat
