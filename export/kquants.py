@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf import LlamaFileType
+from gguf import GGUFReader, LlamaFileType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from kernels import WEIGHT_SCALE_DTYPE, quantize, unpack_codes
@@ -257,6 +257,12 @@ _GRID_BITS = {T.Q4_K: 4, T.Q6_K: 6, T.Q5_0: 5, T.Q8_0: 8}
 _GRID_SPAN = {T.Q4_K: QK_K, T.Q6_K: QK_K, T.Q5_0: 32, T.Q8_0: 32}
 
 
+def holds_grid(qtype: T, bits: int, block_size: int, cols: int) -> bool:
+    """Whether `qtype` holds our (bits, block_size) grid of a matrix with rows of `cols` exactly (grid_rows)."""
+    span = _GRID_SPAN.get(qtype)
+    return span is not None and bits <= _GRID_BITS[qtype] and block_size % span == 0 and cols % span == 0
+
+
 def grid_rows(weight: torch.Tensor, qtype: T, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray] | None:
     """`qtype` bytes [rows, row bytes] holding our grid, kernels.quantize(W.reshape(-1), bits, block_size) with
     fp16 scales (what a qwZ forward computes with), exactly, and its values; None where `qtype` cannot.
@@ -267,9 +273,9 @@ def grid_rows(weight: torch.Tensor, qtype: T, bits: int, block_size: int) -> tup
     (d * (q + 8) - 8 * s = q * s exactly in fp32); Q6_K d = s, sc = 1, code q; Q5_0 / Q8_0 d = s, code q.
     """
     rows, cols = weight.shape
-    span = _GRID_SPAN.get(qtype)
-    if span is None or bits > _GRID_BITS[qtype] or block_size % span or cols % span:
+    if not holds_grid(qtype, bits, block_size, cols):
         return None
+    span = _GRID_SPAN[qtype]
     grid = quantize(weight.detach().reshape(-1).float(), bits, block_size, scale_dtype=WEIGHT_SCALE_DTYPE)
     n = rows * cols // span
     q = (unpack_codes(grid.codes, bits)[:rows * cols].to(torch.int16) - 2 ** (bits - 1)).numpy().reshape(n, span)
@@ -307,3 +313,25 @@ def kquant_tensor(name: str, weight: torch.Tensor, mix: str, n_layer: int, tied:
     else:
         data = quantize_rows(weight.detach().float().numpy(), qtype)[0]
     return (data if row_order is None else data[np.asarray(row_order)]), qtype, held is not None
+
+
+def kquant_summary(path, grid=None) -> str:
+    """One line on a K-quant GGUF file as written: its matrices by type, those that fell back (rows not whole
+    super-blocks) and, for a qwZ grid=(bits, block_size), whether every matrix holds it exactly."""
+    mats = [(t.name, t.tensor_type, int(t.shape[0])) for t in GGUFReader(path).tensors
+            if len(t.shape) == 2 and t.tensor_type != T.F32]
+    counts = {}
+    for _, qtype, _ in mats:
+        counts[qtype.name] = counts.get(qtype.name, 0) + 1
+    line = ", ".join(f"{n} {name}" for name, n in sorted(counts.items()))
+    fell = [f"{name} ({qtype.name})" for name, qtype, cols in mats if qtype not in KQUANTIZERS and cols % QK_K]
+    if fell:
+        line += f"; rows not a multiple of {QK_K}, fell back as llama.cpp does: {', '.join(fell)}"
+    if grid is None:
+        return line + "; quantized from the fp32 weights as llama-quantize does (no importance matrix)"
+    off = [name for name, qtype, cols in mats if not holds_grid(qtype, *grid, cols)]
+    if not off:
+        return line + f"; exact: every matrix holds the {grid[0]}-bit qwZ grid (block size {grid[1]})"
+    return (line + f"; {len(mats) - len(off)} of {len(mats)} matrices hold the {grid[0]}-bit qwZ grid exactly, "
+            f"quantized again from the weights (the types hold it at <= 4 bits, blocks a multiple of 256): "
+            + ", ".join(off))

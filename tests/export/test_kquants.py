@@ -9,6 +9,7 @@ import dataclasses
 import math
 import os
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -17,7 +18,8 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 import kernels
-from export.kquants import grid_rows, kquant_tensor, kquant_type, quantize_q4_k, quantize_q6_k, quantize_rows
+from export.kquants import (grid_rows, kquant_summary, kquant_tensor, kquant_type, quantize_q4_k, quantize_q6_k,
+                            quantize_rows)
 from models.config import PRESETS
 from models.transformer import Transformer, lm_loss
 
@@ -226,6 +228,42 @@ def test_a_qwz_grid_at_block_256_is_held_exactly_by_every_q4_k_m_type(bits):
     data, qtype, exact = kquant_tensor("blk.0.attn_q.weight", w, "Q4_K_M", 2, False, grid=(4, 64))
     assert qtype == T.Q4_K and not exact  # quantized again from the weights given
     assert np.array_equal(data, quantize_rows(w.numpy(), T.Q4_K)[0])
+
+
+def write_gguf(model: Transformer, path, mix: str, grid=None) -> dict:
+    """The model's matrices through kquant_tensor into a GGUF file by gguf-py's writer, as export_gguf adds
+    them (raw bytes with their GGML type; F16 as fp16 values); returns the values each should read back as."""
+    writer = gguf.GGUFWriter(path, "llama")
+    want = {}
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            data, qtype, exact = kquant_tensor(gguf_name(name), p, mix, model.config.n_layer, False, grid=grid)
+            writer.add_tensor(gguf_name(name), data, raw_dtype=None if qtype == T.F16 else qtype)
+            want[gguf_name(name)] = (qtype, kernels.on_grid(p.detach(), *grid).numpy() if exact else
+                                     np.float16(p.detach().numpy()).astype(np.float32) if qtype == T.F16 else
+                                     quantize_rows(p.detach().numpy(), qtype)[1])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return want
+
+
+@pytest.mark.parametrize("grid", [None, (4, 256)])
+def test_a_gguf_file_of_kquant_tensors_reads_back(grid, tmp_path):
+    model = tiny_llama(96, 256, vocab=64, seed=2)  # rows of 96 (fall back) and of 256 (down_proj)
+    want = write_gguf(model, tmp_path / "m.gguf", "Q4_K_M", grid)
+    tensors = {t.name: t for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
+    assert set(tensors) == set(want)
+    for name, (qtype, values) in want.items():
+        t = tensors[name]
+        assert t.tensor_type == qtype, name
+        assert np.array_equal(gguf_dequantize(t.data, qtype).reshape(values.shape), values), name
+    summary = kquant_summary(tmp_path / "m.gguf", grid)
+    # down_proj: Q4_K (layer 0), Q6_K (layer 1); rows of 96: Q5_0, and Q8_0 for the head and layer 1's attn_v
+    assert summary.startswith("1 Q4_K, 12 Q5_0, 1 Q6_K, 2 Q8_0;"), summary
+    assert "fell back as llama.cpp does: token_embd.weight (Q5_0), blk.0.attn_q.weight (Q5_0)" in summary
+    assert ("exact: every matrix holds the 4-bit qwZ grid" in summary) == (grid is not None)
 
 
 def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
