@@ -256,21 +256,31 @@ class HFTokenizer(Tokenizer):
         return self._pad if self._pad is not None else self._eos
 
     def save(self, directory: str | os.PathLike) -> None:
-        """Write `tokenizer.json` and a `tokenizer_config.json` naming the resolved special tokens.
+        """Write the tokenizer as transformers' `AutoTokenizer.from_pretrained(path).save_pretrained`
+        does (tokenizer_config.json naming the resolved special tokens, the chat template), plus the
+        source's generation_config.json: a model exported with them is served as it was published.
 
+        tokenizer.json stays this one's, the model's training tokenization: transformers 5 rebuilds
+        some classes' pipelines (Qwen2Tokenizer's) from the vocabulary and its own defaults.
         config.json is left alone: in a checkpoint directory it belongs to the model.
         """
+        from transformers import AutoTokenizer  # seconds to import: only where a tokenizer is saved
+
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        special = {f"{kind}_token": self._tok.id_to_token(token_id)
+                   for kind, token_id in (("eos", self._eos), ("bos", self._bos), ("pad", self._pad))
+                   if token_id is not None}
+        try:
+            auto = AutoTokenizer.from_pretrained(self.path, **special)
+        except Exception as e:  # transformers raises whatever its tokenizer classes raise
+            raise ValueError(f"{self.path}: transformers' AutoTokenizer cannot read this tokenizer "
+                             f"({type(e).__name__}: {e}); expected a directory it loads, to save it with") from e
+        auto.save_pretrained(directory)
         self._tok.save(str(directory / "tokenizer.json"))
-        config = self._read_json("tokenizer_config.json")  # keeps e.g. a chat template
-        config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
-        config["eos_token"] = self._tok.id_to_token(self._eos)
-        if self._bos is not None:
-            config["bos_token"] = self._tok.id_to_token(self._bos)
-        if self._pad is not None:
-            config["pad_token"] = self._tok.id_to_token(self._pad)
-        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        generation = self.path / "generation_config.json"
+        if generation.is_file() and generation.resolve() != (directory / generation.name).resolve():
+            shutil.copyfile(generation, directory / generation.name)
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:

@@ -61,6 +61,42 @@ def test_hf_tokenizer_round_trip_and_special_tokens(hf_tokenizer, hf_tokenizer_d
     assert (reloaded.eos_id, reloaded.bos_id, reloaded.pad_id) == (0, 1, 2)
 
 
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@pytest.mark.parametrize("template_in", ["tokenizer_config.json", "chat_template.jinja"])
+def test_hf_tokenizer_save_keeps_the_chat_template_and_generation_config(template_in, hf_tokenizer_dir, tmp_path):
+    """save() writes what transformers' save_pretrained writes (the chat template wherever the source kept it:
+    tokenizer_config.json as published, or chat_template.jinja as transformers 5 saves it), the resolved special
+    tokens and the source's generation_config.json; tokenizer.json encodes as before."""
+    from transformers import AutoTokenizer
+
+    source = tmp_path / "source"
+    shutil.copytree(hf_tokenizer_dir, source)
+    config = {"eos_token": "<|endoftext|>", "bos_token": "<s>"}  # transformers 5 reads no bare-dict AddedToken
+    if template_in == "chat_template.jinja":
+        (source / template_in).write_text(CHATML)
+    else:
+        config["chat_template"] = CHATML
+    (source / "tokenizer_config.json").write_text(json.dumps(config))
+    generation = {"eos_token_id": [0, 2], "temperature": 0.7, "top_p": 0.8, "do_sample": True}
+    (source / "generation_config.json").write_text(json.dumps(generation))
+
+    load_tokenizer(source).save(tmp_path / "out")
+    out = tmp_path / "out"
+    assert "config.json" not in {p.name for p in out.iterdir()}  # the model's, not the tokenizer's
+    theirs, ours = AutoTokenizer.from_pretrained(source), AutoTokenizer.from_pretrained(out)
+    chat = [{"role": "user", "content": SAMPLE}, {"role": "assistant", "content": "Speak, speak."}]
+    assert ours.chat_template == CHATML
+    assert ours.apply_chat_template(chat, tokenize=False) == theirs.apply_chat_template(chat, tokenize=False)
+    assert json.loads((out / "generation_config.json").read_text()) == generation
+    reloaded = load_tokenizer(out)
+    assert reloaded.encode(SAMPLE) == load_tokenizer(source).encode(SAMPLE)
+    assert (reloaded.eos_id, reloaded.bos_id, reloaded.pad_id) == (0, 1, 2)  # pad from special_tokens_map.json
+    assert (ours.eos_token, ours.bos_token, ours.pad_token) == ("<|endoftext|>", "<s>", "<pad>")
+
+
 def test_hf_special_tokens_from_config_json_and_fallbacks(hf_tokenizer_dir, tmp_path):
     directory = tmp_path / "model"
     directory.mkdir()
