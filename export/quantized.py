@@ -282,16 +282,83 @@ def _gguf_blocks(weight: torch.Tensor, bits: int, block_size: int, row_order=Non
     return np.concatenate([d, qs], axis=-1).reshape(rows, -1)
 
 
+# The byte-level BPE pre-tokenizers of published tokenizers, by llama.cpp's name for them (src/llama-vocab.cpp
+# has each one's regex). llama.cpp's convert_hf_to_gguf.py tells them apart by hashing a tokenization with the
+# downloaded vocabulary; here the tokenizer.json's own layout is recognized. GPT-2 ('gpt-2') is a ByteLevel
+# pre-tokenizer with its built-in regex; Llama 3 ('llama-bpe') and Qwen2 / Qwen3 ('qwen2') are
+# Sequence[Split(regex), ByteLevel(use_regex=False)], whose Split regex is the key here. llama.cpp's
+# llama-bpe also skips the merges of a word in the vocabulary, as Llama 3's tokenizer.json says (ignore_merges).
+GGUF_BPE_SPLITS = {
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
+        "llama-bpe",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
+        "qwen2",
+}
+_GGUF_IGNORE_MERGES = {"gpt-2": False, "llama-bpe": True, "qwen2": False}
+
+
+def _describe_pre_tokenizer(pre: dict | None) -> str:
+    """A tokenizer.json pre_tokenizer in one line: its type, and a Split's pattern (what tells layouts apart)."""
+    if not pre:
+        return "None"
+    if pre.get("type") == "Sequence":
+        return f"Sequence[{', '.join(_describe_pre_tokenizer(p) for p in pre.get('pretokenizers', []))}]"
+    if pre.get("type") == "Split":
+        return f"Split({pre.get('pattern')!r})"
+    if pre.get("type") == "ByteLevel":
+        return f"ByteLevel(use_regex={pre.get('use_regex', True)})"
+    return repr(pre.get("type"))
+
+
+def _gguf_bpe_pre(spec: dict, file: Path) -> str:
+    """llama.cpp's pre-tokenizer name for a byte-level BPE tokenizer.json, or a ValueError naming the file and
+    what it has: one llama.cpp does not name would split text differently there."""
+    bpe, pre, decoder = (spec.get(k) or {} for k in ("model", "pre_tokenizer", "decoder"))
+
+    def byte_level(p: dict, use_regex: bool) -> bool:
+        return (p.get("type"), p.get("use_regex", True), p.get("add_prefix_space", False)) == (
+            "ByteLevel", use_regex, False)
+
+    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+    split = parts[0] if len(parts) == 2 and byte_level(parts[1], False) else {}
+    name = None
+    if byte_level(pre, True):
+        name = "gpt-2"
+    elif (split.get("type"), split.get("behavior"), split.get("invert", False)) == ("Split", "Isolated", False):
+        name = GGUF_BPE_SPLITS.get((split.get("pattern") or {}).get("Regex"))
+    if (bpe.get("type"), bpe.get("byte_fallback", False), decoder.get("type")) != ("BPE", False, "ByteLevel") \
+            or name is None:
+        raise ValueError(
+            f"{file}: GGUF export supports SentencePiece models and GPT-2-style byte-level BPE tokenizer.json files "
+            f"with a pre-tokenizer llama.cpp names (GPT-2's ByteLevel 'gpt-2'; Sequence[Split(regex), "
+            f"ByteLevel(use_regex=False)] with the Split regex of Llama 3 'llama-bpe' or Qwen2 / Qwen3 'qwen2'); "
+            f"this one has model {bpe.get('type')!r}, pre_tokenizer "
+            f"{_describe_pre_tokenizer(spec.get('pre_tokenizer'))}, decoder {decoder.get('type')!r}")
+    if bpe.get("ignore_merges", False) != _GGUF_IGNORE_MERGES[name]:
+        raise ValueError(f"{file}: model.ignore_merges is {bpe.get('ignore_merges', False)}; llama.cpp's {name!r} "
+                         f"pre-tokenizer runs with ignore_merges {_GGUF_IGNORE_MERGES[name]}, as the published "
+                         f"tokenizers of that layout have it")
+    normalizer = (spec.get("normalizer") or {}).get("type")
+    if normalizer not in (None, "NFC"):
+        raise ValueError(f"{file}: normalizer {normalizer!r}: llama.cpp's {name!r} pre-tokenizer normalizes nothing "
+                         f"(NFC, which Qwen2's tokenizer has, passes: text already in NFC tokenizes alike)")
+    return name
+
+
 def _add_gguf_tokenizer(writer: gguf.GGUFWriter, tokenizer_path, vocab_size: int) -> None:
     """tokenizer.ggml.*: a SentencePiece model as llama.cpp's "llama" vocabulary, a byte-level BPE
-    tokenizer.json as "gpt2", read with gguf-py's vocab classes; padded with unused tokens up to the
-    model's (padded) vocabulary, as convert_hf_to_gguf.py pads it."""
+    tokenizer.json as "gpt2" with its pre-tokenizer's llama.cpp name (_gguf_bpe_pre), read with gguf-py's
+    vocab classes; padded with unused tokens up to the model's (padded) vocabulary, as convert_hf_to_gguf.py
+    pads it. The tokenizer's files as data/tokenizer.py saves them also give, through gguf-py's SpecialVocab
+    (as convert_hf_to_gguf.py reads them), the chat template and whether BOS / EOS are added."""
     tokenizer = _tokenizer(tokenizer_path)
     path = Path(tokenizer_path)
     sp_file = path if path.is_file() else path / "tokenizer.model"
     control = set()  # ids to mark CONTROL beyond what the vocab class says
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        tokenizer.save(tmp)  # with the chat template and tokenizer_config.json of an HF tokenizer
+        special = gguf.SpecialVocab(tmp, load_merges=not sp_file.is_file(), special_token_types=("bos", "eos"))
         if sp_file.is_file():  # preferred where both exist, as convert_hf_to_gguf.py does for llama
             tokenizer = SentencePieceTokenizer(sp_file)
             tokenizer.save(tmp)
@@ -302,19 +369,12 @@ def _add_gguf_tokenizer(writer: gguf.GGUFWriter, tokenizer_path, vocab_size: int
             # Our SentencePiece models add no dummy prefix (data/tokenizer.py); llama.cpp adds one unless told.
             writer.add_add_space_prefix(sp.encode("a", out_type=str)[0].startswith("\u2581"))
         else:
-            tokenizer.save(tmp)
             spec = json.loads((tmp / "tokenizer.json").read_text())
-            bpe, pre, decoder = (spec.get(k) or {} for k in ("model", "pre_tokenizer", "decoder"))
-            if (bpe.get("type"), bpe.get("byte_fallback", False), pre.get("type"), pre.get("use_regex", True),
-                    decoder.get("type")) != ("BPE", False, "ByteLevel", True, "ByteLevel"):
-                raise ValueError(
-                    f"{path / 'tokenizer.json'}: GGUF export supports SentencePiece models and GPT-2-style byte-level "
-                    f"BPE tokenizer.json files (llama.cpp 'gpt2', pre-tokenizer 'gpt-2'); this one has model "
-                    f"{bpe.get('type')!r}, pre_tokenizer {pre.get('type')!r}, decoder {decoder.get('type')!r}")
+            pre = _gguf_bpe_pre(spec, path / "tokenizer.json")
             vocab = gguf.BpeVocab(tmp)
             writer.add_tokenizer_model("gpt2")
-            writer.add_tokenizer_pre("gpt-2")
-            writer.add_token_merges(gguf.SpecialVocab(tmp, load_merges=True, special_token_types=()).merges)
+            writer.add_tokenizer_pre(pre)
+            writer.add_token_merges(special.merges)
             control = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
         if vocab.vocab_size > vocab_size:
             raise ValueError(f"tokenizer {path} has {vocab.vocab_size} tokens, more than the model's "
@@ -336,9 +396,12 @@ def _add_gguf_tokenizer(writer: gguf.GGUFWriter, tokenizer_path, vocab_size: int
     writer.add_pad_token_id(tokenizer.pad_id)
     if tokenizer.bos_id is not None:
         writer.add_bos_token_id(tokenizer.bos_id)
-    # Our pretraining documents end with EOS and start with no BOS (data/indexed.py).
-    writer.add_add_bos_token(False)
-    writer.add_add_eos_token(False)
+    # As the tokenizer says (tokenizer_config.json's add_bos_token, else its post-processor); where it says
+    # nothing, none: our pretraining documents start without BOS and end with EOS (data/indexed.py).
+    writer.add_add_bos_token(special.add_special_token.get("bos", False))
+    writer.add_add_eos_token(special.add_special_token.get("eos", False))
+    if special.chat_template is not None:
+        writer.add_chat_template(special.chat_template)
 
 
 # Our arch -> llama.cpp's. Mistral is llama.cpp's llama (as convert_hf_to_gguf.py writes it); OPT has none.
