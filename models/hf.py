@@ -22,9 +22,10 @@ from models.streaming import LazyTensors, save_tensors
 from models.transformer import Transformer
 from models.weights import materialize
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "llama", "qwen2", "qwen3", "mistral", "granite")
+SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "llama", "qwen2", "qwen3", "mistral", "granite", "olmo2")
 # Families with LLaMA's layout and tensor names, and transformers' class-name stem of each.
-LLAMA_LIKE = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "granite": "Granite"}
+LLAMA_LIKE = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "granite": "Granite",
+              "olmo2": "Olmo2"}
 # Score models (ModelConfig.num_labels > 0) are saved and loaded as these classes, with the head
 # as `score.weight` [num_labels, hidden] on the same base model (transformer. / model.decoder. / model.).
 # transformers has no GraniteForSequenceClassification.
@@ -127,15 +128,17 @@ def _layer_types(hf: dict, source: str, sliding: bool) -> None:
 
 def _llama_from_hf(hf: dict, source: str) -> dict:
     """LLaMA and its descendants, which share its tensor layout: Qwen2 (q/k/v bias), Qwen3 (q/k norms), Mistral,
-    Granite (multipliers)."""
+    Granite (multipliers), OLMo 2 (norms on the sublayers' outputs, q/k norms over all heads)."""
     model_type = hf["model_type"]
     _require(hf, source, "hidden_act", "silu", ("silu",))
     theta, rope_scaling = _rope_from_hf(hf, source)
     d_model, n_head = _get(hf, source, "hidden_size"), _get(hf, source, "num_attention_heads")
     head_dim = hf.get("head_dim") or (128 if model_type == "qwen3" else None)  # Qwen3Config's default
     fields = dict(qkv_bias=None, o_bias=None, mlp_bias=None, sliding_window=None)
-    if model_type in ("llama", "qwen3", "granite"):
+    if model_type in ("llama", "qwen3", "granite", "olmo2"):
         fields["qkv_bias"] = fields["o_bias"] = _flag(hf, source, "attention_bias", False)
+    if model_type == "olmo2":  # no pre-norms; q_norm / k_norm over the whole projections
+        fields.update(pre_norm=False, output_norm=True, qk_norm_per_head=False)
     if model_type in ("llama", "granite"):
         fields["mlp_bias"] = _flag(hf, source, "mlp_bias", False)
     if model_type == "granite":  # GraniteConfig's defaults are 1.0, attention_multiplier's too (not 1 / sqrt(d))
@@ -156,8 +159,9 @@ def _llama_from_hf(hf: dict, source: str) -> dict:
     return dict(n_layer=_get(hf, source, "num_hidden_layers"), n_head=n_head,
                 n_kv_head=hf.get("num_key_value_heads"), d_model=d_model, explicit_head_dim=head_dim,
                 d_ff=_get(hf, source, "intermediate_size"), max_seq_len=_get(hf, source, "max_position_embeddings"),
-                norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-6), activation="swiglu", positions="rope",
-                rope_theta=theta, rope_scaling=rope_scaling, qk_norm=model_type == "qwen3",
+                norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-5 if model_type == "olmo2" else 1e-6),
+                activation="swiglu", positions="rope", rope_theta=theta, rope_scaling=rope_scaling,
+                qk_norm=model_type in ("qwen3", "olmo2"),
                 tie_embeddings=_flag(hf, source, "tie_word_embeddings", False), bias=False, **fields)
 
 
@@ -234,7 +238,7 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32, token_
               "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps, "hidden_act": "silu",
               "rope_theta": c.rope_theta,
               "rope_parameters": {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_theta}}
-        if c.arch in ("llama", "qwen3", "granite"):
+        if c.arch in ("llama", "qwen3", "granite", "olmo2"):
             hf["attention_bias"] = c.has_bias("qkv")
         if c.arch in ("llama", "granite"):
             hf["mlp_bias"] = c.has_bias("mlp")
@@ -296,6 +300,9 @@ _BLOCK = {
         "mlp.gate_proj": "mlp.gate_proj", "mlp.up_proj": "mlp.up_proj", "mlp.down_proj": "mlp.down_proj",
         "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}),
 }
+# OLMo 2 normalises the sublayers' outputs; its post_attention_layernorm is the attention's output norm.
+_BLOCK["olmo2"] = {**{k: v for k, v in _BLOCK["llama"].items() if k not in ("attn_norm", "mlp_norm")},
+                   "attn_out_norm": "post_attention_layernorm", "mlp_out_norm": "post_feedforward_layernorm"}
 _OLD_BUFFERS = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)"
                           r"|model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 

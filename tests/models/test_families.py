@@ -1,13 +1,13 @@
 """The newer families under the ZeRO-3 runtime: the two with parameters of new kinds (Qwen2's q/k/v
 biases without o_proj / MLP biases, Qwen3's per-head q/k norms); the rest are RoPE and mask changes
-inside a forward the runtime does not see. Then the families of issue 37 (Granite, ...) against
+inside a forward the runtime does not see. Then the families of issue 37 (Granite, OLMo 2, ...) against
 transformers' own classes: logits both ways, LoRA, greedy generation."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GraniteConfig
+from transformers import AutoModelForCausalLM, GraniteConfig, Olmo2Config
 
-from models.config import ModelConfig
+from models.config import ModelConfig, num_params
 from models.generate import generate
 from models.hf import load_hf_checkpoint, save_hf_checkpoint
 from models.lora import apply_lora, merge_lora
@@ -97,6 +97,8 @@ NEW_FAMILIES = {
     # every multiplier away from 1 (attention_multiplier from 1 / sqrt(head_dim)), biases on
     "granite": lambda: GraniteConfig(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1,
                                      logits_scaling=3.0, attention_bias=True, mlp_bias=True, **SMALL),
+    # norms after attention and MLP only, q/k norms over all heads (of width 4 x 32 and 2 x 32 here)
+    "olmo2": lambda: Olmo2Config(head_dim=32, attention_bias=True, **SMALL),
 }
 MAX_DIFF = 1e-5  # fp32, both ways
 
@@ -129,6 +131,7 @@ def test_new_family_logits_match_transformers(kind, tmp_path):
     hf.save_pretrained(tmp_path)
     model = load_hf_checkpoint(tmp_path).eval()
     assert model.config.arch == hf.config.model_type
+    assert num_params(model.config) == sum(p.numel() for p in hf.parameters())
     tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert _max_diff(model(tokens), hf(tokens).logits) <= MAX_DIFF
