@@ -1,7 +1,7 @@
 """Fine-tune a Hugging Face GPT-2 / OPT / LLaMA / Qwen / Mistral checkpoint on an SFT data set (Alpaca or HH).
 
     python finetune.py --config configs/finetune_alpaca.yaml --finetune.hf_checkpoint path/to/hf_model
-    torchrun --nproc-per-node 4 finetune.py --config configs/finetune_alpaca_lora.yaml \\
+    torchrun --nproc-per-node 4 finetune.py --config configs/finetune_alpaca_lora_zeropp.yaml \\
         --finetune.hf_checkpoint path/to/hf_model --zero_optimization.ranks_per_node 2
     python finetune.py --config configs/finetune_alpaca.yaml --finetune.hf_checkpoint ... --resume latest
 

@@ -278,9 +278,9 @@ class StageCheckpoint:
 
 def open_log(cfg: RLHFConfig, stage: str, steps: int, env: DistEnv, start_step: int) -> MetricsLogger:
     """The trainer's logger (log line, tqdm, TensorBoard, metrics.jsonl) under <out_dir>/<stage>."""
-    section = TrainSection(steps=steps, out_dir=str(cfg.stage_dir(stage)), tensorboard=cfg.train.tensorboard,
-                           progress_bar=cfg.train.progress_bar)
-    return MetricsLogger(section, env.is_main, start_step=start_step)
+    shared = {f.name: getattr(cfg.train, f.name) for f in dataclasses.fields(cfg.train)}  # loggers included
+    section = TrainSection(**{**shared, "steps": steps, "out_dir": str(cfg.stage_dir(stage))})
+    return MetricsLogger(section, env.is_main, start_step=start_step, config=cfg)
 
 
 def tokenizer_of(path: str | Path) -> Tokenizer:

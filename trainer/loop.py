@@ -562,7 +562,8 @@ class _TrainerStage(Stage):
         return {"step": tr.step, "consumed_samples": tr.consumed_samples, "skipped": tr.nonfinite.skipped}
 
     def open_log(self, step: int) -> MetricsLogger:
-        self.log = MetricsLogger(self.trainer.cfg.train, self.trainer.env.is_main, start_step=step)
+        self.log = MetricsLogger(self.trainer.cfg.train, self.trainer.env.is_main, start_step=step,
+                                 config=self.trainer.cfg)
         return self.log
 
     def start(self, log: MetricsLogger, step: int) -> None:

@@ -800,7 +800,7 @@ if __name__ == "__main__":
 # `--lora`: a llama3.2-1b-shaped Hugging Face checkpoint (random bf16 weights from transformers, 128256-token
 # vocabulary, tied, Llama 3 RoPE scaling) with a byte-level BPE tokenizer trained here on the Alpaca records,
 # LoRA-fine-tuned for 3 steps on --ranks ranks (2 per node) under ZeRO++ with the frozen weights held as int8
-# codes (configs/finetune_alpaca_lora.yaml), then consolidated to an HF directory and exported to GGUF Q8_0.
+# codes (configs/finetune_alpaca_lora_zeropp.yaml), then consolidated to an HF directory and exported to GGUF Q8_0.
 # The training peak per rank is the run's own line (VmHWM, with its prediction); each export's peak is its
 # process' maximum resident set (/usr/bin/time).
 
@@ -864,7 +864,7 @@ def lora_peaks(args, progress=print) -> dict:
     checkpoint_bytes = sum(p.stat().st_size for p in hf.glob("*.safetensors"))
     progress(f"M3: LoRA fine-tuning on {args.ranks} ranks")
     train = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
-             "finetune.py", "--config", "configs/finetune_alpaca_lora.yaml", "--finetune.hf_checkpoint", str(hf),
+             "finetune.py", "--config", "configs/finetune_alpaca_lora_zeropp.yaml", "--finetune.hf_checkpoint", str(hf),
              "--data.path", str(data), "--zero_optimization.ranks_per_node", "2", "--data.seq_len", str(args.seq),
              "--train.steps", "3", "--train.micro_batch_size", "1", "--train.grad_accum", "1",
              "--train.eval_interval", "3", "--train.eval_batches", "1", "--train.eval_at_start", "false",
