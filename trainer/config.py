@@ -199,8 +199,8 @@ class LoraSection:
 
 @dataclass
 class FinetuneSection:
-    # A Hugging Face model directory (config.json + safetensors; GPT-2, OPT, LLaMA, Qwen2/3 or
-    # Mistral). When set, the run fine-tunes it on the SFT data set at data.path (prompt tokens
+    # A Hugging Face model directory (config.json + safetensors; a family docs/models.md lists).
+    # When set, the run fine-tunes it on the SFT data set at data.path (prompt tokens
     # masked out of the loss) instead of pretraining model.preset; the tokenizer is the directory's
     # own unless data.tokenizer names another.
     hf_checkpoint: Annotated[str | None, InputPath()] = None
