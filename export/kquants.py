@@ -318,12 +318,13 @@ def kquant_tensor(name: str, weight: torch.Tensor, mix: str, n_layer: int, tied:
 def kquant_summary(path, grid=None) -> str:
     """One line on a K-quant GGUF file as written: its matrices by type, those that fell back (rows not whole
     super-blocks) and, for a qwZ grid=(bits, block_size), whether every matrix holds it exactly."""
-    mats = [(t.name, t.tensor_type, int(t.shape[0])) for t in GGUFReader(path).tensors
-            if len(t.shape) == 2 and t.tensor_type != T.F32]
+    tensors = [t for t in GGUFReader(path).tensors if len(t.shape) == 2 and t.tensor_type != T.F32]
+    mats = [(t.name, t.tensor_type, int(t.shape[0])) for t in tensors]
     counts = {}
     for _, qtype, _ in mats:
         counts[qtype.name] = counts.get(qtype.name, 0) + 1
-    line = ", ".join(f"{n} {name}" for name, n in sorted(counts.items()))
+    bpw = 8 * sum(int(t.n_bytes) for t in tensors) / sum(int(t.n_elements) for t in tensors)
+    line = ", ".join(f"{n} {name}" for name, n in sorted(counts.items())) + f" ({bpw:.2f} bits per weight)"
     fell = [f"{name} ({qtype.name})" for name, qtype, cols in mats if qtype not in KQUANTIZERS and cols % QK_K]
     if fell:
         line += f"; rows not a multiple of {QK_K}, fell back as llama.cpp does: {', '.join(fell)}"

@@ -261,7 +261,7 @@ def test_a_gguf_file_of_kquant_tensors_reads_back(grid, tmp_path):
         assert np.array_equal(gguf_dequantize(t.data, qtype).reshape(values.shape), values), name
     summary = kquant_summary(tmp_path / "m.gguf", grid)
     # down_proj: Q4_K (layer 0), Q6_K (layer 1); rows of 96: Q5_0, and Q8_0 for the head and layer 1's attn_v
-    assert summary.startswith("1 Q4_K, 12 Q5_0, 1 Q6_K, 2 Q8_0;"), summary
+    assert summary.startswith("1 Q4_K, 12 Q5_0, 1 Q6_K, 2 Q8_0 (5.66 bits per weight);"), summary
     assert "fell back as llama.cpp does: token_embd.weight (Q5_0), blk.0.attn_q.weight (Q5_0)" in summary
     assert ("exact: every matrix holds the 4-bit qwZ grid" in summary) == (grid is not None)
 
