@@ -37,7 +37,7 @@ PLAN_FILE = "tensor_parallel.json"  # in a checkpoint: the group size, each slic
 # forward alone lets a passing stall pick the plan); and the predicted gain a plan needs over all K = 1,
 # since differences below the profile's noise would make identical runs pick different plans.
 PROFILE_REPEATS = 3
-MIN_PREDICTED_GAIN = 0.05
+MIN_PREDICTED_GAIN = 0.10
 
 
 class TensorParallelRuntime(Runtime):
