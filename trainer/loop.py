@@ -656,8 +656,10 @@ class _TrainerStage(Stage):
     def finish(self, log: MetricsLogger) -> None:
         tr, t = self.trainer, self.trainer.cfg.train
         if tr.step_comm and tr.env.world_size > 1:
-            log.info(cross_node_report(tr.step_comm, tr.runtime.zero3_cross_node_bytes(t.grad_accum),
-                                       tr.cfg.zero_optimization.describe(),
+            tp = tr.cfg.tensor_parallel
+            runtime = tr.cfg.zero_optimization.describe() if tp.size == 1 else \
+                f"{tp.describe()} x {tr.cfg.zero_optimization.describe()}"
+            log.info(cross_node_report(tr.step_comm, tr.runtime.zero3_cross_node_bytes(t.grad_accum), runtime,
                                        tr.runtime.predicted_step_bytes(t.grad_accum)))
         self.result.peak_memory = tr.peak_memory_line(log)
 
