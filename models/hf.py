@@ -22,10 +22,10 @@ from models.streaming import LazyTensors, save_tensors
 from models.transformer import Transformer
 from models.weights import materialize
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "llama", "qwen2", "qwen3", "mistral", "granite", "olmo2")
+SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "llama", "qwen2", "qwen3", "mistral", "granite", "olmo2", "smollm3")
 # Families with LLaMA's layout and tensor names, and transformers' class-name stem of each.
 LLAMA_LIKE = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "granite": "Granite",
-              "olmo2": "Olmo2"}
+              "olmo2": "Olmo2", "smollm3": "SmolLM3"}
 # Score models (ModelConfig.num_labels > 0) are saved and loaded as these classes, with the head
 # as `score.weight` [num_labels, hidden] on the same base model (transformer. / model.decoder. / model.).
 # transformers has no GraniteForSequenceClassification.
@@ -118,51 +118,96 @@ def _rope_from_hf(hf: dict, source: str) -> tuple[float, dict | None]:
 
 
 def _layer_types(hf: dict, source: str, sliding: bool) -> None:
-    """Every layer must be of one kind: we do not mix sliding-window and full-attention layers."""
+    """Every layer must be of one kind (LLaMA, Mistral): they do not mix sliding-window and full-attention layers."""
     want = "sliding_attention" if sliding else "full_attention"
     types = hf.get("layer_types") or []
     if any(t != want for t in types):
         raise ValueError(f"{source}: layer_types={types!r} is not supported; every layer must be {want!r} "
-                         f"(layers with different attention spans are not implemented)")
+                         f"(transformers' {hf['model_type']} gives every layer the same attention span)")
+
+
+def _window(hf: dict, source: str) -> int | None:
+    window = hf.get("sliding_window")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
+        raise ValueError(f"{source}: sliding_window={window!r} must be a positive int or null")
+    return window
+
+
+def _rope_layers(hf: dict, source: str, n_layer: int) -> list[int]:
+    """SmolLM3's no_rope_layers (1: the layer has RoPE, 0: it has none), or transformers' default from
+    no_rope_layer_interval (every interval-th layer without RoPE)."""
+    flags = hf.get("no_rope_layers")
+    if flags is None:
+        interval = hf.get("no_rope_layer_interval", 4)
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise ValueError(f"{source}: no_rope_layer_interval={interval!r} must be a positive int")
+        flags = [int((i + 1) % interval != 0) for i in range(n_layer)]
+    if not isinstance(flags, list) or len(flags) != n_layer or any(f not in (0, 1) for f in flags):
+        raise ValueError(f"{source}: no_rope_layers={flags!r} must be a list of {n_layer} flags, 1 for a layer "
+                         f"with RoPE and 0 for one without")
+    return flags
+
+
+def _sliding_layers(hf: dict, source: str, n_layer: int, rope_layers: list[int]) -> tuple[int | None, list[int]]:
+    """(window, the layers it applies to) of Qwen2, Qwen3 and SmolLM3, as transformers 5 builds them: layer_types
+    when given, else Qwen2 / Qwen3 slide from layer max_window_layers on, SmolLM3 on its layers without RoPE, both
+    only with use_sliding_window (Qwen2 / Qwen3 also drop sliding_window without it)."""
+    use = _flag(hf, source, "use_sliding_window", False)
+    window = _window(hf, source)
+    qwen = hf["model_type"] in ("qwen2", "qwen3")
+    if qwen and not use:
+        window = None
+    types = hf.get("layer_types")
+    if types is None:
+        start = hf.get("max_window_layers", 28)
+        types = ["sliding_attention" if window is not None and use and (i >= start if qwen else not rope_layers[i])
+                 else "full_attention" for i in range(n_layer)]
+    kinds = ("full_attention", "sliding_attention")
+    if not isinstance(types, list) or len(types) != n_layer or any(t not in kinds for t in types):
+        raise ValueError(f"{source}: layer_types={types!r} is not supported; expected a list of {n_layer} of {kinds}")
+    layers = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if layers and window is None:
+        raise ValueError(f"{source}: layer_types={types!r} has sliding_attention layers but no window "
+                         f"(sliding_window={hf.get('sliding_window')!r}, use_sliding_window={use!r})")
+    return (window, layers) if layers else (None, None)
 
 
 def _llama_from_hf(hf: dict, source: str) -> dict:
     """LLaMA and its descendants, which share its tensor layout: Qwen2 (q/k/v bias), Qwen3 (q/k norms), Mistral,
-    Granite (multipliers), OLMo 2 (norms on the sublayers' outputs, q/k norms over all heads)."""
+    Granite (multipliers), OLMo 2 (norms on the sublayers' outputs, q/k norms over all heads), SmolLM3 (layers
+    without RoPE). Qwen2, Qwen3 and SmolLM3 may slide a window over some layers, Mistral over all."""
     model_type = hf["model_type"]
     _require(hf, source, "hidden_act", "silu", ("silu",))
     theta, rope_scaling = _rope_from_hf(hf, source)
     d_model, n_head = _get(hf, source, "hidden_size"), _get(hf, source, "num_attention_heads")
     head_dim = hf.get("head_dim") or (128 if model_type == "qwen3" else None)  # Qwen3Config's default
+    n_layer = _get(hf, source, "num_hidden_layers")
     fields = dict(qkv_bias=None, o_bias=None, mlp_bias=None, sliding_window=None)
-    if model_type in ("llama", "qwen3", "granite", "olmo2"):
+    if model_type in ("llama", "qwen3", "granite", "olmo2", "smollm3"):
         fields["qkv_bias"] = fields["o_bias"] = _flag(hf, source, "attention_bias", False)
     if model_type == "olmo2":  # no pre-norms; q_norm / k_norm over the whole projections
         fields.update(pre_norm=False, output_norm=True, qk_norm_per_head=False)
-    if model_type in ("llama", "granite"):
+    if model_type in ("llama", "granite", "smollm3"):
         fields["mlp_bias"] = _flag(hf, source, "mlp_bias", False)
     if model_type == "granite":  # GraniteConfig's defaults are 1.0, attention_multiplier's too (not 1 / sqrt(d))
         fields.update({key: hf.get(key, 1.0) for key in GRANITE_MULTIPLIERS})
     if model_type == "qwen2":
         fields["qkv_bias"] = True  # transformers' Qwen2 hard-codes biases on q/k/v, none on o_proj or the MLP
-    if model_type in ("qwen2", "qwen3"):
-        if _flag(hf, source, "use_sliding_window", False):
-            raise ValueError(f"{source}: use_sliding_window=True is not supported for {model_type} (its window covers "
-                             f"only the layers from max_window_layers on); supported: False")
-        _layer_types(hf, source, sliding=False)
-    if model_type == "mistral":
-        window = hf.get("sliding_window")
-        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
-            raise ValueError(f"{source}: sliding_window={window!r} must be a positive int or null")
-        fields["sliding_window"] = window
-        _layer_types(hf, source, sliding=window is not None)
-    return dict(n_layer=_get(hf, source, "num_hidden_layers"), n_head=n_head,
+    rope_layers = _rope_layers(hf, source, n_layer) if model_type == "smollm3" else [1] * n_layer
+    fields["layers_without_rope"] = [i for i, flag in enumerate(rope_layers) if not flag]
+    if model_type in ("qwen2", "qwen3", "smollm3"):
+        fields["sliding_window"], fields["sliding_window_layers"] = _sliding_layers(hf, source, n_layer, rope_layers)
+    else:
+        if model_type == "mistral":
+            fields["sliding_window"] = _window(hf, source)
+        _layer_types(hf, source, sliding=fields["sliding_window"] is not None)
+    return dict(n_layer=n_layer, n_head=n_head,
                 n_kv_head=hf.get("num_key_value_heads"), d_model=d_model, explicit_head_dim=head_dim,
                 d_ff=_get(hf, source, "intermediate_size"), max_seq_len=_get(hf, source, "max_position_embeddings"),
                 norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-5 if model_type == "olmo2" else 1e-6),
                 activation="swiglu", positions="rope", rope_theta=theta, rope_scaling=rope_scaling,
                 qk_norm=model_type in ("qwen3", "olmo2"),
-                tie_embeddings=_flag(hf, source, "tie_word_embeddings", False), bias=False, **fields)
+                tie_embeddings=_flag(hf, source, "tie_word_embeddings", model_type == "smollm3"), bias=False, **fields)
 
 
 _FROM_HF = {"gpt2": _gpt2_from_hf, "opt": _opt_from_hf, **dict.fromkeys(LLAMA_LIKE, _llama_from_hf)}
@@ -238,15 +283,22 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32, token_
               "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps, "hidden_act": "silu",
               "rope_theta": c.rope_theta,
               "rope_parameters": {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_theta}}
-        if c.arch in ("llama", "qwen3", "granite", "olmo2"):
+        if c.arch in ("llama", "qwen3", "granite", "olmo2", "smollm3"):
             hf["attention_bias"] = c.has_bias("qkv")
-        if c.arch in ("llama", "granite"):
+        if c.arch in ("llama", "granite", "smollm3"):
             hf["mlp_bias"] = c.has_bias("mlp")
         if c.arch == "granite":
             hf.update({key: getattr(c, key) for key in GRANITE_MULTIPLIERS},
                       attention_multiplier=c.attention_multiplier or c.head_dim ** -0.5)
-        if c.arch in ("qwen2", "qwen3"):
-            hf.update(use_sliding_window=False, sliding_window=None, layer_types=["full_attention"] * c.n_layer)
+        if c.arch in ("qwen2", "qwen3", "smollm3"):  # layer_types says which layers slide, whatever the rest says
+            hf.update(use_sliding_window=c.sliding_window is not None, sliding_window=c.sliding_window,
+                      layer_types=["full_attention" if c.layer_window(i) is None else "sliding_attention"
+                                   for i in range(c.n_layer)])
+        sliding = [i for i in range(c.n_layer) if c.layer_window(i) is not None]
+        if c.arch in ("qwen2", "qwen3") and sliding and sliding == list(range(sliding[0], c.n_layer)):
+            hf["max_window_layers"] = sliding[0]  # the same layers for a reader without layer_types
+        if c.arch == "smollm3":
+            hf["no_rope_layers"] = [int(c.layer_has_rope(i)) for i in range(c.n_layer)]
         if c.arch == "mistral":
             hf["sliding_window"] = c.sliding_window
     hf.update(token_ids or {})

@@ -1,11 +1,12 @@
 """The newer families under the ZeRO-3 runtime: the two with parameters of new kinds (Qwen2's q/k/v
 biases without o_proj / MLP biases, Qwen3's per-head q/k norms); the rest are RoPE and mask changes
-inside a forward the runtime does not see. Then the families of issue 37 (Granite, OLMo 2, ...) against
-transformers' own classes: logits both ways, LoRA, greedy generation."""
+inside a forward the runtime does not see. Then the families of issue 37 (Granite, OLMo 2, SmolLM3,
+Qwen2 / Qwen3 with windowed layers, ...) against transformers' own classes: logits both ways, LoRA,
+greedy generation."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GraniteConfig, Olmo2Config
+from transformers import AutoModelForCausalLM, GraniteConfig, Olmo2Config, Qwen2Config, Qwen3Config, SmolLM3Config
 
 from models.config import ModelConfig, num_params
 from models.generate import generate
@@ -91,14 +92,25 @@ def test_zero3_trains_the_new_families_like_one_process():
 
 # --- the families of issue 37: parity with transformers' own classes, both ways, LoRA, generation ------------
 
+TOKEN_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)  # saved too: SmolLM3's default pad is 128004
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+             num_key_value_heads=2, max_position_embeddings=64, **TOKEN_IDS)
+WINDOW = 5  # shorter than the test sequences
 NEW_FAMILIES = {
     # every multiplier away from 1 (attention_multiplier from 1 / sqrt(head_dim)), biases on
     "granite": lambda: GraniteConfig(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1,
                                      logits_scaling=3.0, attention_bias=True, mlp_bias=True, **SMALL),
     # norms after attention and MLP only, q/k norms over all heads (of width 4 x 32 and 2 x 32 here)
     "olmo2": lambda: Olmo2Config(head_dim=32, attention_bias=True, **SMALL),
+    # 4 layers, every 2nd without RoPE; the window on those (use_sliding_window) and shorter than the sequences
+    "smollm3": lambda: SmolLM3Config(**{**SMALL, "num_hidden_layers": 4}, no_rope_layer_interval=2,
+                                     use_sliding_window=True, sliding_window=WINDOW, attention_bias=True),
+    # the window on the layers from max_window_layers on (transformers 5's reading of use_sliding_window)
+    "qwen2-window": lambda: Qwen2Config(**{**SMALL, "num_hidden_layers": 3}, use_sliding_window=True,
+                                        sliding_window=WINDOW, max_window_layers=1),
+    "qwen3-window": lambda: Qwen3Config(**{**SMALL, "num_hidden_layers": 3}, head_dim=32, use_sliding_window=True,
+                                        sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention",
+                                                                            "sliding_attention"]),
 }
 MAX_DIFF = 1e-5  # fp32, both ways
 
@@ -146,7 +158,7 @@ def test_new_family_logits_match_transformers(kind, tmp_path):
 def test_new_family_saves_what_transformers_loads(kind, tmp_path):
     make_new_family(kind, seed=1).save_pretrained(tmp_path / "src")
     model = load_hf_checkpoint(tmp_path / "src").eval()
-    save_hf_checkpoint(model, tmp_path / "out")
+    save_hf_checkpoint(model, tmp_path / "out", token_ids=TOKEN_IDS)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert type(hf).__name__ == type(make_new_family(kind)).__name__
     tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -177,11 +189,12 @@ def test_new_family_lora_trains_and_merges_into_what_transformers_loads(kind, tm
     model.eval()
     with torch.no_grad():
         adapted = model(sample)
-        merge_lora(model)
-    save_hf_checkpoint(model, tmp_path / "out")
+        merged = merge_lora(model)(sample)
+    assert _max_diff(merged, adapted) <= 1e-4  # W + B A * alpha / r rounded to fp32: not the same sums
+    save_hf_checkpoint(model, tmp_path / "out", token_ids=TOKEN_IDS)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
-        assert _max_diff(hf(sample).logits, adapted) <= MAX_DIFF
+        assert _max_diff(hf(sample).logits, merged) <= MAX_DIFF
 
 
 @pytest.mark.parametrize("kind", NEW_FAMILIES)

@@ -231,7 +231,9 @@ def test_unsupported_model_type(tmp_path):
     ("llama-gqa", "rope_scaling", {"rope_type": "longrope", "factor": 8.0}),
     ("llama-gqa", "rope_scaling", {"rope_type": "llama3", "factor": 8.0}),  # low/high_freq_factor missing
     ("llama-gqa", "partial_rotary_factor", 0.5),
-    ("qwen2", "use_sliding_window", True),
+    ("qwen2", "layer_types", ["full_attention", "sliding_attention"]),  # sliding layers without a window
+    ("qwen2", "layer_types", ["full_attention", "chunked_attention"]),
+    ("qwen2", "sliding_window", -4),
     ("mistral", "layer_types", ["full_attention", "sliding_attention"]),
     ("llama-gqa", "hidden_act", "gelu"),
     ("gpt2", "activation_function", "gelu"),
@@ -451,3 +453,62 @@ def test_llama_bias_flags_each_on_its_own(hf_checkpoint, tmp_path):
     save_hf_checkpoint(model, tmp_path / "out")
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (config["attention_bias"], config["mlp_bias"]) == (True, False)
+
+
+# --- the families of issue 37 (parity: tests/models/test_families.py) ------------------------
+
+
+@pytest.mark.parametrize("config, key, value", [
+    (dict(model_type="smollm3", num_hidden_layers=2), "no_rope_layers", [1, 0, 1]),
+    (dict(model_type="smollm3", num_hidden_layers=2), "no_rope_layer_interval", 0),
+    (dict(model_type="qwen3", num_hidden_layers=2, use_sliding_window=True, sliding_window=8), "layer_types",
+     ["sliding_attention"]),
+    (dict(model_type="qwen3-moe", num_hidden_layers=2), "model_type", "qwen3_moe"),
+    (dict(model_type="gemma2", num_hidden_layers=2), "model_type", "gemma2"),
+])
+def test_issue_37_refusals_name_the_key_and_value(config, key, value):
+    hf = {**dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                 max_position_embeddings=64), **config, key: value}
+    with pytest.raises(ValueError, match=re.escape(f"cfg.json: {key}={value!r}")):
+        config_from_hf(hf, "cfg.json")
+
+
+def test_windowed_layers_and_layers_without_rope_read_as_transformers_5_builds_them():
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                max_position_embeddings=64, num_hidden_layers=4)
+    qwen2 = dict(base, model_type="qwen2", sliding_window=8, max_window_layers=2)
+    assert config_from_hf(qwen2, "x").sliding_window is None  # use_sliding_window false: transformers drops it
+    config = config_from_hf(dict(qwen2, use_sliding_window=True), "x")
+    assert (config.sliding_window, config.sliding_window_layers) == (8, [2, 3])
+    assert [config.layer_window(i) for i in range(4)] == [None, None, 8, 8]
+    assert config_from_hf(dict(qwen2, use_sliding_window=True, max_window_layers=0), "x").sliding_window_layers is None
+    smol = dict(base, model_type="smollm3", no_rope_layer_interval=2, sliding_window=8)
+    config = config_from_hf(smol, "x")
+    assert (config.layers_without_rope, config.sliding_window) == ([1, 3], None)
+    assert [config.layer_has_rope(i) for i in range(4)] == [True, False, True, False]
+    config = config_from_hf(dict(smol, use_sliding_window=True), "x")
+    assert config.sliding_window_layers == [1, 3]  # the window on the layers without RoPE
+    for config in (config, config_from_hf(dict(qwen2, use_sliding_window=True), "x")):
+        assert config_from_hf(config_to_hf(config), "y") == config
+
+
+@pytest.mark.parametrize("arch, fields", [
+    ("llama", dict(embedding_multiplier=2.0)),
+    ("qwen3", dict(qk_norm_per_head=False)),
+    ("mistral", dict(sliding_window_layers=[1])),
+    ("qwen2", dict(layers_without_rope=[0])),
+    ("llama", dict(pre_norm=False, output_norm=True)),
+])
+def test_config_to_hf_refuses_what_the_family_has_not(arch, fields):
+    preset = {"llama": "llama-tiny", "qwen2": "qwen2-tiny", "qwen3": "qwen3-tiny", "mistral": "mistral-tiny"}[arch]
+    config = ModelConfig.from_preset(preset, vocab_size=VOCAB, **fields)
+    with pytest.raises(ValueError, match=f"cannot be written as a Hugging Face {arch} config.*{next(iter(fields))}"):
+        config_to_hf(config)
+
+
+def test_granite_score_model_is_refused_on_save():
+    config = config_from_hf(dict(model_type="granite", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                                 num_attention_heads=4, max_position_embeddings=64, num_hidden_layers=2), "x")
+    score = ModelConfig(**{**vars(config), "num_labels": 1})
+    with pytest.raises(ValueError, match="arch='granite'.*no sequence-classification class"):
+        config_to_hf(score, token_ids={"pad_token_id": 0})
