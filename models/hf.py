@@ -63,6 +63,9 @@ def _flag(hf: dict, source: str, key: str, default: bool) -> bool:
 
 
 _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+# hidden_act of the LLaMA-like families -> ModelConfig.gate_activation (gelu_new: GELU's tanh form, computed
+# differently, within 1e-6).
+_GATE_ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 # Granite's config keys, which are ModelConfig's field names.
 GRANITE_MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 
@@ -177,7 +180,7 @@ def _llama_from_hf(hf: dict, source: str) -> dict:
     Granite (multipliers), OLMo 2 (norms on the sublayers' outputs, q/k norms over all heads), SmolLM3 (layers
     without RoPE). Qwen2, Qwen3 and SmolLM3 may slide a window over some layers, Mistral over all."""
     model_type = hf["model_type"]
-    _require(hf, source, "hidden_act", "silu", ("silu",))
+    act = _require(hf, source, "hidden_act", "silu", tuple(_GATE_ACTIVATIONS))
     theta, rope_scaling = _rope_from_hf(hf, source)
     d_model, n_head = _get(hf, source, "hidden_size"), _get(hf, source, "num_attention_heads")
     head_dim = hf.get("head_dim") or (128 if model_type == "qwen3" else None)  # Qwen3Config's default
@@ -205,7 +208,8 @@ def _llama_from_hf(hf: dict, source: str) -> dict:
                 n_kv_head=hf.get("num_key_value_heads"), d_model=d_model, explicit_head_dim=head_dim,
                 d_ff=_get(hf, source, "intermediate_size"), max_seq_len=_get(hf, source, "max_position_embeddings"),
                 norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-5 if model_type == "olmo2" else 1e-6),
-                activation="swiglu", positions="rope", rope_theta=theta, rope_scaling=rope_scaling,
+                activation="swiglu", gate_activation=_GATE_ACTIVATIONS[act], positions="rope", rope_theta=theta,
+                rope_scaling=rope_scaling,
                 qk_norm=model_type in ("qwen3", "olmo2"),
                 tie_embeddings=_flag(hf, source, "tie_word_embeddings", model_type == "smollm3"), bias=False, **fields)
 
@@ -280,7 +284,8 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32, token_
         hf = {"architectures": [f"{LLAMA_LIKE[c.arch]}ForCausalLM"], "model_type": c.arch, "vocab_size": c.vocab_size,
               "hidden_size": c.d_model, "intermediate_size": c.d_ff, "num_hidden_layers": c.n_layer,
               "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_head, "head_dim": c.head_dim,
-              "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps, "hidden_act": "silu",
+              "max_position_embeddings": c.max_seq_len, "rms_norm_eps": c.norm_eps,
+              "hidden_act": {"gelu_tanh": "gelu_pytorch_tanh"}.get(c.gate_activation, c.gate_activation),
               "rope_theta": c.rope_theta,
               "rope_parameters": {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_theta}}
         if c.arch in ("llama", "qwen3", "granite", "olmo2", "smollm3"):

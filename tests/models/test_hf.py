@@ -235,7 +235,7 @@ def test_unsupported_model_type(tmp_path):
     ("qwen2", "layer_types", ["full_attention", "chunked_attention"]),
     ("qwen2", "sliding_window", -4),
     ("mistral", "layer_types", ["full_attention", "sliding_attention"]),
-    ("llama-gqa", "hidden_act", "gelu"),
+    ("llama-gqa", "hidden_act", "quick_gelu"),
     ("gpt2", "activation_function", "gelu"),
     ("opt", "do_layer_norm_before", "yes"),
 ])
