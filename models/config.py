@@ -1,15 +1,15 @@
 """Model configuration: one dataclass describes GPT-2, OPT, LLaMA (1-3), Qwen2/2.5, Qwen3, Mistral, Granite,
-OLMo 2 and SmolLM3.
+OLMo 2, SmolLM3 and Gemma 2.
 
 The families differ only in a handful of switches (norm type and placement, activation, position scheme,
 RoPE scaling and the layers without RoPE, biases, q/k norms, sliding window and its layers, Granite's
-multipliers, tying), so a single decoder implementation driven by `ModelConfig` covers all of them.
+multipliers, Gemma's soft-capping, tying), so a single decoder implementation driven by `ModelConfig` covers all of them.
 """
 
 import dataclasses
 from dataclasses import dataclass
 
-ARCHS = ("gpt2", "opt", "llama", "qwen2", "qwen3", "mistral", "granite", "olmo2", "smollm3")
+ARCHS = ("gpt2", "opt", "llama", "qwen2", "qwen3", "mistral", "granite", "olmo2", "smollm3", "gemma2")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu_tanh", "relu", "swiglu")
 GATE_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")  # on gate_proj of the gated MLP: SwiGLU, GeGLU (erf or tanh GELU)
@@ -40,6 +40,7 @@ class ModelConfig:
     max_seq_len: int
     norm: str  # "layernorm" | "rmsnorm"
     norm_eps: float
+    norm_unit_offset: bool = False  # the RMSNorms scale by 1 + weight, in fp32, their weights starting at 0 (Gemma)
     activation: str  # "gelu_tanh" | "relu" | "swiglu" (the gated MLP: gate_proj, up_proj, down_proj)
     gate_activation: str = "silu"  # the gated MLP's activation (GATE_ACTIVATIONS); "silu" where it has none
     positions: str  # "learned" | "rope"
@@ -71,6 +72,9 @@ class ModelConfig:
     residual_multiplier: float = 1.0  # each sublayer's output is multiplied by it before the residual add
     attention_multiplier: float | None = None  # the attention scores' scale; None: 1 / sqrt(head_dim)
     logits_scaling: float = 1.0  # the LM head's logits are divided by it
+    # Gemma 2: scores and the LM head's logits squashed into (-cap, cap) by cap * tanh(x / cap); None: not capped.
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     # 0: LM head over the vocabulary. n > 0: a scoring head (reward / value model) of n outputs
     # per token, never tied to the token embedding, whatever tie_embeddings says.
     num_labels: int = 0
@@ -97,7 +101,8 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"ModelConfig.{name}={value!r} must be a positive int")
-        for name in ("tie_embeddings", "bias", "pre_norm", "output_norm", "qk_norm", "qk_norm_per_head"):
+        for name in ("tie_embeddings", "bias", "pre_norm", "output_norm", "qk_norm", "qk_norm_per_head",
+                     "norm_unit_offset"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} must be a bool")
         for name in ("qkv_bias", "o_bias", "mlp_bias"):
@@ -107,11 +112,15 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"ModelConfig.{name}={value!r} must be a positive int or None")
-        for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+        for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
+                     "attn_logit_softcapping", "final_logit_softcapping"):
             value = getattr(self, name)
-            if not (value is None and name == "attention_multiplier") and (
+            if not (value is None and name in ("attention_multiplier", "attn_logit_softcapping",
+                                               "final_logit_softcapping")) and (
                     not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf")):
                 raise ValueError(f"ModelConfig.{name}={value!r} must be a positive number")
+        if self.norm_unit_offset and self.norm != "rmsnorm":
+            raise ValueError(f"ModelConfig.norm_unit_offset=True needs norm='rmsnorm', not {self.norm!r}")
         if self.gate_activation != "silu" and self.activation != "swiglu":
             raise ValueError(f"ModelConfig.gate_activation={self.gate_activation!r} needs the gated MLP "
                              f"(activation='swiglu'), not activation={self.activation!r}")

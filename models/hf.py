@@ -22,10 +22,10 @@ from models.streaming import LazyTensors, save_tensors
 from models.transformer import Transformer
 from models.weights import materialize
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "llama", "qwen2", "qwen3", "mistral", "granite", "olmo2", "smollm3")
+SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "llama", "qwen2", "qwen3", "mistral", "granite", "olmo2", "smollm3", "gemma2")
 # Families with LLaMA's layout and tensor names, and transformers' class-name stem of each.
 LLAMA_LIKE = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "granite": "Granite",
-              "olmo2": "Olmo2", "smollm3": "SmolLM3"}
+              "olmo2": "Olmo2", "smollm3": "SmolLM3", "gemma2": "Gemma2"}
 # Score models (ModelConfig.num_labels > 0) are saved and loaded as these classes, with the head
 # as `score.weight` [num_labels, hidden] on the same base model (transformer. / model.decoder. / model.).
 # transformers has no GraniteForSequenceClassification.
@@ -152,9 +152,10 @@ def _rope_layers(hf: dict, source: str, n_layer: int) -> list[int]:
 
 
 def _sliding_layers(hf: dict, source: str, n_layer: int, rope_layers: list[int]) -> tuple[int | None, list[int]]:
-    """(window, the layers it applies to) of Qwen2, Qwen3 and SmolLM3, as transformers 5 builds them: layer_types
-    when given, else Qwen2 / Qwen3 slide from layer max_window_layers on, SmolLM3 on its layers without RoPE, both
-    only with use_sliding_window (Qwen2 / Qwen3 also drop sliding_window without it)."""
+    """(window, the layers it applies to) of Qwen2, Qwen3, SmolLM3 and Gemma 2, as transformers 5 builds them:
+    layer_types when given, else Gemma 2 slides on every other layer (0, 2, ...), Qwen2 / Qwen3 from layer
+    max_window_layers on, SmolLM3 on its layers without RoPE, these two only with use_sliding_window
+    (Qwen2 / Qwen3 also drop sliding_window without it)."""
     use = _flag(hf, source, "use_sliding_window", False)
     window = _window(hf, source)
     qwen = hf["model_type"] in ("qwen2", "qwen3")
@@ -163,8 +164,11 @@ def _sliding_layers(hf: dict, source: str, n_layer: int, rope_layers: list[int])
     types = hf.get("layer_types")
     if types is None:
         start = hf.get("max_window_layers", 28)
-        types = ["sliding_attention" if window is not None and use and (i >= start if qwen else not rope_layers[i])
-                 else "full_attention" for i in range(n_layer)]
+        if hf["model_type"] == "gemma2":
+            types = ["full_attention" if i % 2 else "sliding_attention" for i in range(n_layer)]
+        else:
+            types = ["sliding_attention" if window is not None and use and (i >= start if qwen else not rope_layers[i])
+                     else "full_attention" for i in range(n_layer)]
     kinds = ("full_attention", "sliding_attention")
     if not isinstance(types, list) or len(types) != n_layer or any(t not in kinds for t in types):
         raise ValueError(f"{source}: layer_types={types!r} is not supported; expected a list of {n_layer} of {kinds}")
@@ -178,16 +182,25 @@ def _sliding_layers(hf: dict, source: str, n_layer: int, rope_layers: list[int])
 def _llama_from_hf(hf: dict, source: str) -> dict:
     """LLaMA and its descendants, which share its tensor layout: Qwen2 (q/k/v bias), Qwen3 (q/k norms), Mistral,
     Granite (multipliers), OLMo 2 (norms on the sublayers' outputs, q/k norms over all heads), SmolLM3 (layers
-    without RoPE). Qwen2, Qwen3 and SmolLM3 may slide a window over some layers, Mistral over all."""
+    without RoPE), Gemma 2 (offset norms before and after each sublayer, soft-capping, scaled embeddings).
+    Qwen2, Qwen3, SmolLM3 and Gemma 2 may slide a window over some layers, Mistral over all."""
     model_type = hf["model_type"]
-    act = _require(hf, source, "hidden_act", "silu", tuple(_GATE_ACTIVATIONS))
+    gemma = model_type == "gemma2"
+    act = _require(hf, source, "hidden_activation" if gemma else "hidden_act", "gelu_pytorch_tanh" if gemma else "silu",
+                   tuple(_GATE_ACTIVATIONS))
     theta, rope_scaling = _rope_from_hf(hf, source)
     d_model, n_head = _get(hf, source, "hidden_size"), _get(hf, source, "num_attention_heads")
-    head_dim = hf.get("head_dim") or (128 if model_type == "qwen3" else None)  # Qwen3Config's default
+    head_dim = hf.get("head_dim") or {"qwen3": 128, "gemma2": 256}.get(model_type)  # their config classes' defaults
     n_layer = _get(hf, source, "num_hidden_layers")
     fields = dict(qkv_bias=None, o_bias=None, mlp_bias=None, sliding_window=None)
-    if model_type in ("llama", "qwen3", "granite", "olmo2", "smollm3"):
+    if model_type in ("llama", "qwen3", "granite", "olmo2", "smollm3", "gemma2"):
         fields["qkv_bias"] = fields["o_bias"] = _flag(hf, source, "attention_bias", False)
+    if gemma:
+        _require(hf, source, "use_bidirectional_attention", None, (None, False))
+        fields.update(output_norm=True, norm_unit_offset=True, embedding_multiplier=d_model ** 0.5,
+                      attention_multiplier=hf.get("query_pre_attn_scalar", 256) ** -0.5,
+                      attn_logit_softcapping=hf.get("attn_logit_softcapping", 50.0),
+                      final_logit_softcapping=hf.get("final_logit_softcapping", 30.0))
     if model_type == "olmo2":  # no pre-norms; q_norm / k_norm over the whole projections
         fields.update(pre_norm=False, output_norm=True, qk_norm_per_head=False)
     if model_type in ("llama", "granite", "smollm3"):
@@ -198,7 +211,7 @@ def _llama_from_hf(hf: dict, source: str) -> dict:
         fields["qkv_bias"] = True  # transformers' Qwen2 hard-codes biases on q/k/v, none on o_proj or the MLP
     rope_layers = _rope_layers(hf, source, n_layer) if model_type == "smollm3" else [1] * n_layer
     fields["layers_without_rope"] = [i for i, flag in enumerate(rope_layers) if not flag]
-    if model_type in ("qwen2", "qwen3", "smollm3"):
+    if model_type in ("qwen2", "qwen3", "smollm3", "gemma2"):
         fields["sliding_window"], fields["sliding_window_layers"] = _sliding_layers(hf, source, n_layer, rope_layers)
     else:
         if model_type == "mistral":
@@ -211,7 +224,8 @@ def _llama_from_hf(hf: dict, source: str) -> dict:
                 activation="swiglu", gate_activation=_GATE_ACTIVATIONS[act], positions="rope", rope_theta=theta,
                 rope_scaling=rope_scaling,
                 qk_norm=model_type in ("qwen3", "olmo2"),
-                tie_embeddings=_flag(hf, source, "tie_word_embeddings", model_type == "smollm3"), bias=False, **fields)
+                tie_embeddings=_flag(hf, source, "tie_word_embeddings", model_type in ("smollm3", "gemma2")), bias=False,
+                **fields)
 
 
 _FROM_HF = {"gpt2": _gpt2_from_hf, "opt": _opt_from_hf, **dict.fromkeys(LLAMA_LIKE, _llama_from_hf)}
@@ -288,14 +302,19 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32, token_
               "hidden_act": {"gelu_tanh": "gelu_pytorch_tanh"}.get(c.gate_activation, c.gate_activation),
               "rope_theta": c.rope_theta,
               "rope_parameters": {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_theta}}
-        if c.arch in ("llama", "qwen3", "granite", "olmo2", "smollm3"):
+        if c.arch in ("llama", "qwen3", "granite", "olmo2", "smollm3", "gemma2"):
             hf["attention_bias"] = c.has_bias("qkv")
+        if c.arch == "gemma2":
+            scalar = round(c.attention_multiplier ** -2, 6) if c.attention_multiplier else c.head_dim
+            hf.update(hidden_activation=hf.pop("hidden_act"), query_pre_attn_scalar=int(scalar) if scalar % 1 == 0
+                      else scalar, attn_logit_softcapping=c.attn_logit_softcapping,
+                      final_logit_softcapping=c.final_logit_softcapping)
         if c.arch in ("llama", "granite", "smollm3"):
             hf["mlp_bias"] = c.has_bias("mlp")
         if c.arch == "granite":
             hf.update({key: getattr(c, key) for key in GRANITE_MULTIPLIERS},
                       attention_multiplier=c.attention_multiplier or c.head_dim ** -0.5)
-        if c.arch in ("qwen2", "qwen3", "smollm3"):  # layer_types says which layers slide, whatever the rest says
+        if c.arch in ("qwen2", "qwen3", "smollm3", "gemma2"):  # layer_types says which layers slide, whatever else
             hf.update(use_sliding_window=c.sliding_window is not None, sliding_window=c.sliding_window,
                       layer_types=["full_attention" if c.layer_window(i) is None else "sliding_attention"
                                    for i in range(c.n_layer)])
@@ -360,6 +379,8 @@ _BLOCK = {
 # OLMo 2 normalises the sublayers' outputs; its post_attention_layernorm is the attention's output norm.
 _BLOCK["olmo2"] = {**{k: v for k, v in _BLOCK["llama"].items() if k not in ("attn_norm", "mlp_norm")},
                    "attn_out_norm": "post_attention_layernorm", "mlp_out_norm": "post_feedforward_layernorm"}
+# Gemma 2 normalises both the sublayers' inputs and their outputs.
+_BLOCK["gemma2"] = {**_BLOCK["olmo2"], "attn_norm": "input_layernorm", "mlp_norm": "pre_feedforward_layernorm"}
 _OLD_BUFFERS = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)"
                           r"|model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 

@@ -1,4 +1,4 @@
-"""A decoder-only Transformer that is GPT-2, OPT, LLaMA, Qwen2/3, Mistral, Granite, OLMo 2 or SmolLM3
+"""A decoder-only Transformer that is GPT-2, OPT, LLaMA, Qwen2/3, Mistral, Granite, OLMo 2, SmolLM3 or Gemma 2
 depending on its ModelConfig.
 
 Top-level units are `embed`, `blocks[i]`, `norm`, `project_out` and `head`, so
@@ -40,23 +40,26 @@ class KVCache:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 and cast back before the weight, exactly like HF LLaMA."""
+    """RMSNorm computed in fp32 and cast back before the weight, exactly like HF LLaMA. With unit_offset
+    (Gemma) the scale is 1 + weight, applied in fp32 before the cast, and the weight starts at 0."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.unit_offset = eps, unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
 
-def make_norm(config: ModelConfig) -> nn.Module:
+def make_norm(config: ModelConfig, dim: int | None = None) -> nn.Module:
     if config.norm == "rmsnorm":
-        return RMSNorm(config.d_model, config.norm_eps)
-    return nn.LayerNorm(config.d_model, eps=config.norm_eps)
+        return RMSNorm(dim or config.d_model, config.norm_eps, config.norm_unit_offset)
+    return nn.LayerNorm(dim or config.d_model, eps=config.norm_eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, device=None,
@@ -174,8 +177,9 @@ class Attention(nn.Module):
         # projection, all heads together (OLMo 2).
         self.qk_norm_per_head = config.qk_norm_per_head
         q_width, k_width = (config.head_dim, config.head_dim) if config.qk_norm_per_head else (q_dim, kv_dim)
-        self.q_norm = RMSNorm(q_width, config.norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(k_width, config.norm_eps) if config.qk_norm else None
+        self.q_norm = make_norm(config, q_width) if config.qk_norm else None
+        self.k_norm = make_norm(config, k_width) if config.qk_norm else None
+        self.softcap = config.attn_logit_softcapping  # Gemma 2
 
     def forward(self, x, rope=None, mask=None, kv_cache=None):
         B, T, _ = x.shape
@@ -192,9 +196,25 @@ class Attention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)
         # No mask means plain causal attention over this chunk (training, or a cache-less prefill).
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
-                                           enable_gqa=self.n_kv_head != self.n_head)
+        if self.softcap is None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                                               enable_gqa=self.n_kv_head != self.n_head)
+        else:
+            y = softcapped_attention(q, k, v, mask, self.scale, self.softcap)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def softcapped_attention(q, k, v, mask, scale: float | None, cap: float) -> torch.Tensor:
+    """Attention whose scores are squashed by cap * tanh(score / cap) before the softmax (Gemma 2). SDPA cannot
+    do that, so it is spelled out as transformers' eager attention: fp32 softmax, cast back to q's dtype."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-2, -1)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / cap) * cap
+    if mask is None:  # causal over this chunk, no cache
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 class MLP(nn.Module):
@@ -339,7 +359,7 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_parameter(self, name: str, out: torch.Tensor) -> None:
         """Fill `out` with the initial values of parameter `name`: GPT-2's init, N(0, 0.02), the residual
-        output projections N(0, 0.02 / sqrt(2 n_layer)), norms one, biases zero; LoRA's A like nn.Linear
+        output projections N(0, 0.02 / sqrt(2 n_layer)), norms one (Gemma's 1 + weight zero), biases zero; LoRA's A like nn.Linear
         (kaiming uniform), B zero.
 
         The values come from a generator seeded by (init_seed, name) and are drawn on the CPU, so a
@@ -351,7 +371,7 @@ class Transformer(nn.Module):
         module_name, leaf = name.rsplit(".", 1)
         module = self.get_submodule(module_name) if not leaf.startswith("lora_") else None
         if isinstance(module, (nn.LayerNorm, RMSNorm)) or leaf == "bias":
-            out.fill_(1.0 if leaf == "weight" else 0.0)
+            out.fill_(1.0 if leaf == "weight" and not getattr(module, "unit_offset", False) else 0.0)
             return
         if leaf == "lora_B":
             out.zero_()
@@ -397,8 +417,12 @@ class Transformer(nn.Module):
         if self.project_out is not None:
             x = self.project_out(x)
         logits = self.head(x)
-        if self.config.logits_scaling != 1.0 and not self.config.num_labels:  # Granite
-            logits = logits / self.config.logits_scaling
+        if not self.config.num_labels:  # an LM head's
+            if self.config.logits_scaling != 1.0:  # Granite
+                logits = logits / self.config.logits_scaling
+            if self.config.final_logit_softcapping is not None:  # Gemma 2
+                cap = self.config.final_logit_softcapping
+                logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
     @staticmethod

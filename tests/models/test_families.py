@@ -1,13 +1,13 @@
 """The newer families under the ZeRO-3 runtime: the two with parameters of new kinds (Qwen2's q/k/v
 biases without o_proj / MLP biases, Qwen3's per-head q/k norms); the rest are RoPE and mask changes
 inside a forward the runtime does not see. Then the families of issue 37 (Granite, OLMo 2, SmolLM3,
-Qwen2 / Qwen3 with windowed layers, GeGLU MLPs) against transformers' own classes: logits both ways, LoRA,
+Qwen2 / Qwen3 with windowed layers, GeGLU MLPs, Gemma 2) against transformers' own classes: logits both ways, LoRA,
 greedy generation."""
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, GraniteConfig, LlamaConfig, MistralConfig, Olmo2Config, Qwen2Config,
-                          Qwen3Config, SmolLM3Config)
+from transformers import (AutoModelForCausalLM, Gemma2Config, GraniteConfig, LlamaConfig, MistralConfig, Olmo2Config,
+                          Qwen2Config, Qwen3Config, SmolLM3Config)
 
 from models.config import ModelConfig, num_params
 from models.generate import generate
@@ -115,6 +115,10 @@ NEW_FAMILIES = {
     # GeGLU MLPs: GELU's tanh form (as Gemma's) and the exact one
     "llama-gelu": lambda: LlamaConfig(hidden_act="gelu_pytorch_tanh", **SMALL),
     "mistral-gelu": lambda: MistralConfig(hidden_act="gelu", sliding_window=None, **SMALL),
+    # offset norms before and after each sublayer, caps low enough to bite, the window on layers 0 and 2
+    "gemma2": lambda: Gemma2Config(**{**SMALL, "num_hidden_layers": 3}, head_dim=32, query_pre_attn_scalar=24,
+                                   sliding_window=WINDOW, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                                   attention_bias=True),
 }
 MAX_DIFF = 1e-5  # fp32, both ways
 

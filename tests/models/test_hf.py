@@ -464,7 +464,11 @@ def test_llama_bias_flags_each_on_its_own(hf_checkpoint, tmp_path):
     (dict(model_type="qwen3", num_hidden_layers=2, use_sliding_window=True, sliding_window=8), "layer_types",
      ["sliding_attention"]),
     (dict(model_type="qwen3-moe", num_hidden_layers=2), "model_type", "qwen3_moe"),
-    (dict(model_type="gemma2", num_hidden_layers=2), "model_type", "gemma2"),
+    (dict(model_type="gemma3_text", num_hidden_layers=2), "model_type", "gemma3_text"),
+    (dict(model_type="phi3", num_hidden_layers=2), "model_type", "phi3"),
+    (dict(model_type="gemma2", num_hidden_layers=2, sliding_window=None), "layer_types",
+     ["sliding_attention", "full_attention"]),
+    (dict(model_type="gemma2", num_hidden_layers=2), "use_bidirectional_attention", True),
 ])
 def test_issue_37_refusals_name_the_key_and_value(config, key, value):
     hf = {**dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4,
