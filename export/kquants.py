@@ -59,47 +59,51 @@ def _scale_min_search(x: np.ndarray, w: np.ndarray, nmax: int = 15, rmin: float 
                       nstep: int = 20) -> tuple[np.ndarray, np.ndarray]:
     """ggml's make_qkx2_quants over the last axis: the (scale, min) with x ~ scale * q - min, q in 0..nmax,
     of least weighted squared error among min-max rounding and nstep + 1 stretched grids, each refit by
-    weighted least squares (min kept >= 0, i.e. the offset never above 0).
+    weighted least squares (min kept >= 0, i.e. the offset never above 0). As in ggml, each grid starts
+    from the best offset so far, so the steps run in order; all sub-blocks go through each step at once.
 
-    Codes are rounded in fp32 as ggml rounds them; the sums are fp64 and each candidate's error comes from
-    them in closed form (ggml sums the squared errors in fp32), which halves the passes over the data."""
+    Codes are rounded in fp32 and the kept scale and offset are fp32, as in ggml; the sums are fp64 and
+    each candidate's error comes from them in closed form (ggml sums the squared errors in fp32), which
+    halves the passes over the data."""
     lo, hi = np.minimum(x.min(-1), 0), x.max(-1)
-    span = hi - lo
-    flat = span == 0
-    span = np.where(flat, 1, span)
-    above = x - lo[..., None]
+    flat = hi == lo
     x64, w64 = x.astype(np.float64), w.astype(np.float64)
     wx = w64 * x64
     sum_w, sum_x, sum_x2 = w64.sum(-1), wx.sum(-1), (wx * x64).sum(-1)
 
-    def sums(iscale):
-        q = np.clip(_rint(iscale[..., None] * above), 0, nmax).astype(np.float64)
+    def sums(stretch, offset):
+        span = hi - offset
+        valid = span > 0
+        iscale = stretch / np.where(valid, span, 1)
+        q = np.clip(_rint(iscale[..., None] * (x - offset[..., None])), 0, nmax).astype(np.float64)
         wq = w64 * q
-        return wq.sum(-1), np.einsum("...i,...i->...", wq, q), np.einsum("...i,...i->...", wx, q)
+        return valid, wq.sum(-1), np.einsum("...i,...i->...", wq, q), np.einsum("...i,...i->...", wx, q), iscale
 
     def error(scale, offset, sum_l, sum_l2, sum_xl):
+        scale, offset = scale.astype(np.float64), offset.astype(np.float64)
         return (scale * scale * sum_l2 + offset * offset * sum_w + sum_x2
                 + 2 * (scale * offset * sum_l - scale * sum_xl - offset * sum_x))
 
-    iscale = np.float32(nmax) / span
-    scale, offset = (1 / iscale).astype(np.float64), lo.astype(np.float64)
-    best = error(scale, offset, *sums(iscale))
+    _, *first, iscale = sums(np.float32(nmax), lo)
+    scale, offset = np.where(flat, 0, 1 / np.where(flat, 1, iscale)).astype(np.float32), lo
+    best = error(scale, offset, *first)
     for step in range(nstep + 1):
-        sum_l, sum_l2, sum_xl = sums((np.float32(rmin) + np.float32(rdelta) * np.float32(step) + np.float32(nmax))
-                                     / span)  # the stretched grid's inverse scale in fp32, as ggml computes it
+        # the stretched grid's nmax in fp32, as ggml computes it
+        stretch = np.float32(rmin) + np.float32(rdelta) * np.float32(step) + np.float32(nmax)
+        valid, sum_l, sum_l2, sum_xl, _ = sums(stretch, offset)
         det = sum_w * sum_l2 - sum_l * sum_l
-        ok = det > 0
+        ok = valid & (det > 0) & ~flat
         det = np.where(ok, det, 1)
         this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
         this_offset = (sum_l2 * sum_x - sum_l * sum_xl) / det
         positive = this_offset > 0  # an offset above 0: refit the scale alone with offset 0
-        this_offset = np.where(positive, 0, this_offset)
-        this_scale = np.where(positive, sum_xl / np.where(sum_l2 > 0, sum_l2, 1), this_scale)
+        this_offset = np.where(positive, 0, this_offset).astype(np.float32)
+        this_scale = np.where(positive, sum_xl / np.where(sum_l2 > 0, sum_l2, 1), this_scale).astype(np.float32)
         err = error(this_scale, this_offset, sum_l, sum_l2, sum_xl)
         better = ok & (err < best)
         scale, offset, best = (np.where(better, a, b) for a, b in ((this_scale, scale), (this_offset, offset),
                                                                   (err, best)))
-    return np.where(flat, 0, scale).astype(np.float32), (-np.where(flat, lo, offset)).astype(np.float32)
+    return scale, -offset
 
 
 def _pack_q4_k(d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, m: np.ndarray, q: np.ndarray) -> np.ndarray:
