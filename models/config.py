@@ -1,15 +1,16 @@
 """Model configuration: one dataclass describes GPT-2, OPT, LLaMA (1-3), Qwen2/2.5, Qwen3, Mistral, Granite,
-OLMo 2, SmolLM3 and Gemma 2.
+OLMo 2, SmolLM3, Gemma 2 and Gemma 3 (text).
 
 The families differ only in a handful of switches (norm type and placement, activation, position scheme,
 RoPE scaling and the layers without RoPE, biases, q/k norms, sliding window and its layers, Granite's
-multipliers, Gemma's soft-capping, tying), so a single decoder implementation driven by `ModelConfig` covers all of them.
+multipliers, Gemma's soft-capping, tying), so a single decoder implementation driven by `ModelConfig` covers
+all of them.
 """
 
 import dataclasses
 from dataclasses import dataclass
 
-ARCHS = ("gpt2", "opt", "llama", "qwen2", "qwen3", "mistral", "granite", "olmo2", "smollm3", "gemma2")
+ARCHS = ("gpt2", "opt", "llama", "qwen2", "qwen3", "mistral", "granite", "olmo2", "smollm3", "gemma2", "gemma3_text")
 NORMS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu_tanh", "relu", "swiglu")
 GATE_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")  # on gate_proj of the gated MLP: SwiGLU, GeGLU (erf or tanh GELU)
@@ -64,6 +65,9 @@ class ModelConfig:
     # The layers (indices) the window applies to; None: every layer (Mistral). Kept None when it is all of them.
     sliding_window_layers: list[int] | None = None
     layers_without_rope: list[int] | None = None  # layers whose attention has no RoPE (SmolLM3); None: none
+    # The windowed layers' RoPE base, unscaled, where it is not rope_theta / rope_scaling's (Gemma 3's local layers);
+    # None: every layer has the same RoPE. Kept None where no layer has a window or it is the same.
+    sliding_rope_theta: float | None = None
     word_embed_proj_dim: int | None = None  # OPT: token embedding width when != d_model
     pre_norm: bool = True  # a norm on each sublayer's input. False with output_norm False: post-LN blocks (OPT-350m)
     output_norm: bool = False  # a norm on each sublayer's output, before the residual add (OLMo 2, without pre_norm)
@@ -113,10 +117,10 @@ class ModelConfig:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"ModelConfig.{name}={value!r} must be a positive int or None")
         for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
-                     "attn_logit_softcapping", "final_logit_softcapping"):
+                     "attn_logit_softcapping", "final_logit_softcapping", "sliding_rope_theta"):
             value = getattr(self, name)
             if not (value is None and name in ("attention_multiplier", "attn_logit_softcapping",
-                                               "final_logit_softcapping")) and (
+                                               "final_logit_softcapping", "sliding_rope_theta")) and (
                     not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf")):
                 raise ValueError(f"ModelConfig.{name}={value!r} must be a positive number")
         if self.norm_unit_offset and self.norm != "rmsnorm":
@@ -125,6 +129,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.gate_activation={self.gate_activation!r} needs the gated MLP "
                              f"(activation='swiglu'), not activation={self.activation!r}")
         self._canonical_layers()
+        if self.sliding_window is None or (self.sliding_rope_theta == self.rope_theta and self.rope_scaling is None):
+            self.sliding_rope_theta = None
         if self.explicit_head_dim is None and self.d_model % self.n_head:
             raise ValueError(f"ModelConfig.d_model={self.d_model} must be divisible by n_head={self.n_head} "
                              f"(or set explicit_head_dim)")

@@ -22,16 +22,17 @@ from models.streaming import LazyTensors, save_tensors
 from models.transformer import Transformer
 from models.weights import materialize
 
-SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "llama", "qwen2", "qwen3", "mistral", "granite", "olmo2", "smollm3", "gemma2")
+SUPPORTED_MODEL_TYPES = ("gpt2", "opt", "llama", "qwen2", "qwen3", "mistral", "granite", "olmo2", "smollm3", "gemma2",
+                         "gemma3_text")
 # Families with LLaMA's layout and tensor names, and transformers' class-name stem of each.
 LLAMA_LIKE = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "granite": "Granite",
-              "olmo2": "Olmo2", "smollm3": "SmolLM3", "gemma2": "Gemma2"}
+              "olmo2": "Olmo2", "smollm3": "SmolLM3", "gemma2": "Gemma2", "gemma3_text": "Gemma3"}
 # Score models (ModelConfig.num_labels > 0) are saved and loaded as these classes, with the head
 # as `score.weight` [num_labels, hidden] on the same base model (transformer. / model.decoder. / model.).
-# transformers has no GraniteForSequenceClassification.
+# transformers has no GraniteForSequenceClassification; Gemma 3's text-only one is Gemma3TextForSequenceClassification.
 SCORE_CLASSES = {"gpt2": "GPT2ForSequenceClassification", "opt": "OPTForSequenceClassification",
                  **{arch: f"{stem}ForSequenceClassification" for arch, stem in LLAMA_LIKE.items()
-                    if arch != "granite"}}
+                    if arch != "granite"}, "gemma3_text": "Gemma3TextForSequenceClassification"}
 # A tokenizer directory as transformers' save_pretrained writes it (the chat template in chat_template.jinja,
 # older ones in tokenizer_config.json or chat_template.json, named extras in additional_chat_templates/),
 # and generation_config.json (its EOS ids and sampling defaults): data/tokenizer.py saves them together.
@@ -120,6 +121,23 @@ def _rope_from_hf(hf: dict, source: str) -> tuple[float, dict | None]:
     return theta, {"rope_type": kind, **{k: v for k, v in rope.items() if v is not None}}
 
 
+def _gemma3_rope_from_hf(hf: dict, source: str) -> tuple[float, dict | None, float]:
+    """(rope_theta, rope_scaling) of Gemma 3's full-attention layers and the RoPE base of its windowed ones, from
+    rope_parameters per layer type (transformers 5) or rope_theta, rope_scaling and rope_local_base_freq, with
+    Gemma3TextConfig's defaults (1e6 and 1e4). The windowed layers' RoPE must be unscaled."""
+    params = hf.get("rope_parameters") or {}
+    full = {"rope_type": "default", **(params.get("full_attention") or {}), **(hf.get("rope_scaling") or {})}
+    full.setdefault("rope_theta", hf.get("rope_theta", 1e6))
+    local = {"rope_type": "default", **(params.get("sliding_attention") or {})}
+    local.setdefault("rope_theta", hf.get("rope_local_base_freq", 1e4))
+    theta, scaling = _rope_from_hf({**hf, "rope_parameters": full, "rope_scaling": None}, source)
+    local_theta, local_scaling = _rope_from_hf({**hf, "rope_parameters": local, "rope_scaling": None}, source)
+    if local_scaling is not None:
+        raise ValueError(f"{source}: rope_parameters['sliding_attention']={local!r} is not supported; the windowed "
+                         f"layers' RoPE must be unscaled (rope_type 'default')")
+    return theta, scaling, local_theta
+
+
 def _layer_types(hf: dict, source: str, sliding: bool) -> None:
     """Every layer must be of one kind (LLaMA, Mistral): they do not mix sliding-window and full-attention layers."""
     want = "sliding_attention" if sliding else "full_attention"
@@ -152,8 +170,9 @@ def _rope_layers(hf: dict, source: str, n_layer: int) -> list[int]:
 
 
 def _sliding_layers(hf: dict, source: str, n_layer: int, rope_layers: list[int]) -> tuple[int | None, list[int]]:
-    """(window, the layers it applies to) of Qwen2, Qwen3, SmolLM3 and Gemma 2, as transformers 5 builds them:
-    layer_types when given, else Gemma 2 slides on every other layer (0, 2, ...), Qwen2 / Qwen3 from layer
+    """(window, the layers it applies to) of Qwen2, Qwen3, SmolLM3 and Gemma 2 / 3, as transformers 5 builds them:
+    layer_types when given, else Gemma 2 slides on every other layer (0, 2, ...), Gemma 3 on all but every
+    sliding_window_pattern-th (6), Qwen2 / Qwen3 from layer
     max_window_layers on, SmolLM3 on its layers without RoPE, these two only with use_sliding_window
     (Qwen2 / Qwen3 also drop sliding_window without it)."""
     use = _flag(hf, source, "use_sliding_window", False)
@@ -164,8 +183,9 @@ def _sliding_layers(hf: dict, source: str, n_layer: int, rope_layers: list[int])
     types = hf.get("layer_types")
     if types is None:
         start = hf.get("max_window_layers", 28)
-        if hf["model_type"] == "gemma2":
-            types = ["full_attention" if i % 2 else "sliding_attention" for i in range(n_layer)]
+        if hf["model_type"] in ("gemma2", "gemma3_text"):
+            pattern = hf.get("sliding_window_pattern", 6) if hf["model_type"] == "gemma3_text" else 2
+            types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layer)]
         else:
             types = ["sliding_attention" if window is not None and use and (i >= start if qwen else not rope_layers[i])
                      else "full_attention" for i in range(n_layer)]
@@ -182,25 +202,32 @@ def _sliding_layers(hf: dict, source: str, n_layer: int, rope_layers: list[int])
 def _llama_from_hf(hf: dict, source: str) -> dict:
     """LLaMA and its descendants, which share its tensor layout: Qwen2 (q/k/v bias), Qwen3 (q/k norms), Mistral,
     Granite (multipliers), OLMo 2 (norms on the sublayers' outputs, q/k norms over all heads), SmolLM3 (layers
-    without RoPE), Gemma 2 (offset norms before and after each sublayer, soft-capping, scaled embeddings).
-    Qwen2, Qwen3, SmolLM3 and Gemma 2 may slide a window over some layers, Mistral over all."""
+    without RoPE), Gemma 2 (offset norms before and after each sublayer, soft-capping, scaled embeddings), Gemma 3
+    (Gemma 2 with per-head q/k norms, its own RoPE on the windowed layers, no caps by default). Qwen2, Qwen3, SmolLM3
+    and Gemma 2 / 3 may slide a window over some layers, Mistral over all."""
     model_type = hf["model_type"]
-    gemma = model_type == "gemma2"
+    gemma_types = ("gemma2", "gemma3_text")
+    gemma = model_type in gemma_types
     act = _require(hf, source, "hidden_activation" if gemma else "hidden_act", "gelu_pytorch_tanh" if gemma else "silu",
                    tuple(_GATE_ACTIVATIONS))
-    theta, rope_scaling = _rope_from_hf(hf, source)
+    if model_type == "gemma3_text":
+        theta, rope_scaling, local_theta = _gemma3_rope_from_hf(hf, source)
+    else:
+        (theta, rope_scaling), local_theta = _rope_from_hf(hf, source), None
     d_model, n_head = _get(hf, source, "hidden_size"), _get(hf, source, "num_attention_heads")
-    head_dim = hf.get("head_dim") or {"qwen3": 128, "gemma2": 256}.get(model_type)  # their config classes' defaults
+    head_dim = hf.get("head_dim") or {"qwen3": 128, "gemma2": 256, "gemma3_text": 256}.get(model_type)  # their defaults
     n_layer = _get(hf, source, "num_hidden_layers")
     fields = dict(qkv_bias=None, o_bias=None, mlp_bias=None, sliding_window=None)
-    if model_type in ("llama", "qwen3", "granite", "olmo2", "smollm3", "gemma2"):
+    if model_type in ("llama", "qwen3", "granite", "olmo2", "smollm3", "gemma2", "gemma3_text"):
         fields["qkv_bias"] = fields["o_bias"] = _flag(hf, source, "attention_bias", False)
     if gemma:
         _require(hf, source, "use_bidirectional_attention", None, (None, False))
+        caps = (50.0, 30.0) if model_type == "gemma2" else (None, None)  # the config classes' defaults
         fields.update(output_norm=True, norm_unit_offset=True, embedding_multiplier=d_model ** 0.5,
                       attention_multiplier=hf.get("query_pre_attn_scalar", 256) ** -0.5,
-                      attn_logit_softcapping=hf.get("attn_logit_softcapping", 50.0),
-                      final_logit_softcapping=hf.get("final_logit_softcapping", 30.0))
+                      attn_logit_softcapping=hf.get("attn_logit_softcapping", caps[0]),
+                      final_logit_softcapping=hf.get("final_logit_softcapping", caps[1]),
+                      sliding_rope_theta=local_theta)
     if model_type == "olmo2":  # no pre-norms; q_norm / k_norm over the whole projections
         fields.update(pre_norm=False, output_norm=True, qk_norm_per_head=False)
     if model_type in ("llama", "granite", "smollm3"):
@@ -211,7 +238,7 @@ def _llama_from_hf(hf: dict, source: str) -> dict:
         fields["qkv_bias"] = True  # transformers' Qwen2 hard-codes biases on q/k/v, none on o_proj or the MLP
     rope_layers = _rope_layers(hf, source, n_layer) if model_type == "smollm3" else [1] * n_layer
     fields["layers_without_rope"] = [i for i, flag in enumerate(rope_layers) if not flag]
-    if model_type in ("qwen2", "qwen3", "smollm3", "gemma2"):
+    if model_type in ("qwen2", "qwen3", "smollm3", "gemma2", "gemma3_text"):
         fields["sliding_window"], fields["sliding_window_layers"] = _sliding_layers(hf, source, n_layer, rope_layers)
     else:
         if model_type == "mistral":
@@ -222,9 +249,8 @@ def _llama_from_hf(hf: dict, source: str) -> dict:
                 d_ff=_get(hf, source, "intermediate_size"), max_seq_len=_get(hf, source, "max_position_embeddings"),
                 norm="rmsnorm", norm_eps=hf.get("rms_norm_eps", 1e-5 if model_type == "olmo2" else 1e-6),
                 activation="swiglu", gate_activation=_GATE_ACTIVATIONS[act], positions="rope", rope_theta=theta,
-                rope_scaling=rope_scaling,
-                qk_norm=model_type in ("qwen3", "olmo2"),
-                tie_embeddings=_flag(hf, source, "tie_word_embeddings", model_type in ("smollm3", "gemma2")), bias=False,
+                rope_scaling=rope_scaling, qk_norm=model_type in ("qwen3", "olmo2", "gemma3_text"), bias=False,
+                tie_embeddings=_flag(hf, source, "tie_word_embeddings", model_type in ("smollm3", *gemma_types)),
                 **fields)
 
 
@@ -302,9 +328,13 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32, token_
               "hidden_act": {"gelu_tanh": "gelu_pytorch_tanh"}.get(c.gate_activation, c.gate_activation),
               "rope_theta": c.rope_theta,
               "rope_parameters": {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_theta}}
-        if c.arch in ("llama", "qwen3", "granite", "olmo2", "smollm3", "gemma2"):
+        if c.arch in ("llama", "qwen3", "granite", "olmo2", "smollm3", "gemma2", "gemma3_text"):
             hf["attention_bias"] = c.has_bias("qkv")
-        if c.arch == "gemma2":
+        if c.arch == "gemma3_text":  # RoPE per layer type
+            hf.pop("rope_theta")
+            hf["rope_parameters"] = {"full_attention": hf["rope_parameters"], "sliding_attention": {
+                "rope_type": "default", "rope_theta": c.sliding_rope_theta or c.rope_theta}}
+        if c.arch in ("gemma2", "gemma3_text"):
             scalar = round(c.attention_multiplier ** -2, 6) if c.attention_multiplier else c.head_dim
             hf.update(hidden_activation=hf.pop("hidden_act"), query_pre_attn_scalar=int(scalar) if scalar % 1 == 0
                       else scalar, attn_logit_softcapping=c.attn_logit_softcapping,
@@ -314,7 +344,7 @@ def config_to_hf(config: ModelConfig, dtype: torch.dtype = torch.float32, token_
         if c.arch == "granite":
             hf.update({key: getattr(c, key) for key in GRANITE_MULTIPLIERS},
                       attention_multiplier=c.attention_multiplier or c.head_dim ** -0.5)
-        if c.arch in ("qwen2", "qwen3", "smollm3", "gemma2"):  # layer_types says which layers slide, whatever else
+        if c.arch in ("qwen2", "qwen3", "smollm3", "gemma2", "gemma3_text"):  # layer_types: which layers slide
             hf.update(use_sliding_window=c.sliding_window is not None, sliding_window=c.sliding_window,
                       layer_types=["full_attention" if c.layer_window(i) is None else "sliding_attention"
                                    for i in range(c.n_layer)])
@@ -381,6 +411,7 @@ _BLOCK["olmo2"] = {**{k: v for k, v in _BLOCK["llama"].items() if k not in ("att
                    "attn_out_norm": "post_attention_layernorm", "mlp_out_norm": "post_feedforward_layernorm"}
 # Gemma 2 normalises both the sublayers' inputs and their outputs.
 _BLOCK["gemma2"] = {**_BLOCK["olmo2"], "attn_norm": "input_layernorm", "mlp_norm": "pre_feedforward_layernorm"}
+_BLOCK["gemma3_text"] = _BLOCK["gemma2"]
 _OLD_BUFFERS = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)"
                           r"|model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 

@@ -1,5 +1,5 @@
-"""A decoder-only Transformer that is GPT-2, OPT, LLaMA, Qwen2/3, Mistral, Granite, OLMo 2, SmolLM3 or Gemma 2
-depending on its ModelConfig.
+"""A decoder-only Transformer that is GPT-2, OPT, LLaMA, Qwen2/3, Mistral, Granite, OLMo 2, SmolLM3, Gemma 2
+or Gemma 3 depending on its ModelConfig.
 
 Top-level units are `embed`, `blocks[i]`, `norm`, `project_out` and `head`, so
 that a sharding runtime can wrap them from outside by name.
@@ -359,8 +359,8 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_parameter(self, name: str, out: torch.Tensor) -> None:
         """Fill `out` with the initial values of parameter `name`: GPT-2's init, N(0, 0.02), the residual
-        output projections N(0, 0.02 / sqrt(2 n_layer)), norms one (Gemma's 1 + weight zero), biases zero; LoRA's A like nn.Linear
-        (kaiming uniform), B zero.
+        output projections N(0, 0.02 / sqrt(2 n_layer)), norms one (Gemma's, which scale by 1 + weight, zero),
+        biases zero; LoRA's A like nn.Linear (kaiming uniform), B zero.
 
         The values come from a generator seeded by (init_seed, name) and are drawn on the CPU, so a
         model gets the same weights on any device, any number of ranks and any sharding: a sharded
@@ -409,10 +409,14 @@ class Transformer(nn.Module):
         if self.config.positions == "rope":
             rope = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling,
                                 self.config.max_seq_len)
+        local_rope = rope  # the windowed layers' (Gemma 3: another base)
+        if self.config.sliding_rope_theta is not None:
+            local_rope = rope_cos_sin(position_ids, self.config.head_dim, self.config.sliding_rope_theta)
         windows = [self.config.layer_window(i) for i in range(len(self.blocks))]
         masks = {window: self._mask(attention_mask, T, past_len, tokens.device, window) for window in set(windows)}
         for i, block in enumerate(self.blocks):
-            x = block(x, rope if self.config.layer_has_rope(i) else None, masks[windows[i]], kv_cache)
+            layer_rope = None if not self.config.layer_has_rope(i) else rope if windows[i] is None else local_rope
+            x = block(x, layer_rope, masks[windows[i]], kv_cache)
         x = self.norm(x)
         if self.project_out is not None:
             x = self.project_out(x)

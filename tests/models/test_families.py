@@ -1,13 +1,13 @@
 """The newer families under the ZeRO-3 runtime: the two with parameters of new kinds (Qwen2's q/k/v
 biases without o_proj / MLP biases, Qwen3's per-head q/k norms); the rest are RoPE and mask changes
 inside a forward the runtime does not see. Then the families of issue 37 (Granite, OLMo 2, SmolLM3,
-Qwen2 / Qwen3 with windowed layers, GeGLU MLPs, Gemma 2) against transformers' own classes: logits both ways, LoRA,
+Qwen2 / Qwen3 with windowed layers, GeGLU MLPs, Gemma 2 / 3) against transformers' own classes: logits both ways, LoRA,
 greedy generation."""
 
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, Gemma2Config, GraniteConfig, LlamaConfig, MistralConfig, Olmo2Config,
-                          Qwen2Config, Qwen3Config, SmolLM3Config)
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig,
+                          MistralConfig, Olmo2Config, Qwen2Config, Qwen3Config, SmolLM3Config)
 
 from models.config import ModelConfig, num_params
 from models.generate import generate
@@ -119,6 +119,11 @@ NEW_FAMILIES = {
     "gemma2": lambda: Gemma2Config(**{**SMALL, "num_hidden_layers": 3}, head_dim=32, query_pre_attn_scalar=24,
                                    sliding_window=WINDOW, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
                                    attention_bias=True),
+    # q/k norms per head (1 + weight), windowed layers 0 and 1 with their own unscaled RoPE, layer 2 scaled
+    "gemma3": lambda: Gemma3TextConfig(**{**SMALL, "num_hidden_layers": 3}, head_dim=32, query_pre_attn_scalar=24,
+                                       sliding_window=WINDOW, sliding_window_pattern=3, rope_parameters={
+                                           "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                                           "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
 }
 MAX_DIFF = 1e-5  # fp32, both ways
 

@@ -464,7 +464,7 @@ def test_llama_bias_flags_each_on_its_own(hf_checkpoint, tmp_path):
     (dict(model_type="qwen3", num_hidden_layers=2, use_sliding_window=True, sliding_window=8), "layer_types",
      ["sliding_attention"]),
     (dict(model_type="qwen3-moe", num_hidden_layers=2), "model_type", "qwen3_moe"),
-    (dict(model_type="gemma3_text", num_hidden_layers=2), "model_type", "gemma3_text"),
+    (dict(model_type="gemma3", num_hidden_layers=2), "model_type", "gemma3"),  # the multimodal wrapper
     (dict(model_type="phi3", num_hidden_layers=2), "model_type", "phi3"),
     (dict(model_type="gemma2", num_hidden_layers=2, sliding_window=None), "layer_types",
      ["sliding_attention", "full_attention"]),
@@ -516,3 +516,32 @@ def test_granite_score_model_is_refused_on_save():
     score = ModelConfig(**{**vars(config), "num_labels": 1})
     with pytest.raises(ValueError, match="arch='granite'.*no sequence-classification class"):
         config_to_hf(score, token_ids={"pad_token_id": 0})
+
+
+GEMMA3_1B = """{"architectures": ["Gemma3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+    "attn_logit_softcapping": null, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": [1, 106],
+    "final_logit_softcapping": null, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152,
+    "initializer_range": 0.02, "intermediate_size": 6912, "max_position_embeddings": 32768,
+    "model_type": "gemma3_text", "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+    "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+    "rope_scaling": null, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+    "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0", "use_cache": true, "vocab_size": 262144}"""
+
+
+def test_gemma3_published_layout_parses_as_transformers_reads_it():
+    """The older config.json layout (rope_theta, rope_local_base_freq, sliding_window_pattern) of Gemma 3 1B, read
+    by us and by transformers' config class (whose to_dict is the per-layer-type layout) into the same model."""
+    from transformers import Gemma3TextConfig
+
+    hf = json.loads(GEMMA3_1B)
+    config = config_from_hf(hf, "gemma-3-1b/config.json")
+    assert config == config_from_hf(Gemma3TextConfig(**hf).to_dict(), "to_dict")
+    assert (config.rope_theta, config.sliding_rope_theta, config.sliding_window) == (1e6, 1e4, 512)
+    assert [config.layer_window(i) for i in range(7)] == [512] * 5 + [None, 512]
+    assert config_from_hf(config_to_hf(config), "x") == config
+    with torch.device("meta"):
+        ref = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config_to_hf(config)))
+    assert num_params(config) == sum(p.numel() for p in ref.parameters())
+    hf["rope_parameters"] = {"sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}
+    with pytest.raises(ValueError, match="rope_parameters\\['sliding_attention'\\]=.* must be unscaled"):
+        config_from_hf(hf, "cfg.json")
