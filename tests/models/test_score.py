@@ -255,5 +255,5 @@ def test_resume_treats_missing_model_config_keys_as_defaults(tmp_path):
         _resume_stub(tmp_path, old, dataclasses.replace(ours, num_labels=1))
     with pytest.raises(ConfigError, match=re.escape("(saved, ours): {'n_layer': (3, 2)}")):
         _resume_stub(tmp_path, {**old, "n_layer": 3}, ours)
-    with pytest.raises(ConfigError, match=re.escape("(saved, ours): {'future_field': (1, None)}")):
+    with pytest.raises(ConfigError, match=re.escape("(saved, ours): {'future_field': (1, '(absent)')}")):
         _resume_stub(tmp_path, {**old, "future_field": 1}, ours)
