@@ -426,6 +426,24 @@ def _check_gguf_config(config: ModelConfig) -> None:
                          f"(any rope_theta) and the 'llama3' and 'linear' scalings are")
     if config.num_labels:
         raise ValueError(f"GGUF export: a score model (num_labels={config.num_labels}) has no llama.cpp head")
+    # What the newer families switch on inside an architecture name GGUF knows: written as that
+    # architecture they would load in llama.cpp and compute something else, so they are refused.
+    unwritten = {"gate_activation": (config.gate_activation, "silu"),
+                 "sliding_window_layers": (config.sliding_window_layers, None),
+                 "layers_without_rope": (config.layers_without_rope, None),
+                 "qk_norm_per_head": (config.qk_norm_per_head, True),
+                 "output_norm": (config.output_norm, False), "norm_unit_offset": (config.norm_unit_offset, False),
+                 "embedding_multiplier": (config.embedding_multiplier, 1.0),
+                 "residual_multiplier": (config.residual_multiplier, 1.0),
+                 "attention_multiplier": (config.attention_multiplier, None),
+                 "logits_scaling": (config.logits_scaling, 1.0),
+                 "attn_logit_softcapping": (config.attn_logit_softcapping, None),
+                 "final_logit_softcapping": (config.final_logit_softcapping, None),
+                 "sliding_rope_theta": (config.sliding_rope_theta, None)}
+    for name, (value, plain) in unwritten.items():
+        if value != plain:
+            raise ValueError(f"GGUF export: ModelConfig.{name}={value!r} is not written to GGUF yet (llama.cpp's "
+                             f"{GGUF_ARCHS[config.arch].name.lower()} would compute without it); expected {plain!r}")
 
 
 def _gguf_parts(hf_name: str, t: torch.Tensor, config: ModelConfig) -> list[torch.Tensor]:

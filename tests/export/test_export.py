@@ -454,6 +454,12 @@ def test_gguf_refusals(model, tokenizer_dir, tmp_path):
          "rope_scaling=.*'yarn'.* is not written to GGUF yet; plain RoPE .* and the 'llama3' and 'linear' "
          "scalings are"),
         ("llama-tiny", {"num_labels": 1}, "a score model"),
+        # The newer families' switches inside an architecture GGUF knows (they would load and compute
+        # something else in llama.cpp): a GeGLU LLaMA, a Qwen2 windowed on some layers.
+        ("llama-tiny", {"gate_activation": "gelu_tanh"}, r"ModelConfig.gate_activation='gelu_tanh' is not written "
+                                                          r"to GGUF yet .*; expected 'silu'"),
+        ("qwen2-tiny", {"sliding_window": 8, "sliding_window_layers": [1]},
+         r"ModelConfig.sliding_window_layers=\[1\] is not written to GGUF yet"),
     ]
     for preset, overrides, message in refused:
         cfg = ModelConfig.from_preset(preset, vocab_size=VOCAB, **overrides)
