@@ -410,3 +410,17 @@ def test_a_resume_reuses_the_checkpoints_plan_and_continues_exactly(corpus, plan
     resumed, readings, lines = run_ranks(_trained, 2, args=(argv, {0: 1, 1: 1}))[0]
     assert readings == 0 and [p for p, _ in lines] == [plan] and "from checkpoint" in lines[0][1], lines
     assert sorted(resumed) == [3, 4] and all(resumed[s] == losses[s] for s in resumed), (resumed, losses)
+
+
+def test_models_tensor_parallelism_cannot_slice_are_refused_naming_why():
+    from zeropp.tensor_parallel.parallelize import check_sliceable
+    from zeropp.topology import TopologyError
+
+    with torch.device("meta"):
+        olmo2_like = Transformer(ModelConfig.from_preset("llama-tiny", qk_norm=True, qk_norm_per_head=False))
+        qwen3_like = Transformer(ModelConfig.from_preset("llama-tiny", qk_norm=True))
+    with pytest.raises(TopologyError, match="q/k RMSNorm .OLMo 2's. normalizes over all heads together"):
+        check_sliceable(olmo2_like, 2)
+    check_sliceable(qwen3_like, 2)  # per-head norms split with their heads
+    with pytest.raises(TopologyError, match="tensor_parallel.size=3 must divide the model's n_head=4"):
+        check_sliceable(qwen3_like, 3)

@@ -127,6 +127,9 @@ def check_sliceable(model: Transformer, size: int) -> None:
         if count % size:
             raise TopologyError(f"tensor_parallel.size={size} must divide the model's {name}={count}: attention is "
                                 f"split by whole (key/value) heads")
+    if model.config.qk_norm and not model.config.qk_norm_per_head:
+        raise TopologyError("tensor parallelism splits attention by heads, and this model's q/k RMSNorm (OLMo 2's) "
+                            "normalizes over all heads together: use tensor_parallel.size 1")
     for mod_name, module in model.named_modules():
         if type(module).__name__.startswith("LoRA"):
             raise TopologyError(f"tensor parallelism does not slice LoRA adapters ({mod_name}); use size 1 with LoRA")
