@@ -241,8 +241,19 @@ def _resumed_step(log: Path) -> int:
     return 0  # nothing to resume: a fresh start
 
 
+_REFERENCES: dict[tuple[str, Path], tuple] = {}
+
+
 def reference_run(layout: Layout, work: Path, cache: Path) -> tuple:
-    """(losses, final tensors, seconds from the first logged step to the end) of an uninterrupted run."""
+    """(losses, final tensors, seconds from the first logged step to the end) of an uninterrupted run,
+    made once per layout and work directory."""
+    key = (layout.name, work)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _reference_run(layout, work, cache)
+    return _REFERENCES[key]
+
+
+def _reference_run(layout: Layout, work: Path, cache: Path) -> tuple:
     out = work / f"{layout.name}-reference"
     proc = start(layout.command(out, cache), work / f"{out.name}.log")
     watch(proc, out, 1, layout)

@@ -789,4 +789,6 @@ def record_for_torchrun(line: str) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         with contextlib.suppress(OSError):
-            Path(path).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+            # torch's own record: the summary shows "py_callstack", here the one line, not a traceback
+            Path(path).write_text(json.dumps({"message": {"message": line, "extraInfo": {
+                "py_callstack": line, "timestamp": str(int(time.time()))}}}))
