@@ -177,13 +177,14 @@ def save_checkpoint(ckpt_root: str | Path, step: int, state: dict, optimizer: to
         write_tensors(tmp)
         if rank == 0:
             hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-            _write_json(tmp / "state.json", {**state, "step": step, "checkpoint_id": ident,
-                                             "optimizer_param_groups": hyper})
+            full = {**state, "step": step, "checkpoint_id": ident, "optimizer_param_groups": hyper}
+            _write_json(tmp / "state.json", full)
         barrier()
         mine = {f: _seal(tmp / f) for f in _files(tmp) if _owner(Path(f).name) == rank and f != "state.json"}
         sums = {f: v for part in all_gather_objects(mine) for f, v in part.items()}
         if rank == 0:
-            _write_json(tmp / CHECKSUMS, {"checkpoint_id": ident, "step": step, "files": sums})
+            _write_json(tmp / CHECKSUMS, {"checkpoint_id": ident, "step": step, "files": sums,
+                                          "state_sha256": state_digest(json.loads((tmp / "state.json").read_text()))})
             for directory in {(tmp / f).parent for f in sums} | {tmp}:
                 _fsync_dir(directory)
             _install(root, tmp, final)
@@ -268,6 +269,17 @@ def resolve_checkpoint(resume: str, out_dir: str | Path, say=None) -> Path | Non
     return path
 
 
+# state.json's keys people may edit (a tokenizer moved to another path): left out of its digest.
+EDITABLE_STATE_KEYS = ("tokenizer",)
+
+
+def state_digest(state: dict) -> str:
+    """SHA-256 of state.json's values but the editable ones, in a canonical form: a flipped bit
+    or an edit of anything else shows, a moved tokenizer does not."""
+    kept = {k: v for k, v in state.items() if k not in EDITABLE_STATE_KEYS}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
+
+
 def _checkpoint_id(path: Path) -> str | None:
     """state.json's checkpoint_id: None for a checkpoint of the format before checksums (a readable
     state.json without one), "" when state.json is missing or unreadable."""
@@ -309,6 +321,12 @@ def verify_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> None:
         if ident != record.get("checkpoint_id"):
             errors.append(f"state.json has checkpoint_id {ident!r}, {CHECKSUMS} {record.get('checkpoint_id')!r}: "
                           f"the files come from different saves")
+        try:
+            changed = _state_changed(json.loads((path / "state.json").read_text()), record)
+        except (OSError, ValueError) as e:
+            changed = f"state.json cannot be read: {e}"
+        if changed:
+            errors.append(changed)
         strays = [f for f in _files(path) if f not in files and f not in (CHECKSUMS, "state.json")]
         if strays:
             errors.append(f"{strays[:4]} are not part of this checkpoint (not in {CHECKSUMS})")
@@ -329,12 +347,30 @@ def verify_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> None:
         raise CheckpointError(f"checkpoint {path} fails verification against its {CHECKSUMS}: " + "; ".join(errors[:6]))
 
 
+def _state_changed(state: dict, record: dict) -> str | None:
+    """What is wrong with state.json against checksums.json's record of it (None: nothing; a
+    record without its digest, from before it existed: the checkpoint_id alone ties them)."""
+    if "state_sha256" in record and state_digest(state) != record["state_sha256"]:
+        return (f"state.json differs from what was saved (corrupted, or edited beyond "
+                f"{', '.join(EDITABLE_STATE_KEYS)}, the one key that may be)")
+    return None
+
+
 def read_state(path: Path) -> dict:
-    """The checkpoint's state.json: check it against the run before loading any tensor."""
+    """The checkpoint's state.json, checked against checksums.json's digest of it: the run is
+    checked against it before any tensor is loaded (and verified)."""
     try:
-        return json.loads((path / "state.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        state = json.loads((path / "state.json").read_text())
+    except (OSError, ValueError) as e:  # (a flipped bit can make it invalid UTF-8 as well as invalid JSON)
         raise CheckpointError(f"checkpoint {path}: state.json cannot be read: {e}") from None
+    try:
+        record = json.loads((path / CHECKSUMS).read_text())
+    except (OSError, ValueError):
+        return state  # verify_checkpoint, before any tensor is read, says what is wrong with it
+    changed = _state_changed(state, record) if isinstance(record, dict) else None
+    if changed:
+        raise CheckpointError(f"checkpoint {path} fails verification against its {CHECKSUMS}: {changed}")
+    return state
 
 
 def load_checkpoint(path: Path, optimizer: torch.optim.Optimizer, read_tensors, rank: int = 0) -> dict:

@@ -290,15 +290,28 @@ ZERO3 = ("--zero_optimization.stage", "3", "--zero_optimization.communication_da
 QWZ = ("--zero_optimization.zero_quantized_weights", "true", "--zero_optimization.zero_quantization_block_size", "256")
 
 
-def test_a_misspelt_key_in_state_json_is_named(corpus, reference, tmp_path):  # noqa: F811
-    """state.json is the one file people may edit (it is tied to the rest by its checkpoint_id, not
-    a checksum): a key the model config does not have, even one whose value is null (a bit flip in
-    "rope_scaling", as the chaos harness made), is named, not reported as an empty difference."""
+def test_state_json_is_verified_except_its_tokenizer_path(corpus, reference, tmp_path):  # noqa: F811
+    """A flipped bit in state.json that leaves valid JSON (a key name: the chaos harness made
+    "capturable" "capturabhe") used to load and train: state.json was tied to the rest by its
+    checkpoint_id alone. checksums.json now holds its digest, over every key but the tokenizer
+    path, the one edit people make (a moved tokenizer)."""
     out = resumed_copy(reference, tmp_path, ["step_00000008"])
-    state = out / "checkpoints" / "step_00000008" / "state.json"
-    state.write_text(state.read_text().replace('"rope_scaling"', '"rope_scalinf"'))
-    with pytest.raises(ConfigError, match=r"another model; \(saved, ours\): .*'rope_scalinf': \(None, '\(absent\)'\)"):
+    state_file = out / "checkpoints" / "step_00000008" / "state.json"
+    original = state_file.read_text()
+    state_file.write_text(original.replace('"capturable"', '"capturabhe"'))
+    with pytest.raises(CheckpointError, match="state.json differs from what was saved .corrupted, or edited beyond "
+                                              "tokenizer, the one key that may be."):
         Trainer(args(corpus, tmp_path, "run", "--resume", "auto", "--train.steps", "9"))
+    with pytest.raises(CheckpointError, match="state.json differs from what was saved"):
+        consolidated_model(state_file.parent)
+    state = json.loads(original)
+    moved = tmp_path / "moved" / Path(state["tokenizer"]).name
+    moved.parent.mkdir()
+    shutil.copy(state["tokenizer"], moved)
+    state_file.write_text(json.dumps({**state, "tokenizer": str(moved)}))
+    trainer = Trainer(args(corpus, tmp_path, "run", "--resume", "auto", "--train.steps", "9"))
+    assert trainer.step == 8
+    trainer.close()
 
 
 def test_a_foreign_manifest_is_an_error_for_resume_and_consolidation(corpus, tmp_path):  # noqa: F811
