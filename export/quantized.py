@@ -34,6 +34,7 @@ import gguf
 import numpy as np
 import torch
 from data.tokenizer import SentencePieceTokenizer, Tokenizer, load_tokenizer
+from export.kquants import KQUANT_MIXES, kquant_tensor, kquant_type
 from kernels import BITS, WEIGHT_SCALE_DTYPE, dequantize, num_blocks, on_grid, packed_bytes, quantize, unpack_codes
 from models.config import ModelConfig
 from models.hf import hf_weights, replace_output, staged_directory
@@ -44,6 +45,7 @@ LOWBIT_FORMAT, LOWBIT_VERSION = "zeropp-lowbit", 1
 LOWBIT_META, LOWBIT_WEIGHTS = "quantization.json", "model.safetensors"
 GGUF_QTYPES = {"Q8_0": 8, "Q4_0": 4}  # GGUF types that hold our codes as they are (one fp16 scale per 32)
 GGUF_BLOCK = 32  # elements per GGUF Q8_0 / Q4_0 block
+GGUF_MIXES = ("Q4_K_M", "Q4_K")  # K-quant mixes, quantized again (export/kquants.py; its all-Q6_K mix not yet here)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,27 +497,31 @@ def _rope_freqs(config: ModelConfig) -> np.ndarray | None:
 
 
 def export_gguf(weights, config: ModelConfig, out_path, qtype: str, tokenizer_dir, block_size: int = 256, *,
-                vectors_on_grid: bool = False) -> Path:
+                vectors_on_grid: bool = False, grid_bits: int | None = None) -> Path:
     """Write a llama.cpp GGUF file (llama, qwen2, qwen3 or gpt2 architecture) whose matrices are Q8_0 / Q4_0
-    blocks of our codes.
+    blocks of our codes, or a K-quant mix (Q4_K_M, Q4_K: export/kquants.py, the weights quantized again
+    as llama-quantize does, except where `grid_bits` with `block_size`, a qwZ run's grid, is held exactly).
 
     Norm gains and biases are F32 (on the grid with `vectors_on_grid`), and so is GPT-2's position table
     (its values on the grid, as convert_hf_to_gguf.py keeps it F32). LLaMA / Mistral q/k rows are
     permuted as convert_hf_to_gguf.py does; a tied LM head is left out (llama.cpp then uses token_embd).
     """
     out_path = Path(out_path)
-    if qtype not in GGUF_QTYPES:
-        raise ValueError(f"qtype={qtype!r}: expected one of {list(GGUF_QTYPES)}")
-    bits = GGUF_QTYPES[qtype]
+    kquant = qtype in GGUF_MIXES
+    if not kquant and qtype not in GGUF_QTYPES:
+        raise ValueError(f"qtype={qtype!r}: expected one of {list(GGUF_QTYPES)} (our codes) or a K-quant mix "
+                         f"{list(GGUF_MIXES)}")
+    bits = grid_bits if kquant else GGUF_QTYPES[qtype]  # K-quants: the grid to hold, if any
     _check_gguf_config(config)
-    _check_bits(bits, block_size)
-    if block_size % GGUF_BLOCK:
+    if bits is not None:
+        _check_bits(bits, block_size)
+    if not kquant and block_size % GGUF_BLOCK:
         raise ValueError(f"block_size={block_size}: GGUF needs a multiple of {GGUF_BLOCK} so that each {qtype} block "
                          f"has one of our scales (train with zero_quantization_block_size a multiple of 32)")
     hf = hf_weights(_fp32_weights(weights, config), config)  # HF names, which gguf-py maps to GGUF's; read lazily
     plan = {hf_name: _gguf_parts(hf_name, spec, config) for hf_name, spec in hf.specs.items()}  # shapes only
     for name, parts in plan.items():
-        if is_quantized(parts[0]) and parts[0].shape[1] % GGUF_BLOCK:
+        if not kquant and is_quantized(parts[0]) and parts[0].shape[1] % GGUF_BLOCK:
             raise ValueError(f"GGUF export: tensor {name!r} has rows of {parts[0].shape[1]} elements, not a multiple "
                              f"of {GGUF_BLOCK} ({qtype} blocks run along a row)")
     if out_path.is_dir():
@@ -533,9 +539,11 @@ def export_gguf(weights, config: ModelConfig, out_path, qtype: str, tokenizer_di
     try:
         writer.add_name(out_path.stem)
         _add_gguf_hparams(writer, config)
-        writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if bits == 8 else gguf.LlamaFileType.MOSTLY_Q4_0)
+        writer.add_file_type(KQUANT_MIXES[qtype] if kquant else
+                             gguf.LlamaFileType.MOSTLY_Q8_0 if bits == 8 else gguf.LlamaFileType.MOSTLY_Q4_0)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        writer.add_uint32("zeropp.quantization_block_size", block_size)  # provenance; llama.cpp ignores it
+        if bits is not None:
+            writer.add_uint32("zeropp.quantization_block_size", block_size)  # provenance; llama.cpp ignores it
         _add_gguf_tokenizer(writer, tokenizer_dir, config.vocab_size)
         # The tensor infos first (shapes, types, sizes: what add_tensor would record), then the data
         # one tensor at a time, as write_tensors_to_file would lay it out.
@@ -543,17 +551,23 @@ def export_gguf(weights, config: ModelConfig, out_path, qtype: str, tokenizer_di
         if rope_freqs is not None:
             writer.add_tensor_info(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", rope_freqs.shape,
                                    rope_freqs.dtype, rope_freqs.nbytes)
-        raw_dtype = gguf.GGMLQuantizationType[qtype]
-        block_bytes = 2 + GGUF_BLOCK * bits // 8  # Q8_0 / Q4_0: an fp16 scale and 32 codes
+        gguf_names = {hf_name: names.get_name(hf_name, try_suffixes=(".weight", ".bias")) for hf_name in plan}
+        tied = "output.weight" not in gguf_names.values()
         kinds = {}
         for hf_name, parts in plan.items():
-            name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            name = gguf_names[hf_name]
             if name is None:
                 raise ValueError(f"GGUF export: gguf-py has no {arch.name.lower()} tensor name for {hf_name!r}")
-            rows = sum(p.shape[0] for p in parts)
+            rows, cols = sum(p.shape[0] for p in parts), parts[0].shape[-1]
             if is_quantized(parts[0]) and not name.startswith("position_embd."):
-                shape = (rows, parts[0].shape[1] // GGUF_BLOCK * block_bytes)
-                writer.add_tensor_info(name, shape, np.dtype(np.uint8), shape[0] * shape[1], raw_dtype=raw_dtype)
+                raw_dtype = kquant_type(name, cols, qtype, config.n_layer, tied) if kquant \
+                    else gguf.GGMLQuantizationType[qtype]
+                if raw_dtype == gguf.GGMLQuantizationType.F16:  # a K-quant's fallback for rows not a multiple of 32
+                    writer.add_tensor_info(name, (rows, cols), np.dtype(np.float16), rows * cols * 2)
+                else:
+                    per_block, block_bytes = gguf.GGML_QUANT_SIZES[raw_dtype]
+                    shape = (rows, cols // per_block * block_bytes)
+                    writer.add_tensor_info(name, shape, np.dtype(np.uint8), shape[0] * shape[1], raw_dtype=raw_dtype)
                 kinds[hf_name] = next((h for key, h in heads.items() if f".{key}." in hf_name), 0)
             else:
                 shape = (rows, *parts[0].shape[1:])
@@ -567,11 +581,16 @@ def export_gguf(weights, config: ModelConfig, out_path, qtype: str, tokenizer_di
         for hf_name, n_head in kinds.items():
             parts = _gguf_parts(hf_name, hf[hf_name], config)  # read and converted now
             if n_head is not None:
-                blocks = [_gguf_blocks(p, bits, block_size, _llama_row_order(p.shape[0], n_head) if n_head else None)
-                          for p in parts]
+                orders = [_llama_row_order(p.shape[0], n_head) if n_head else None for p in parts]
+                if kquant:
+                    blocks = [kquant_tensor(gguf_names[hf_name], p, qtype, config.n_layer, tied, row_order=order,
+                                            grid=None if bits is None else (bits, block_size))[0]
+                              for p, order in zip(parts, orders)]
+                else:
+                    blocks = [_gguf_blocks(p, bits, block_size, order) for p, order in zip(parts, orders)]
                 writer.write_tensor_data(np.concatenate(blocks))
             else:
-                grid = is_quantized(parts[0]) or vectors_on_grid
+                grid = bits is not None and (is_quantized(parts[0]) or vectors_on_grid)
                 values = torch.cat([on_grid(p, bits, block_size) if grid else p for p in parts])
                 writer.write_tensor_data(values.contiguous().numpy())
             del parts

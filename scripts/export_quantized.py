@@ -3,6 +3,7 @@ transformers and vLLM load), from our own block quantization.
 
     python scripts/export_quantized.py runs/x/checkpoints runs/x/int4 --format safetensors
     python scripts/export_quantized.py runs/x/checkpoints runs/x/model-q8.gguf --format gguf --bits 8
+    python scripts/export_quantized.py runs/x/checkpoints runs/x/model.gguf --format gguf --gguf-type Q4_K_M
     python scripts/export_quantized.py path/to/hf-llama out.gguf --format gguf --bits 4 --block-size 32
     python scripts/export_quantized.py runs/x/checkpoints runs/x/w4-ct --format compressed-tensors --bits 4
 
@@ -20,6 +21,8 @@ import sys
 
 from export import export_gguf, export_lowbit, gguf_qtype, load_source
 from export.compressed import export_compressed_tensors
+from export.kquants import kquant_summary
+from export.quantized import GGUF_MIXES
 from kernels.quant import on_grid
 from trainer.checkpoint import CheckpointError
 
@@ -33,13 +36,20 @@ def main(argv=None) -> None:
                                                  "the checkpoint was trained with")
     parser.add_argument("--block-size", type=int, help="elements per scale; default: the checkpoint's qwZ "
                                                        "block size, else 256")
+    parser.add_argument("--gguf-type", choices=GGUF_MIXES,
+                        help="GGUF: a llama.cpp K-quant mix instead of Q8_0 / Q4_0 (which --bits picks); a qwZ "
+                             "run's grid is held exactly where the types can (4 bits, blocks a multiple of 256), "
+                             "else the weights are quantized again as llama-quantize does")
     parser.add_argument("--tokenizer", help="a SentencePiece .model or a tokenizer dir; default: the checkpoint's")
     args = parser.parse_args(argv)
     try:
         source = load_source(args.checkpoint)
         grid = source.grid
+        kquant = args.format == "gguf" and args.gguf_type is not None
+        if args.gguf_type is not None and args.format != "gguf":
+            raise ValueError(f"--gguf-type is for --format gguf, not {args.format}")
         bits = args.bits or (grid.bits if grid else None)
-        if bits is None:
+        if bits is None and not kquant:
             raise ValueError(f"{args.checkpoint} was not trained with qwZ, so there is no bit width to default to: "
                              "pass --bits")
         block_size = args.block_size or (grid.block_size if grid else 256)
@@ -51,8 +61,8 @@ def main(argv=None) -> None:
         weights, config = source.weights, source.config  # read one tensor at a time by the exporters
         vectors = exact and grid.vectors
         if args.format == "gguf":
-            out = export_gguf(weights, config, args.out, gguf_qtype(bits), tokenizer, block_size,
-                              vectors_on_grid=vectors)
+            out = export_gguf(weights, config, args.out, args.gguf_type if kquant else gguf_qtype(bits), tokenizer,
+                              block_size, vectors_on_grid=vectors, grid_bits=bits if kquant and exact else None)
         elif args.format == "compressed-tensors":
             out = export_compressed_tensors(weights, config, args.out, bits, block_size, tokenizer,
                                             vectors_on_grid=vectors)
@@ -60,6 +70,13 @@ def main(argv=None) -> None:
             out = export_lowbit(weights, config, args.out, bits, block_size, tokenizer, vectors_on_grid=vectors)
     except (ValueError, FileNotFoundError, FileExistsError, IsADirectoryError, CheckpointError) as e:
         sys.exit(f"export_quantized.py: {e}")
+    if kquant:
+        how = kquant_summary(out, (bits, block_size) if exact else None)
+        if exact and source.merged:
+            how += (f"; the {len(source.merged)} LoRA-merged weights among them are off that grid and rounded onto it "
+                    f"(relative RMS error up to {merged_error(source, bits, block_size):.2e})")
+        print(f"{out}: gguf {args.gguf_type}; {how}")
+        return
     if not exact:
         how = "round-to-nearest post-training quantization (RTN baseline)"
     elif source.kind == "lowbit":

@@ -342,3 +342,72 @@ def test_perplexity_table():
     for fmt, (ppl, gap) in rows.items():
         print(f"{fmt:24s} {ppl:8.3f}  {100 * (ppl / rows['fp32'][0] - 1):+6.2f}%  KL {gap:.5f}")
     assert rows["Q6_K"][1] < rows["Q4_K_M"][1] < rows["RTN int4 B32 (= Q4_0)"][1] < rows["RTN int4 B256"][1]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    """A 400-piece SentencePiece BPE on a few stdlib modules' docstrings (quicker than the whole corpus)."""
+    import collections
+    import functools
+    import inspect
+    import json
+    import pathlib
+    import re
+
+    from data.tokenizer import train_sentencepiece
+
+    work = tmp_path_factory.mktemp("tokenizer")
+    docs = [inspect.getdoc(obj) or "" for module in (collections, functools, json, pathlib, re)
+            for obj in (module, *vars(module).values()) if callable(obj) or obj is module]
+    lines = (line for d in docs for line in d.splitlines() if line.strip() and line.isascii())
+    (work / "text.txt").write_text("\n".join(lines))
+    train_sentencepiece([work / "text.txt"], work / "sp" / "tokenizer", 400)
+    return work / "sp"
+
+
+@pytest.mark.parametrize("grid_bits", [None, 4])
+def test_export_gguf_q4_k_m_reads_back_as_ours(grid_bits, tokenizer_dir, tmp_path):
+    """export_gguf's Q4_K_M: llama.cpp's types per tensor, q/k rows in llama.cpp's order, every matrix read back
+    by gguf-py as our encoders' values (grid_bits=None) or as the 4-bit block-256 qwZ grid, bit for bit."""
+    from export import export_gguf
+    from export.quantized import _llama_row_order
+
+    model = tiny_llama(256, 256, vocab=416, seed=4)
+    path = export_gguf(model, model.config, tmp_path / "m.gguf", "Q4_K_M", tokenizer_dir, 256, grid_bits=grid_bits)
+    reader = gguf.GGUFReader(path)
+    assert int(reader.fields["general.file_type"].parts[-1][0]) == gguf.LlamaFileType.MOSTLY_Q4_K_M
+    tensors = {t.name: t for t in reader.tensors}
+    heads = {"attn_q": model.config.n_head, "attn_k": model.config.n_kv_head}
+    for name, p in model.named_parameters():
+        if p.dim() != 2:
+            continue
+        t, w = tensors[gguf_name(name)], p.detach()
+        qtype = kquant_type(t.name, w.shape[1], "Q4_K_M", 2, False)
+        values = kernels.on_grid(w, 4, 256).numpy() if grid_bits else quantize_rows(w.numpy(), qtype)[1]
+        head = next((n for key, n in heads.items() if f".{key}." in t.name), None)
+        if head:
+            values = values[_llama_row_order(w.shape[0], head).numpy()]
+        assert t.tensor_type == qtype, t.name
+        assert np.array_equal(gguf_dequantize(t.data, qtype).reshape(w.shape), values), t.name
+    assert tensors["blk.1.attn_v.weight"].tensor_type == tensors["output.weight"].tensor_type == T.Q6_K
+    assert ("exact: every matrix holds the 4-bit qwZ grid" in kquant_summary(path, grid_bits and (4, 256))) \
+        == bool(grid_bits)
+
+
+def test_export_script_puts_a_4_bit_export_on_q4_k_m_exactly(tokenizer_dir, tmp_path, capsys):
+    """A low-bit export at 4 bits, block 256 (a qwZ run's grid) through the script: every matrix holds it."""
+    from export import export_lowbit
+    from scripts.export_quantized import main
+
+    model = tiny_llama(256, 256, vocab=416, seed=5)
+    export_lowbit(model, model.config, tmp_path / "int4", 4, 256, tokenizer_dir)
+    main([str(tmp_path / "int4"), str(tmp_path / "m.gguf"), "--format", "gguf", "--gguf-type", "Q4_K_M"])
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"{tmp_path / 'm.gguf'}: gguf Q4_K_M; 13 Q4_K, 3 Q6_K (4.92 bits per weight); exact: every matrix holds the "
+        "4-bit qwZ grid (block size 256)")
+    for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors:
+        if t.name == "blk.1.ffn_down.weight":
+            w = model.blocks[1].mlp.down_proj.weight.detach()
+            assert np.array_equal(gguf_dequantize(t.data, t.tensor_type).reshape(w.shape), kernels.on_grid(w, 4, 256))
+    with pytest.raises(SystemExit, match="--gguf-type is for --format gguf, not safetensors"):
+        main([str(tmp_path / "int4"), str(tmp_path / "o"), "--format", "safetensors", "--gguf-type", "Q4_K_M"])
