@@ -1,8 +1,9 @@
 """GGUF K-quants (export/kquants.py) against gguf-py's dequantizer, a loop transcribed from ggml's
 dequantize_row_q4_K / _q6_K, llama.cpp's Q4_K_M type rules, and the error of the 4- and 8-bit block formats.
 
-The perplexity table of docs/export.md is `test_perplexity_table`, off by default (it trains a tiny model for
-minutes, kept under cache/): KQUANTS_PERPLEXITY=1 pytest -s tests/export/test_kquants.py -k perplexity
+With GGML_LIB set to a libggml-base.so (llama-cpp-python ships one), ggml itself decodes our bytes and encodes
+the same input for comparison. The perplexity table of docs/export.md is `test_perplexity_table`, off by default
+(it trains a tiny model for minutes, kept under cache/): KQUANTS_PERPLEXITY=1 pytest -s ... -k perplexity
 """
 
 import dataclasses
@@ -102,6 +103,29 @@ def test_ggml_loop_reads_our_bytes_as_our_values(qtype):
 
 def rms(a, b) -> float:
     return float(np.sqrt(np.mean((np.asarray(a, np.float64) - b) ** 2)))
+
+@pytest.mark.skipif(not os.environ.get("GGML_LIB"), reason="set GGML_LIB to a libggml-base.so (llama-cpp-python's)")
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
+def test_ggml_itself_reads_our_bytes_and_mostly_writes_the_same(qtype):
+    """ggml's own dequantize_row_* gives our values bit for bit; its quantize_row_*_ref gives the same bytes in
+    most blocks (the rest a rounding step apart: our sums are fp64) and the same error."""
+    import ctypes
+
+    lib = ctypes.CDLL(os.environ["GGML_LIB"])
+    kind = f"q{qtype.name[1]}_K"
+    decode, encode = getattr(lib, f"dequantize_row_{kind}"), getattr(lib, f"quantize_row_{kind}_ref")
+    for fn in (decode, encode):
+        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64], None
+    rng = np.random.default_rng(7)
+    x = np.concatenate([awkward_blocks(rng), rng.standard_normal((400, 256)).astype(np.float32)]).reshape(-1)
+    blocks, values = ENCODERS[qtype](x)
+    theirs, ref_blocks, ref_values = np.empty_like(values), np.empty_like(blocks), np.empty_like(values)
+    decode(np.ascontiguousarray(blocks).ctypes.data, theirs.ctypes.data, x.size)
+    encode(x.ctypes.data, ref_blocks.ctypes.data, x.size)
+    decode(ref_blocks.ctypes.data, ref_values.ctypes.data, x.size)
+    assert np.array_equal(theirs, values)
+    assert (ref_blocks == blocks).all(1).mean() > 0.95
+    assert abs(rms(values, x) / rms(ref_values, x) - 1) < 1e-3
 
 
 def rtn(x: np.ndarray, bits: int, block: int) -> np.ndarray:
