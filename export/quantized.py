@@ -1,4 +1,5 @@
-"""Quantized export: a low-bit safetensors directory, and GGUF (Q8_0 / Q4_0) for llama.cpp.
+"""Quantized export: a low-bit safetensors directory, and GGUF for llama.cpp (Q8_0 / Q4_0 of our codes, or
+llama.cpp's K-quant mixes Q4_K_M / Q4_K from export/kquants.py).
 
 Both formats carry the codes of OUR block quantization, `kernels.quantize(W.reshape(-1),
 bits, block_size, scale_dtype=float16)` of the fp32 weights: the very function, grid and
