@@ -1,5 +1,5 @@
-"""Export a model as low-bit safetensors, GGUF (Q8_0 / Q4_0, or a K-quant mix) or compressed-tensors (int, group scales: what
-transformers and vLLM load), from our own block quantization.
+"""Export a model as low-bit safetensors, GGUF (Q8_0 / Q4_0, or a K-quant mix) or compressed-tensors (int,
+group scales: what transformers and vLLM load), from our own block quantization.
 
     python scripts/export_quantized.py runs/x/checkpoints runs/x/int4 --format safetensors
     python scripts/export_quantized.py runs/x/checkpoints runs/x/model-q8.gguf --format gguf --bits 8
