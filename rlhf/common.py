@@ -28,6 +28,7 @@ from trainer.checkpoint import (
     load_checkpoint,
     read_state,
     resolve_checkpoint,
+    samples_per_step as saved_per_step,
     save_checkpoint,
 )
 from trainer.config import ConfigError, TrainSection, to_dict
@@ -235,10 +236,8 @@ class StageCheckpoint:
         """A resume keeps the checkpoint's samples per step (prompts, pairs or sequences of all ranks
         together), as train.py keeps its global batch: on another world size the run is refused,
         naming the micro-batch that keeps it (these stages accumulate no micro-batches)."""
-        if not saved.get("step") or saved["consumed_samples"] % saved["step"]:
-            return
-        want, world = saved["consumed_samples"] // saved["step"], self.env.world_size
-        if want == samples_per_step:
+        want, world = saved_per_step(saved), self.env.world_size
+        if want is None or want == samples_per_step:
             return
         fix = (f"resume with --train.micro_batch_size {want // world}" if want % world == 0
                else f"resume on a number of ranks that divides {want}")

@@ -347,6 +347,15 @@ def verify_checkpoint(path: Path, rank: int = 0, world_size: int = 1) -> None:
         raise CheckpointError(f"checkpoint {path} fails verification against its {CHECKSUMS}: " + "; ".join(errors[:6]))
 
 
+def samples_per_step(state: dict) -> int | None:
+    """The samples one step of the checkpoint's run consumed, all ranks together: its recorded
+    global batch, else (older checkpoints, rlhf.py's stages) consumed samples / steps."""
+    if state.get("global_batch"):
+        return state["global_batch"]
+    step = state.get("step")
+    return state["consumed_samples"] // step if step and state["consumed_samples"] % step == 0 else None
+
+
 def _state_changed(state: dict, record: dict) -> str | None:
     """What is wrong with state.json against checksums.json's record of it (None: nothing; a
     record without its digest, from before it existed: the checkpoint_id alone ties them)."""

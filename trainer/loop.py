@@ -36,7 +36,7 @@ from models.streaming import return_freed_memory_to_the_os
 from models.weights import InitWeights, WeightSource, materialize
 from trainer.activation_checkpointing import apply_activation_checkpointing, describe as describe_checkpointing
 from trainer.checkpoint import (FULL, LATEST, CheckpointError, export_hf, export_note, load_checkpoint, read_state,
-                                recover, resolve_checkpoint, save_checkpoint)
+                                recover, resolve_checkpoint, samples_per_step, save_checkpoint)
 from trainer.config import Config, ConfigError, LoraSection, check_held_out, check_values, pop_debug, to_dict
 from trainer.distributed import (DistEnv, LauncherError, PeerError, all_gather_objects, all_reduce_sum, barrier,
                                  init_distributed, is_peer_failure, is_timeout)
@@ -340,9 +340,7 @@ class Trainer:
         grad_accum is re-derived when micro_batch_size x the data-parallel ranks divides it, else the
         run is refused, naming the values. (Checkpoints from before state.json recorded it: the
         consumed samples per step.)"""
-        want = saved.get("global_batch")
-        if want is None and saved.get("step") and saved["consumed_samples"] % saved["step"] == 0:
-            want = saved["consumed_samples"] // saved["step"]
+        want = samples_per_step(saved)
         t = self.cfg.train
         if want is None or want == self.global_batch:
             return
