@@ -27,18 +27,22 @@ from trainer.heartbeat import start_heartbeat
 from trainer.loop import peer_error, run_main
 
 
-def _needs(cfg: RLHFConfig, stage: str) -> list[str]:
-    """The stages whose outputs `stage` reads and that have not produced them yet."""
-    needs = []
-    if stage != "sft" and not (cfg.sft_path() / "config.json").is_file():
-        if cfg.models.sft:
-            raise ConfigError(f"models.sft {cfg.models.sft}: no Hugging Face model there (config.json)")
-        needs.append("sft")
-    if stage in ("ppo", "grpo") and cfg.reward.source == "model" and not (cfg.reward_path() / "config.json").is_file():
-        if cfg.models.reward:
-            raise ConfigError(f"models.reward {cfg.models.reward}: no Hugging Face model there (config.json)")
-        needs.append("reward")
-    return needs
+def _inputs(cfg: RLHFConfig, stage: str) -> tuple[list[str], list[str]]:
+    """The stages whose outputs `stage` reads: (those that have not produced them yet, those whose
+    output an earlier run left under out_dir and this stage reuses)."""
+    needs, reused = [], []
+    wanted = [("sft", cfg.sft_path(), "models.sft", cfg.models.sft)] if stage != "sft" else []
+    if stage in ("ppo", "grpo") and cfg.reward.source == "model":
+        wanted.append(("reward", cfg.reward_path(), "models.reward", cfg.models.reward))
+    for before, path, key, given in wanted:
+        if (path / "config.json").is_file():
+            if not given:
+                reused.append(before)
+        elif given:
+            raise ConfigError(f"{key} {given}: no Hugging Face model there (config.json)")
+        else:
+            needs.append(before)
+    return needs, reused
 
 
 def run_stage(stage: str, cfg: RLHFConfig, env) -> dict:
@@ -47,7 +51,12 @@ def run_stage(stage: str, cfg: RLHFConfig, env) -> dict:
     from rlhf.ppo import run_ppo
     from rlhf.sft import run_sft
 
-    for before in _needs(cfg, stage):
+    needs, reused = _inputs(cfg, stage)
+    for before in reused:  # a model trained by an earlier run (its runtime, its data) is said, not silent
+        if env.is_main:
+            print(f"rlhf.py {stage}: using the {before} model {cfg.stage_dir(before) / 'hf'} an earlier run left "
+                  f"(rlhf.py {before} --train.overwrite true trains it again)", flush=True)
+    for before in needs:
         if env.is_main:
             print(f"rlhf.py {stage}: running the {before} stage first (its output is missing)", flush=True)
         resume = cfg.resume

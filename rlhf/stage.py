@@ -11,6 +11,7 @@ from rlhf.common import ModelRuntime, StageCheckpoint, open_log
 from rlhf.config import RLHFConfig
 from trainer.distributed import DistEnv
 from trainer.metrics import MetricsLogger
+from trainer.run_dir import RunDir
 from trainer.skeleton import Stage
 
 
@@ -25,6 +26,9 @@ class RLHFStage(Stage):
     def __init__(self, cfg: RLHFConfig, env: DistEnv):
         self.cfg, self.env = cfg, env
         self.ckpt = StageCheckpoint(cfg, self.name, env)
+        self.run_dir = RunDir(self.stage_dir, f"the {self.name} stage's directory")
+        self.run_dir.claim(cfg.resume, cfg.train.overwrite)  # before any model is loaded
+        self.replaced_note: str | None = None
         self.data_parallel = (env.rank, env.world_size)
         self.samples_per_step = cfg.train.micro_batch_size * env.world_size
         self.device = env.device
@@ -51,6 +55,8 @@ class RLHFStage(Stage):
     # --- trainer.skeleton.Stage
 
     def resume(self) -> dict | None:
+        # The stage's models are built: only now may train.overwrite move the old run aside.
+        self.replaced_note = self.run_dir.take_over(self.env.is_main)
         path = self.ckpt.resume_path()
         if path is None:
             return None
@@ -60,10 +66,14 @@ class RLHFStage(Stage):
         return state
 
     def save(self, step: int, state: dict) -> Path:
-        return self.ckpt.save(step, self.models, {**state, **self.state_dict()}, self.save_tensors)
+        path = self.ckpt.save(step, self.models, {**state, **self.state_dict()}, self.save_tensors)
+        self.run_dir.first_checkpoint_written(self.env.is_main)
+        return path
 
     def open_log(self, step: int) -> MetricsLogger:
         self.log = open_log(self.cfg, self.name, self.steps, self.env, step)
+        if self.replaced_note is not None:
+            self.log.info(f"{self.name}: {self.replaced_note}")
         if self.newest_checkpoint is not None:  # set by resume() alone, just before
             self.log.info(f"{self.name}: resumed from checkpoint {self.newest_checkpoint} (step {step})")
         return self.log

@@ -162,6 +162,10 @@ class RunSection:
     # (rlhf.py's reference, a given reward model) keep no activations anyway and run as they are.
     activation_checkpointing: Literal["none", "full", "every_k"] = "none"
     activation_checkpointing_every: int = 2  # every_k's k: blocks k, 2k, ... (counted from 1) are checkpointed
+    # A fresh run (no `resume`) refuses an out_dir (rlhf.py: a stage's directory) that holds
+    # another run's checkpoints or metrics; true replaces them (checkpoints/, metrics.jsonl,
+    # tensorboard/, hf/), kept in <out_dir>/.overwritten until this run's first checkpoint.
+    overwrite: bool = False
 
 
 @dataclass
@@ -170,10 +174,6 @@ class TrainSection(RunSection):
 
     steps: int = 200  # optimizer steps of the whole run
     grad_accum: int = 1  # micro-batches accumulated per optimizer step
-    # A fresh run (no `resume`) refuses an out_dir that holds another run's checkpoints or
-    # metrics; true replaces them (checkpoints/, metrics.jsonl, tensorboard/, hf/), kept in
-    # <out_dir>/.overwritten until this run's first checkpoint.
-    overwrite: bool = False
     # At the end, also write the final weights as a Hugging Face directory: <out_dir>/hf
     # (LoRA adapters merged into the weights).
     export_hf: bool = False

@@ -16,7 +16,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -35,7 +34,7 @@ from models.transformer import Transformer
 from models.streaming import return_freed_memory_to_the_os
 from models.weights import InitWeights, WeightSource, materialize
 from trainer.activation_checkpointing import apply_activation_checkpointing, describe as describe_checkpointing
-from trainer.checkpoint import (FULL, LATEST, CheckpointError, export_hf, export_note, load_checkpoint, read_state,
+from trainer.checkpoint import (FULL, CheckpointError, export_hf, export_note, load_checkpoint, read_state,
                                 recover, resolve_checkpoint, samples_per_step, save_checkpoint)
 from trainer.config import Config, ConfigError, LoraSection, check_held_out, check_values, pop_debug, to_dict
 from trainer.distributed import (DistEnv, LauncherError, PeerError, all_gather_objects, all_reduce_sum, barrier,
@@ -47,6 +46,7 @@ from trainer.metrics import MetricsLogger
 from trainer.nonfinite import NonFiniteError, NonFiniteSteps, nonfinite_tensors
 from trainer.optim import build_optimizer, lr_at
 from trainer.precision import autocast_for, compute_dtype
+from trainer.run_dir import RunDir
 from trainer.skeleton import Stage, run_stage
 from trainer.pretrain_data import DataError, PretrainData, prepare_pretraining
 from data.sources import MissingKeyError
@@ -151,9 +151,6 @@ def precision_line(precision: str, device: torch.device) -> str:
     return what + why.get(precision, f" (train.precision {precision})")
 
 
-OVERWRITTEN = ".overwritten"  # <out_dir>/.overwritten: the run train.overwrite replaces, until the first save
-
-
 class Trainer:
     def __init__(self, cfg: Config, env: DistEnv | None = None, build_runtime=build_runtime):
         """build_runtime(model, cfg.zero_optimization, device, cfg.tensor_parallel) -> zeropp.runtime.Runtime; the
@@ -169,7 +166,8 @@ class Trainer:
         self.heartbeat = start_heartbeat(self.env.rank, self.env.world_size, cfg.train.dist_timeout,
                                          lambda: self.phase)
         self.ckpt_root = Path(cfg.train.out_dir) / "checkpoints"
-        overwrite = self._check_out_dir()
+        self.run_dir = RunDir(cfg.train.out_dir)
+        self.run_dir.claim(cfg.resume, cfg.train.overwrite)
         torch.manual_seed(cfg.train.seed)
         if cfg.finetune.hf_checkpoint is None:
             self.data: PretrainData | FinetuneData = prepare_pretraining(
@@ -194,9 +192,10 @@ class Trainer:
         self.predicted_memory = predicted_peak(
             self.runtime, self.optimizer, self.model_cfg, cfg.train.micro_batch_size, cfg.data.seq_len,
             compute_dtype(cfg.train.precision, self.env.device), set(self.checkpointed), self.baseline_memory)
-        self.replaced: Path | None = None  # the run train.overwrite replaces, until this one's first checkpoint
-        if overwrite:  # only now: the config, data, model and topology have all been accepted
-            self._move_old_run_aside()
+        # Only now, the config, data, model and topology all accepted, may train.overwrite move the old run.
+        replaced = self.run_dir.take_over(self.env.is_main)
+        if replaced and self.env.is_main:
+            self.notes.append(replaced)
         self.step_comm: dict[str, dict] = {}  # the runtime ledger's totals of the last training step
         self.step_timings: dict[str, float] = {}  # and the seconds it spent outside compute, by kind
         self.step = 0
@@ -219,45 +218,6 @@ class Trainer:
             except BaseException:
                 self.runtime.close()  # nobody else will: the caller gets no Trainer
                 raise
-
-    def _check_out_dir(self) -> bool:
-        """A fresh run must not mix into another run's out_dir (`latest` moving back, metrics.jsonl
-        holding both): refuse, unless train.overwrite asks to delete the old run. Returns whether
-        to delete it, which waits until every other check of the run has passed."""
-        cfg, out = self.cfg, Path(self.cfg.train.out_dir)
-        if cfg.resume:
-            return False
-        held = [p for p in (self.ckpt_root / LATEST, out / "metrics.jsonl") if p.is_file() and p.stat().st_size]
-        held += sorted(self.ckpt_root.glob("step_*"))[-1:] + [p for p in [out / OVERWRITTEN] if p.is_dir()]
-        if not held:
-            return False
-        if not cfg.train.overwrite:
-            raise ConfigError(
-                f"train.out_dir {str(out)!r} holds another run ({', '.join(str(p) for p in held)}); continue it "
-                f"with --resume auto (or latest), start over with --train.overwrite true (replaces its checkpoints "
-                f"and metrics), or choose another --train.out_dir")
-        return True
-
-    def _move_old_run_aside(self) -> None:
-        """train.overwrite: the old run's checkpoints, metrics, TensorBoard and export are moved into
-        <out_dir>/.overwritten (renames, on the same file system) and deleted only once this run
-        has written its first checkpoint: a run that fails before that leaves the old one there."""
-        out = Path(self.cfg.train.out_dir)
-        self.replaced = out / OVERWRITTEN
-        barrier()  # every rank has looked before rank 0 moves
-        if self.env.is_main:
-            # An earlier overwrite that never reached its first checkpoint left the run it replaces
-            # there: that one is still the run replaced, and what the earlier attempt wrote goes.
-            earlier = self.replaced.is_dir()
-            self.replaced.mkdir(exist_ok=True)
-            for path in (self.ckpt_root, out / "tensorboard", out / "hf", out / "metrics.jsonl"):
-                if earlier:
-                    shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-                elif path.exists():
-                    os.replace(path, self.replaced / path.name)
-            self.notes.append(f"train.overwrite: the previous run is in {self.replaced} until this run's first "
-                              f"checkpoint, then deleted")
-        barrier()
 
     def _build_model(self) -> tuple[Transformer, WeightSource]:
         """A fresh model of model.preset, or finetune.hf_checkpoint's, with LoRA adapters when
@@ -474,10 +434,7 @@ class Trainer:
         self.saved = save_checkpoint(self.ckpt_root, self.step, state, self.optimizer,
                                      lambda d: self.runtime.save(d, self.optimizer), self.env.rank)
         self.saved_step = self.step
-        if self.replaced is not None:  # this run is now resumable: the one it replaces can go
-            if self.env.is_main:
-                shutil.rmtree(self.replaced, ignore_errors=True)
-            self.replaced = None
+        self.run_dir.first_checkpoint_written(self.env.is_main)
         return self.saved
 
     def export(self, checkpoint: Path) -> Path:

@@ -147,6 +147,28 @@ def test_ppo_resumes_bit_exactly(tmp_path, monkeypatch, capfd):
         assert all(torch.equal(wa[k], wb[k]) for k in wa), name
 
 
+def test_a_fresh_stage_refuses_an_earlier_runs_directory_unless_overwritten(tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(ROOT)
+    argv = ["reward", *_tiny(tmp_path, "--sft.steps", "2", "--reward.steps", "2", "--train.eval_interval", "100")]
+    run_ranks(_main, world_size=1, args=(argv,))
+    metrics = tmp_path / "reward" / "metrics.jsonl"
+    first = metrics.read_text()
+    capfd.readouterr()
+    # Run again without resume: refused before anything is written (its metrics used to be appended,
+    # its checkpoints overwritten), and the sft model it would reuse is named, not silently taken.
+    with pytest.raises(AssertionError, match=r"the reward stage's directory '.*reward' holds another run \(.*\); "
+                                             r"continue it with --resume auto.*--train.overwrite true"):
+        run_ranks(_main, world_size=1, args=(argv,))
+    assert f"rlhf.py reward: using the sft model {tmp_path / 'sft' / 'hf'} an earlier run left" in capfd.readouterr().out
+    assert metrics.read_text() == first
+    run_ranks(_main, world_size=1, args=(argv + ["--train.overwrite", "true"],))
+    assert "train.overwrite: the previous run is in" in capfd.readouterr().out
+    # One run's rows, not two; the replaced run went once this one had its checkpoint.
+    assert len(metrics.read_text().splitlines()) == len(first.splitlines())
+    assert not (tmp_path / "reward" / ".overwritten").exists()
+    assert (tmp_path / "reward" / "hf" / "config.json").is_file()
+
+
 def test_dpo_raises_the_held_out_margin(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     run_ranks(_main, world_size=1, args=(["dpo", *_tiny(tmp_path, "--sft.steps", "20", "--dpo.steps", "20",
