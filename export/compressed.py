@@ -37,6 +37,7 @@ from models.hf import add_fast_tokenizer, config_to_hf, staged_directory, to_hf_
 from models.streaming import SafetensorsWriter
 
 FORMAT = "pack-quantized"
+SMOLLM3_DEFAULT_PAD = 128004  # SmolLM3Config's pad_token_id where config.json names none
 _EMBEDDINGS = ("embed.tokens.weight", "embed.positions.weight")  # nn.Embedding in transformers: no "Linear" match
 PACK = 32  # compressed-tensors packs each row in runs of 32 elements (`bits` int32 words each)
 
@@ -87,6 +88,11 @@ def export_compressed_tensors(weights, config: ModelConfig, out_dir, bits: int, 
     if tokenizer_dir is not None:
         tokenizer = _tokenizer(tokenizer_dir)
         _check_vocab(tokenizer, config)
+    elif config.arch == "smollm3" and config.vocab_size <= SMOLLM3_DEFAULT_PAD:
+        raise ValueError(f"compressed-tensors export of a SmolLM3 with vocab_size={config.vocab_size} needs its "
+                         f"tokenizer (tokenizer_dir): without one config.json names no pad_token_id, and transformers' "
+                         f"SmolLM3Config defaults it to {SMOLLM3_DEFAULT_PAD}, outside the vocabulary, so transformers "
+                         f"cannot build the embedding")
     if out_dir.exists() and not out_dir.is_dir():
         raise FileExistsError(f"{out_dir} exists and is not a directory")
 
