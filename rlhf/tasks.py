@@ -185,7 +185,108 @@ class WordTask(VerifiableTask):
         return word[:keep] + wrong + "".join(tail)
 
 
-TASKS = {"arithmetic": ArithmeticTask, "word": WordTask}
+def final_answer(response: str) -> int | None:
+    """The integer a response gives as its final answer, as GSM8K-style graders read it: the number
+    after the last "Answer:" or "####" marker, else the last number in the text (None: no number)."""
+    marked = re.findall(r"(?:answer\s*:|####)\s*(-?\d+)", response, flags=re.IGNORECASE)
+    if marked:
+        return int(marked[-1])
+    numbers = re.findall(r"-?\d+", response)
+    return int(numbers[-1]) if numbers else None
+
+
+class MathTask(VerifiableTask):
+    """Multi-step word problems: "Ann has 4 pens. She gets 3 more. She gives away 2. How many pens
+    does Ann have?" -> "4+3=7. 7-2=5. Answer: 5": a start and `steps` operations (gets / gives away
+    / doubles / triples, the count never below 0), each written out as one equation, then the
+    final answer.
+
+    The reward reads the final answer (`final_answer`: the number after "Answer:", else the last
+    number) and gives 1.0 when it is right, `format_reward` for another number, 0.0 for none. The
+    intermediate equations are not graded, as GSM8K's graders do not grade them: the steps help a
+    model reach the answer, and a reward on them would reward the format, not the result.
+    """
+
+    name = "math"
+    NAMES = ("Ann", "Ben", "Cara", "Dev", "Eli", "Fay", "Gus", "Ivy")
+    THINGS = ("pens", "apples", "cards", "coins", "books", "shells", "stamps", "marbles")
+    START = re.compile(r"([A-Z][a-z]+) has (\d+) ([a-z]+)\.")
+    # The operations (the sentence after "She " / "He "): its operator, the operand from the sentence.
+    OPERATION = re.compile(r"(?:gets (\d+) more|gives away (\d+)|(doubles|triples) them)\.")
+    FACTORS = {"doubles": 2, "triples": 3}
+    QUESTION = re.compile(r"How many ([a-z]+) does ([A-Z][a-z]+) have\?")
+
+    def __init__(self, steps: int = 2, max_number: int = 9, format_reward: float = 0.1):
+        if steps < 1 or max_number < 1 or not 0 <= format_reward < 1:
+            raise ValueError(f"steps={steps}, max_number={max_number}, format_reward={format_reward}; expected "
+                             f"steps >= 1, max_number >= 1 and 0 <= format_reward < 1")
+        self.steps, self.max_number, self.format_reward = steps, max_number, format_reward
+
+    def prompt(self, rng: random.Random) -> str:
+        name, thing = rng.choice(self.NAMES), rng.choice(self.THINGS)
+        pronoun = "She" if name in ("Ann", "Cara", "Fay", "Ivy") else "He"
+        count = rng.randint(2, max(2, self.max_number))
+        sentences = [f"{name} has {count} {thing}."]
+        for _ in range(self.steps):
+            choices = ["gets", "doubles", "triples"] + (["gives"] if count > 0 else [])
+            op = rng.choice(choices)
+            if op == "gets":
+                k = rng.randint(1, self.max_number)
+                sentences.append(f"{pronoun} gets {k} more.")
+                count += k
+            elif op == "gives":
+                k = rng.randint(1, min(count, self.max_number))
+                sentences.append(f"{pronoun} gives away {k}.")
+                count -= k
+            else:
+                sentences.append(f"{pronoun} {op} them.")
+                count *= 2 if op == "doubles" else 3
+        sentences.append(f"How many {thing} does {name} have?")
+        return " ".join(sentences) + "\n"
+
+    def _equations(self, prompt: str) -> tuple[list[str], int]:
+        """The prompt's equations, one per operation ("7*3=21"), and the answer."""
+        text = prompt.rstrip("\n")
+        start, question = self.START.match(text), self.QUESTION.search(text)
+        if start is None or question is None:
+            raise ValueError(f"{prompt!r} is not a prompt of the {self.name!r} task (expected "
+                             f"'<Name> has <n> <things>. ... How many <things> does <Name> have?')")
+        count, equations = int(start.group(2)), []
+        for sentence in re.findall(r"(?:She|He) [^.]*\.", text[start.end():question.start()]):
+            match = self.OPERATION.fullmatch(sentence.split(" ", 1)[1])
+            if match is None:
+                raise ValueError(f"{prompt!r}: {sentence!r} is not an operation of the {self.name!r} task")
+            gets, gives, times = match.groups()
+            op, k = ("+", int(gets)) if gets else ("-", int(gives)) if gives else ("*", self.FACTORS[times])
+            new = count + k if op == "+" else count - k if op == "-" else count * k
+            equations.append(f"{count}{op}{k}={new}")
+            count = new
+        return equations, count
+
+    def reward(self, prompt: str, response: str) -> float:
+        _, answer = self._equations(prompt)
+        given = final_answer(response)
+        if given is None:
+            return 0.0
+        return 1.0 if given == answer else self.format_reward
+
+    def demonstration(self, prompt: str) -> str:
+        equations, answer = self._equations(prompt)
+        return ". ".join(equations) + f". Answer: {answer}"
+
+    def corrupt(self, prompt: str, rng: random.Random) -> str:
+        """The right equations with a final answer off by 1..3 (a hard negative), or a slip in the
+        last equation carried into the answer."""
+        equations, answer = self._equations(prompt)
+        wrong = answer + rng.choice([-3, -2, -1, 1, 2, 3])
+        if wrong < 0:
+            wrong = answer + rng.randint(1, 3)
+        if rng.random() < 0.5:
+            equations[-1] = equations[-1].rsplit("=", 1)[0] + f"={wrong}"
+        return ". ".join(equations) + f". Answer: {wrong}"
+
+
+TASKS = {"arithmetic": ArithmeticTask, "word": WordTask, "math": MathTask}
 RECORD_KINDS = ("sft", "pairs", "prompts")
 
 

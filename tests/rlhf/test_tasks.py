@@ -2,12 +2,13 @@
 
 import json
 import random
+import re
 
 import pytest
 
 from data.datasets import IGNORE_INDEX, PreferenceDataset, SFTDataset
 from data.tokenizer import HFTokenizer, load_tokenizer
-from rlhf.tasks import TASKS, get_task, save_task_tokenizer, task_records, write_jsonl
+from rlhf.tasks import TASKS, final_answer, get_task, save_task_tokenizer, task_records, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +124,40 @@ def test_write_jsonl_round_trips_and_leaves_no_temporary_file(tmp_path):
     path = write_jsonl(records, tmp_path / "sub" / "sft.jsonl")
     assert [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] == records
     assert [p.name for p in path.parent.iterdir()] == ["sft.jsonl"]
+
+
+def test_final_answer_reads_the_marker_else_the_last_number():
+    assert final_answer("3+4=7. 7*3=21. Answer: 21") == 21
+    assert final_answer("so #### 12") == 12  # GSM8K's marker
+    assert final_answer("answer: 5, no, Answer: 6 (then 7)") == 6  # the last marker wins over later numbers
+    assert final_answer("7 apples, then 9") == 9
+    assert final_answer("Answer: -2") == -2
+    assert final_answer("no idea") is None
+
+
+def test_math_task_solves_its_word_problems_as_written_by_hand():
+    task = get_task("math", steps=3)
+    prompt = "Ben has 3 cards. He gets 4 more. He triples them. He gives away 5. How many cards does Ben have?\n"
+    assert task.demonstration(prompt) == "3+4=7. 7*3=21. 21-5=16. Answer: 16"  # (3 + 4) * 3 - 5
+    assert task.reward(prompt, "3+4=7. 7*3=21. 21-5=16. Answer: 16") == 1.0
+    assert task.reward(prompt, "16") == 1.0  # the steps are not graded
+    assert task.reward(prompt, "3+4=7. Answer: 15") == 0.1
+    assert task.reward(prompt, "Answer: 16. Answer: 17") == 0.1
+    assert task.reward(prompt, "many") == 0.0
+    with pytest.raises(ValueError, match="'math' task"):
+        task.reward("12+7=", "19")
+    with pytest.raises(ValueError, match="'He eats 2.' is not an operation of the 'math' task"):
+        task.reward("Ben has 3 cards. He eats 2. How many cards does Ben have?\n", "1")
+
+
+def test_math_task_prompts_never_go_below_zero_and_corruptions_are_wrong():
+    task, rng = get_task("math", steps=3, max_number=5), random.Random(0)
+    for _ in range(300):
+        prompt = task.prompt(rng)
+        assert len(re.findall(r"(?:She|He) ", prompt)) == 3
+        equations = task.demonstration(prompt).split(". ")[:-1]
+        for equation in equations:  # each step recomputed from its own text
+            left, right = equation.split("=")
+            a, op, b = re.fullmatch(r"(\d+)([-+*])(\d+)", left).groups()
+            assert int(right) == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op] >= 0
+        assert task.reward(prompt, task.corrupt(prompt, rng)) < 1.0
