@@ -50,7 +50,8 @@ def baseline_bytes(config: ModelConfig, precision: str, device: torch.device) ->
         return 0
     tiny = dataclasses.replace(config, n_layer=1, vocab_size=16, d_model=16, d_ff=16, n_head=2,
                                n_kv_head=2 if config.n_kv_head == config.n_head else 1, explicit_head_dim=None,
-                               word_embed_proj_dim=8 if config.word_embed_proj_dim else None, num_labels=0)
+                               word_embed_proj_dim=8 if config.word_embed_proj_dim else None, num_labels=0,
+                               sliding_window_layers=None, layers_without_rope=None)  # per-layer lists name layers > 0
     with torch.random.fork_rng(devices=[]):  # the run's random stream stays as it was
         model = Transformer(tiny)
         optimizer = torch.optim.AdamW(model.parameters())
