@@ -17,8 +17,9 @@ length is not a multiple of 256 fall back as llama.cpp falls back (Q4_K -> Q5_0,
 F16 below 32), quantized by gguf-py's reference encoders for those types.
 
 A qwZ run's grid (symmetric codes, one fp16 scale per block) is a special case of these types: at
-4 bits with blocks a multiple of 256 long, every tensor of a Q4_K_M file holds it exactly
-(`grid_rows`), so such a run exports to Q4_K_M with the weights its training forward computed with.
+4 bits with blocks a multiple of 256 long, every tensor of a Q4_K_M file holds it exactly, and at up to
+6 bits every tensor of a Q6_K file (`grid_rows`), so such a run exports with the weights its training
+forward computed with.
 """
 
 from __future__ import annotations
@@ -338,5 +339,5 @@ def kquant_summary(path, grid=None) -> str:
     if not off:
         return line + f"; exact: every matrix holds the {grid[0]}-bit qwZ grid (block size {grid[1]})"
     return (line + f"; {len(mats) - len(off)} of {len(mats)} matrices hold the {grid[0]}-bit qwZ grid exactly, "
-            f"quantized again from the weights (the types hold it at <= 4 bits, blocks a multiple of 256): "
+            f"quantized again from the weights (Q4_K holds it at <= 4 bits, Q6_K at <= 6, blocks a multiple of 256): "
             + ", ".join(off))

@@ -1,5 +1,5 @@
 """Quantized export: a low-bit safetensors directory, and GGUF for llama.cpp (Q8_0 / Q4_0 of our codes, or
-llama.cpp's K-quant mixes Q4_K_M / Q4_K from export/kquants.py).
+llama.cpp's K-quant mixes Q4_K_M / Q4_K / Q6_K from export/kquants.py).
 
 Both formats carry the codes of OUR block quantization, `kernels.quantize(W.reshape(-1),
 bits, block_size, scale_dtype=float16)` of the fp32 weights: the very function, grid and
@@ -46,7 +46,7 @@ LOWBIT_FORMAT, LOWBIT_VERSION = "zeropp-lowbit", 1
 LOWBIT_META, LOWBIT_WEIGHTS = "quantization.json", "model.safetensors"
 GGUF_QTYPES = {"Q8_0": 8, "Q4_0": 4}  # GGUF types that hold our codes as they are (one fp16 scale per 32)
 GGUF_BLOCK = 32  # elements per GGUF Q8_0 / Q4_0 block
-GGUF_MIXES = ("Q4_K_M", "Q4_K")  # K-quant mixes, quantized again (export/kquants.py; its all-Q6_K mix not yet here)
+GGUF_MIXES = ("Q4_K_M", "Q4_K", "Q6_K")  # llama.cpp's K-quant mixes (export/kquants.py), quantized again
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,46 +407,103 @@ def _add_gguf_tokenizer(writer: gguf.GGUFWriter, tokenizer_path, vocab_size: int
         writer.add_chat_template(special.chat_template)
 
 
-# Our arch -> llama.cpp's. Mistral is llama.cpp's llama (as convert_hf_to_gguf.py writes it); OPT has none.
+# Our arch -> llama.cpp's (as convert_hf_to_gguf.py maps the HF classes). Mistral is llama.cpp's llama; OPT has none.
 GGUF_ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "mistral": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
-              "qwen3": gguf.MODEL_ARCH.QWEN3, "gpt2": gguf.MODEL_ARCH.GPT2}
-# The biases each llama.cpp architecture has tensors for: (qkv, o, mlp).
+              "qwen3": gguf.MODEL_ARCH.QWEN3, "gpt2": gguf.MODEL_ARCH.GPT2, "granite": gguf.MODEL_ARCH.GRANITE,
+              "olmo2": gguf.MODEL_ARCH.OLMO2, "smollm3": gguf.MODEL_ARCH.SMOLLM3, "gemma2": gguf.MODEL_ARCH.GEMMA2,
+              "gemma3_text": gguf.MODEL_ARCH.GEMMA3}
+# The biases each llama.cpp architecture has tensors for: (qkv, o, mlp); None: optional (its loader takes them
+# if present: granite all of them, olmo2 / smollm3 / gemma2 / gemma3 those of q/k/v only).
 _GGUF_BIASES = {"llama": (False, False, False), "mistral": (False, False, False), "qwen2": (True, False, False),
-                "qwen3": (False, False, False), "gpt2": (True, True, True)}
+                "qwen3": (False, False, False), "gpt2": (True, True, True), "granite": (None, None, None),
+                **dict.fromkeys(("olmo2", "smollm3", "gemma2", "gemma3_text"), (None, False, False))}
+# llama.cpp's RoPE is NORM (adjacent pairs) for these: convert_hf_to_gguf.py permutes their q/k rows (LlamaModel).
+_GGUF_PERMUTED = ("llama", "mistral", "granite", "smollm3")
+_GGUF_SWA = ("gemma2", "gemma3_text")  # the architectures with a window per layer (sliding_window_pattern)
+_GGUF_SMOLLM3_NOPE = 4  # llama.cpp's smollm3 leaves RoPE out of every 4th layer, hard-coded (n_no_rope_layer_step)
+
+
+def _gguf_gemma_scale(config: ModelConfig) -> float | None:
+    """The attention scale llama.cpp's gemma2 / gemma3 compute with, as our attention_multiplier (None: 1 /
+    sqrt(head_dim)): 1 / sqrt(head_dim), except for the 27B layer counts, 1 / sqrt(d_model / n_head)."""
+    if (config.arch, config.n_layer) in (("gemma2", 46), ("gemma3_text", 62)):
+        scale = (config.d_model / config.n_head) ** -0.5
+        return None if scale == config.head_dim ** -0.5 else scale
+    return None
+
+
+def _gguf_switches(config: ModelConfig) -> list[tuple[str, bool, str]]:
+    """(ModelConfig field, whether llama.cpp's architecture for config.arch computes what it says, what that
+    architecture computes) for each switch of the newer families: a model written under an architecture that
+    computes something else would load in llama.cpp and give other logits."""
+    arch, c = config.arch, config
+    gemma = arch in _GGUF_SWA
+    qk_norm = arch in ("qwen3", "olmo2", "gemma3_text")
+    nope = ([i for i in range(c.n_layer) if (i + 1) % _GGUF_SMOLLM3_NOPE == 0] or None) if arch == "smollm3" else None
+    windowed = any(c.layer_window(i) is not None for i in range(c.n_layer))
+    swa_scaled = windowed and c.sliding_rope_theta is None and c.rope_scaling is not None  # ours on windowed layers
+    return [
+        ("gate_activation", c.gate_activation == ("gelu_tanh" if gemma else "silu"),
+         "GeGLU with GELU's tanh form" if gemma else "SwiGLU (SiLU gate)"),
+        ("qk_norm", c.qk_norm == qk_norm, "q/k norms" if qk_norm else "no q/k norms"),
+        ("qk_norm_per_head", c.qk_norm_per_head == (arch != "olmo2"),
+         "q/k norms over the whole projections" if arch == "olmo2" else "q/k norms per head, where it has them"),
+        ("pre_norm", c.pre_norm == (arch != "olmo2"),
+         "no norms before the sublayers" if arch == "olmo2" else "a norm before each sublayer"),
+        ("output_norm", c.output_norm == (arch == "olmo2" or gemma),
+         "a norm after each sublayer" if arch == "olmo2" or gemma else "no norms after the sublayers"),
+        ("norm_unit_offset", c.norm_unit_offset == gemma,
+         "its norm weights as stored (the converter stores Gemma's 1 + weight)" if gemma else "no 1 + weight norms"),
+        ("layers_without_rope", c.layers_without_rope == nope,
+         f"RoPE on every layer but {nope} (every {_GGUF_SMOLLM3_NOPE}th, hard-coded)" if arch == "smollm3"
+         else "RoPE on every layer"),
+        ("sliding_window_layers", gemma or c.sliding_window_layers is None,
+         "one attention span for every layer (no window per layer)"),
+        ("sliding_rope_theta", arch == "gemma3_text" or c.sliding_rope_theta is None, "one RoPE for every layer"),
+        ("rope_scaling", not swa_scaled or arch == "gemma2",
+         "its windowed layers' RoPE unscaled (rope.freq_base_swa); give them their own base, as Gemma 3 does"),
+        ("rope_scaling", not (c.rope_scaling or {}).get("rope_type") == "llama3" or arch in ("llama", "mistral",
+                                                                                              "granite", "qwen2",
+                                                                                              "qwen3"),
+         "no rope_freqs tensor (llama3 scaling)"),
+        ("explicit_head_dim", arch != "olmo2" or c.explicit_head_dim is None,
+         "head_dim = d_model / n_head (q/k/v/o are d_model wide)"),
+        ("tie_embeddings", c.tie_embeddings if arch == "gemma2" else arch != "olmo2" or not c.tie_embeddings,
+         "the head as token_embd (no output tensor)" if arch == "gemma2" else "an output tensor (no tied head)"),
+        ("embedding_multiplier", arch == "granite" or c.embedding_multiplier == (c.d_model ** 0.5 if gemma else 1.0),
+         "token embeddings times sqrt(d_model)" if gemma else "token embeddings unscaled"),
+        ("residual_multiplier", arch == "granite" or c.residual_multiplier == 1.0, "residuals unscaled"),
+        ("attention_multiplier", arch == "granite" or c.attention_multiplier == (_gguf_gemma_scale(c) if gemma else None),
+         "the attention scale 1 / sqrt(head_dim)" + (" (1 / sqrt(d_model / n_head) at the 27B layer count; "
+                                                    "query_pre_attn_scalar must match)" if gemma else "")),
+        ("logits_scaling", arch == "granite" or c.logits_scaling == 1.0, "logits unscaled"),
+        ("attn_logit_softcapping", (c.attn_logit_softcapping is not None) == (arch == "gemma2"),
+         "attention scores soft-capped (50 unless the file says)" if arch == "gemma2" else "no attention soft-capping"),
+        ("final_logit_softcapping", arch == "gemma3_text" or (c.final_logit_softcapping is not None) == (
+            arch == "gemma2"), "logits soft-capped (30 unless the file says)" if arch == "gemma2"
+         else "no logit soft-capping"),
+    ]
 
 
 def _check_gguf_config(config: ModelConfig) -> None:
     if config.arch not in GGUF_ARCHS:
         raise ValueError(f"GGUF export supports arch {tuple(GGUF_ARCHS)}; this model is arch={config.arch!r}"
                          + (" (OPT has no llama.cpp architecture)" if config.arch == "opt" else ""))
+    name = GGUF_ARCHS[config.arch].name.lower()
     biases = tuple(config.has_bias(part) for part in ("qkv", "o", "mlp"))
-    if biases != _GGUF_BIASES[config.arch]:
+    if any(want is not None and have != want for have, want in zip(biases, _GGUF_BIASES[config.arch])):
+        has = ", ".join("optional" if want is None else str(want) for want in _GGUF_BIASES[config.arch])
         raise ValueError(f"GGUF export: this {config.arch} model has linear biases (qkv, o, mlp) = {biases}; "
-                         f"llama.cpp's {GGUF_ARCHS[config.arch].name.lower()} architecture has "
-                         f"{_GGUF_BIASES[config.arch]}")
+                         f"llama.cpp's {name} architecture has ({has})")
     if config.rope_scaling is not None and config.rope_scaling["rope_type"] not in ("llama3", "linear"):
         raise ValueError(f"GGUF export: rope_scaling={config.rope_scaling!r} is not written to GGUF yet; plain RoPE "
                          f"(any rope_theta) and the 'llama3' and 'linear' scalings are")
     if config.num_labels:
         raise ValueError(f"GGUF export: a score model (num_labels={config.num_labels}) has no llama.cpp head")
-    # What the newer families switch on inside an architecture name GGUF knows: written as that
-    # architecture they would load in llama.cpp and compute something else, so they are refused.
-    unwritten = {"gate_activation": (config.gate_activation, "silu"),
-                 "sliding_window_layers": (config.sliding_window_layers, None),
-                 "layers_without_rope": (config.layers_without_rope, None),
-                 "qk_norm_per_head": (config.qk_norm_per_head, True),
-                 "output_norm": (config.output_norm, False), "norm_unit_offset": (config.norm_unit_offset, False),
-                 "embedding_multiplier": (config.embedding_multiplier, 1.0),
-                 "residual_multiplier": (config.residual_multiplier, 1.0),
-                 "attention_multiplier": (config.attention_multiplier, None),
-                 "logits_scaling": (config.logits_scaling, 1.0),
-                 "attn_logit_softcapping": (config.attn_logit_softcapping, None),
-                 "final_logit_softcapping": (config.final_logit_softcapping, None),
-                 "sliding_rope_theta": (config.sliding_rope_theta, None)}
-    for name, (value, plain) in unwritten.items():
-        if value != plain:
-            raise ValueError(f"GGUF export: ModelConfig.{name}={value!r} is not written to GGUF yet (llama.cpp's "
-                             f"{GGUF_ARCHS[config.arch].name.lower()} would compute without it); expected {plain!r}")
+    for field, ok, computes in _gguf_switches(config):
+        if not ok:
+            raise ValueError(f"GGUF export: ModelConfig.{field}={getattr(config, field)!r} cannot be written as "
+                             f"llama.cpp's {name}, which computes with {computes}")
 
 
 def _gguf_parts(hf_name: str, t: torch.Tensor, config: ModelConfig) -> list[torch.Tensor]:
@@ -465,8 +522,27 @@ def _gguf_parts(hf_name: str, t: torch.Tensor, config: ModelConfig) -> list[torc
 
 
 def _add_gguf_hparams(writer: gguf.GGUFWriter, config: ModelConfig) -> None:
-    # llama.cpp's llama has no sliding window (Mistral): declare the span where its full attention equals ours.
-    writer.add_context_length(min(config.max_seq_len, config.sliding_window or config.max_seq_len))
+    c = config
+    if c.arch in _GGUF_SWA:  # a window per layer, the windowed layers' RoPE base (Gemma 3's local one)
+        writer.add_context_length(c.max_seq_len)
+        if c.sliding_window is not None:
+            writer.add_sliding_window(c.sliding_window)
+            writer.add_rope_freq_base_swa(c.sliding_rope_theta or c.rope_theta)
+        # llama.cpp's default patterns (gemma2 every other layer, gemma3 5 of 6) written out per layer, so that
+        # any other pattern (and a model without windows) is what llama.cpp computes too
+        writer.add_sliding_window_pattern([c.layer_window(i) is not None for i in range(c.n_layer)])
+    else:  # no window (Mistral, a Qwen2 windowed everywhere): declare the span where full attention equals ours
+        writer.add_context_length(min(c.max_seq_len, c.sliding_window or c.max_seq_len))
+    if c.arch == "granite":  # convert_hf_to_gguf.py's names for Granite's multipliers (logit_scale is required)
+        if c.attention_multiplier is not None:
+            writer.add_attention_scale(c.attention_multiplier)
+        writer.add_embedding_scale(c.embedding_multiplier)
+        writer.add_residual_scale(c.residual_multiplier)
+        writer.add_logit_scale(c.logits_scaling)
+    if c.attn_logit_softcapping is not None:
+        writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
+    if c.final_logit_softcapping is not None:
+        writer.add_final_logit_softcapping(c.final_logit_softcapping)
     writer.add_embedding_length(config.d_model)
     writer.add_block_count(config.n_layer)
     writer.add_feed_forward_length(config.d_ff)
@@ -499,13 +575,15 @@ def _rope_freqs(config: ModelConfig) -> np.ndarray | None:
 
 def export_gguf(weights, config: ModelConfig, out_path, qtype: str, tokenizer_dir, block_size: int = 256, *,
                 vectors_on_grid: bool = False, grid_bits: int | None = None) -> Path:
-    """Write a llama.cpp GGUF file (llama, qwen2, qwen3 or gpt2 architecture) whose matrices are Q8_0 / Q4_0
-    blocks of our codes, or a K-quant mix (Q4_K_M, Q4_K: export/kquants.py, the weights quantized again
-    as llama-quantize does, except where `grid_bits` with `block_size`, a qwZ run's grid, is held exactly).
+    """Write a llama.cpp GGUF file (the architecture of GGUF_ARCHS for config.arch) whose matrices are Q8_0 /
+    Q4_0 blocks of our codes, or a K-quant mix (Q4_K_M, Q4_K, Q6_K: export/kquants.py, the weights quantized
+    again as llama-quantize does, except where `grid_bits` with `block_size`, a qwZ run's grid, is held exactly).
 
-    Norm gains and biases are F32 (on the grid with `vectors_on_grid`), and so is GPT-2's position table
-    (its values on the grid, as convert_hf_to_gguf.py keeps it F32). LLaMA / Mistral q/k rows are
-    permuted as convert_hf_to_gguf.py does; a tied LM head is left out (llama.cpp then uses token_embd).
+    Norm gains and biases are F32 (on the grid with `vectors_on_grid`; Gemma's norms stored as 1 + weight),
+    and so is GPT-2's position table (its values on the grid, as convert_hf_to_gguf.py keeps it F32). The q/k
+    rows (and biases) of the NORM-RoPE architectures (LLaMA, Mistral, Granite, SmolLM3) are permuted as
+    convert_hf_to_gguf.py does; a tied LM head is left out (llama.cpp then uses token_embd). A model whose
+    switches the architecture cannot compute is refused, naming the switch (_gguf_switches).
     """
     out_path = Path(out_path)
     kquant = qtype in GGUF_MIXES
@@ -530,9 +608,10 @@ def export_gguf(weights, config: ModelConfig, out_path, qtype: str, tokenizer_di
 
     arch = GGUF_ARCHS[config.arch]
     names = gguf.get_tensor_name_map(arch, config.n_layer)
-    # llama.cpp's llama wants each q/k head's rotary halves interleaved; qwen2/qwen3 take HF's layout.
-    heads = {"self_attn.q_proj": config.n_head, "self_attn.k_proj": config.n_kv_head} if arch == gguf.MODEL_ARCH.LLAMA \
-        else {}
+    # llama.cpp's NORM-RoPE architectures want each q/k head's rotary halves interleaved (weights and biases);
+    # the NEOX ones (qwen2, qwen3, olmo2, gemma2, gemma3) take HF's layout.
+    heads = {"self_attn.q_proj": config.n_head, "self_attn.k_proj": config.n_kv_head} \
+        if config.arch in _GGUF_PERMUTED else {}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.parent / f".{out_path.name}.tmp-{uuid.uuid4().hex[:8]}"
     return_freed_memory_to_the_os()  # each tensor's blocks go back to the OS once written
@@ -554,13 +633,15 @@ def export_gguf(weights, config: ModelConfig, out_path, qtype: str, tokenizer_di
                                    rope_freqs.dtype, rope_freqs.nbytes)
         gguf_names = {hf_name: names.get_name(hf_name, try_suffixes=(".weight", ".bias")) for hf_name in plan}
         tied = "output.weight" not in gguf_names.values()
-        kinds = {}
+        kinds, row_heads = {}, {}
         for hf_name, parts in plan.items():
             name = gguf_names[hf_name]
             if name is None:
                 raise ValueError(f"GGUF export: gguf-py has no {arch.name.lower()} tensor name for {hf_name!r}")
             rows, cols = sum(p.shape[0] for p in parts), parts[0].shape[-1]
-            if is_quantized(parts[0]) and not name.startswith("position_embd."):
+            row_heads[hf_name] = next((h for key, h in heads.items() if f".{key}." in hf_name), 0)
+            kinds[hf_name] = is_quantized(parts[0]) and not name.startswith("position_embd.")
+            if kinds[hf_name]:
                 raw_dtype = kquant_type(name, cols, qtype, config.n_layer, tied) if kquant \
                     else gguf.GGMLQuantizationType[qtype]
                 if raw_dtype == gguf.GGMLQuantizationType.F16:  # a K-quant's fallback for rows not a multiple of 32
@@ -569,20 +650,19 @@ def export_gguf(weights, config: ModelConfig, out_path, qtype: str, tokenizer_di
                     per_block, block_bytes = gguf.GGML_QUANT_SIZES[raw_dtype]
                     shape = (rows, cols // per_block * block_bytes)
                     writer.add_tensor_info(name, shape, np.dtype(np.uint8), shape[0] * shape[1], raw_dtype=raw_dtype)
-                kinds[hf_name] = next((h for key, h in heads.items() if f".{key}." in hf_name), 0)
             else:
                 shape = (rows, *parts[0].shape[1:])
                 writer.add_tensor_info(name, shape, np.dtype(np.float32), int(np.prod(shape)) * 4)
-                kinds[hf_name] = None
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         if rope_freqs is not None:
             writer.write_tensor_data(rope_freqs)
-        for hf_name, n_head in kinds.items():
+        for hf_name, quantized in kinds.items():
             parts = _gguf_parts(hf_name, hf[hf_name], config)  # read and converted now
-            if n_head is not None:
-                orders = [_llama_row_order(p.shape[0], n_head) if n_head else None for p in parts]
+            n_head = row_heads[hf_name]
+            orders = [_llama_row_order(p.shape[0], n_head) if n_head else None for p in parts]
+            if quantized:
                 if kquant:
                     blocks = [kquant_tensor(gguf_names[hf_name], p, qtype, config.n_layer, tied, row_order=order,
                                             grid=None if bits is None else (bits, block_size))[0]
@@ -592,7 +672,10 @@ def export_gguf(weights, config: ModelConfig, out_path, qtype: str, tokenizer_di
                 writer.write_tensor_data(np.concatenate(blocks))
             else:
                 grid = bits is not None and (is_quantized(parts[0]) or vectors_on_grid)
-                values = torch.cat([on_grid(p, bits, block_size) if grid else p for p in parts])
+                values = [on_grid(p, bits, block_size) if grid else p for p in parts]
+                values = torch.cat([v if order is None else v[order] for v, order in zip(values, orders)])
+                if config.norm_unit_offset and hf_name.endswith("norm.weight"):
+                    values = values + 1  # Gemma's norms scale by 1 + weight: stored so, as convert_hf_to_gguf.py does
                 writer.write_tensor_data(values.contiguous().numpy())
             del parts
         writer.close()

@@ -38,8 +38,9 @@ def main(argv=None) -> None:
                                                        "block size, else 256")
     parser.add_argument("--gguf-type", choices=GGUF_MIXES,
                         help="GGUF: a llama.cpp K-quant mix instead of Q8_0 / Q4_0 (which --bits picks); a qwZ "
-                             "run's grid is held exactly where the types can (4 bits, blocks a multiple of 256), "
-                             "else the weights are quantized again as llama-quantize does")
+                             "run's grid is held exactly where the types can (Q4_K_M / Q4_K: <= 4 bits, Q6_K: <= 6 "
+                             "bits; blocks a multiple of 256), else the weights are quantized again as "
+                             "llama-quantize does")
     parser.add_argument("--tokenizer", help="a SentencePiece .model or a tokenizer dir; default: the checkpoint's")
     args = parser.parse_args(argv)
     try:

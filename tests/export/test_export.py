@@ -444,8 +444,9 @@ def test_gguf_with_a_byte_level_bpe_tokenizer(model, tmp_path):
 def test_gguf_refusals(model, tokenizer_dir, tmp_path):
     out = tmp_path / "m.gguf"
     refused = [
-        ("opt-tiny", {}, r"supports arch \('llama', 'mistral', 'qwen2', 'qwen3', 'gpt2'\); this model is arch='opt' "
-                         r"\(OPT has no llama.cpp architecture\)"),
+        ("opt-tiny", {}, r"supports arch \('llama', 'mistral', 'qwen2', 'qwen3', 'gpt2', 'granite', 'olmo2', "
+                         r"'smollm3', 'gemma2', 'gemma3_text'\); this model is arch='opt' \(OPT has no llama.cpp "
+                         r"architecture\)"),
         ("qwen3-tiny", {"qkv_bias": True, "o_bias": True}, r"qwen3 model has linear biases \(qkv, o, mlp\) = "
                                                            r"\(True, True, False\); llama.cpp's qwen3 architecture "
                                                            r"has \(False, False, False\)"),
@@ -454,12 +455,13 @@ def test_gguf_refusals(model, tokenizer_dir, tmp_path):
          "rope_scaling=.*'yarn'.* is not written to GGUF yet; plain RoPE .* and the 'llama3' and 'linear' "
          "scalings are"),
         ("llama-tiny", {"num_labels": 1}, "a score model"),
-        # The newer families' switches inside an architecture GGUF knows (they would load and compute
-        # something else in llama.cpp): a GeGLU LLaMA, a Qwen2 windowed on some layers.
-        ("llama-tiny", {"gate_activation": "gelu_tanh"}, r"ModelConfig.gate_activation='gelu_tanh' is not written "
-                                                          r"to GGUF yet .*; expected 'silu'"),
+        # The newer families' switches inside an architecture that does not compute them (they would load and
+        # compute something else in llama.cpp): a GeGLU LLaMA, a Qwen2 windowed on some layers (more in
+        # test_gguf_families.py).
+        ("llama-tiny", {"gate_activation": "gelu_tanh"}, r"ModelConfig.gate_activation='gelu_tanh' cannot be "
+                                                          r"written as llama.cpp's llama, which computes with SwiGLU"),
         ("qwen2-tiny", {"sliding_window": 8, "sliding_window_layers": [1]},
-         r"ModelConfig.sliding_window_layers=\[1\] is not written to GGUF yet"),
+         r"ModelConfig.sliding_window_layers=\[1\] cannot be written as llama.cpp's qwen2"),
     ]
     for preset, overrides, message in refused:
         cfg = ModelConfig.from_preset(preset, vocab_size=VOCAB, **overrides)
@@ -468,8 +470,9 @@ def test_gguf_refusals(model, tokenizer_dir, tmp_path):
     with pytest.raises(ValueError, match="bits=6: GGUF holds our codes only at 8 bits .Q8_0. or 4 bits .Q4_0."):
         gguf_qtype(6)
     assert (gguf_qtype(8), gguf_qtype(4)) == ("Q8_0", "Q4_0")
-    with pytest.raises(ValueError, match=r"qtype='Q6_K': expected one of \['Q8_0', 'Q4_0'\]"):
-        export_gguf(model, model.config, out, "Q6_K", tokenizer_dir)
+    with pytest.raises(ValueError, match=r"qtype='Q5_K_M': expected one of \['Q8_0', 'Q4_0'\] \(our codes\) or a "
+                                         r"K-quant mix \['Q4_K_M', 'Q4_K', 'Q6_K'\]"):
+        export_gguf(model, model.config, out, "Q5_K_M", tokenizer_dir)
     with pytest.raises(ValueError, match="block_size=48: GGUF needs a multiple of 32"):
         export_gguf(model, model.config, out, "Q8_0", tokenizer_dir, 48)
     cfg = ModelConfig.from_preset("llama-tiny", vocab_size=VOCAB, d_model=48, n_head=4, n_kv_head=2)

@@ -435,3 +435,28 @@ def test_export_script_puts_a_4_bit_export_on_q4_k_m_exactly(tokenizer_dir, tmp_
             assert np.array_equal(gguf_dequantize(t.data, t.tensor_type).reshape(w.shape), kernels.on_grid(w, 4, 256))
     with pytest.raises(SystemExit, match="--gguf-type is for --format gguf, not safetensors"):
         main([str(tmp_path / "int4"), str(tmp_path / "o"), "--format", "safetensors", "--gguf-type", "Q4_K_M"])
+
+
+def test_export_script_puts_a_6_bit_export_on_q6_k_exactly(tokenizer_dir, tmp_path, capsys):
+    """The all-Q6_K mix through the script: a 6-bit block-256 grid is held by every matrix (d = s, sc = 1);
+    an 8-bit one does not fit its 6-bit codes and is quantized again, the summary says so."""
+    from export import export_lowbit
+    from scripts.export_quantized import main
+
+    model = tiny_llama(256, 256, vocab=416, seed=6)
+    for bits in (6, 8):
+        export_lowbit(model, model.config, tmp_path / f"int{bits}", bits, 256, tokenizer_dir)
+        main([str(tmp_path / f"int{bits}"), str(tmp_path / "m.gguf"), "--format", "gguf", "--gguf-type", "Q6_K"])
+        line = capsys.readouterr().out.splitlines()[-1]
+        assert line.startswith(f"{tmp_path / 'm.gguf'}: gguf Q6_K; 16 Q6_K (6.56 bits per weight); "), line
+        tensors = gguf.GGUFReader(tmp_path / "m.gguf").tensors
+        assert int(gguf.GGUFReader(tmp_path / "m.gguf").fields["general.file_type"].parts[-1][0]) == \
+            gguf.LlamaFileType.MOSTLY_Q6_K
+        if bits == 6:
+            assert line.endswith("exact: every matrix holds the 6-bit qwZ grid (block size 256)"), line
+            w = model.blocks[1].mlp.down_proj.weight.detach()
+            t = next(t for t in tensors if t.name == "blk.1.ffn_down.weight")
+            assert np.array_equal(gguf_dequantize(t.data, t.tensor_type).reshape(w.shape), kernels.on_grid(w, 6, 256))
+        else:
+            assert "0 of 16 matrices hold the 8-bit qwZ grid exactly, quantized again from the weights (Q4_K holds " \
+                   "it at <= 4 bits, Q6_K at <= 6, blocks a multiple of 256)" in line, line
