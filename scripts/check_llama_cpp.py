@@ -1,18 +1,27 @@
 """Check our GGUF exports with llama.cpp itself (llama-cpp-python), outside the test suite.
 
     pip install llama-cpp-python        # builds llama.cpp from source (minutes to half an hour on 2 cores)
-    python scripts/check_llama_cpp.py [--presets llama-tiny,qwen2-tiny] [--out DIR]
+    python scripts/check_llama_cpp.py [--presets llama-tiny,qwen2-tiny] [--families gemma2] [--kquants Q6_K]
+                                      [--out DIR]
 
-For each tiny preset (GPT-2, LLaMA, Llama 3.1 RoPE scaling, Qwen2, Qwen3, Mistral) a random model over a
-400-piece SentencePiece tokenizer is exported as Q8_0 GGUF (block 64), and llama.cpp:
+For each tiny preset (GPT-2, LLaMA, Llama 3.1 RoPE scaling, Qwen2, Qwen3, Mistral) and each family of issue 37
+(Granite, OLMo 2, SmolLM3, Gemma 2, Gemma 3 text: tiny configs made by transformers' config classes, read by our
+loader) a random model over a 400-piece SentencePiece tokenizer is exported as Q8_0 GGUF (block 64), and
+llama.cpp:
 
 - loads the file and tokenizes text as our tokenizer does;
 - run on the same file with its tensors dequantized to F32 by gguf-py (F32 KV cache), gives the logits
   of our model with the dequantized weights (max |diff| relative to max |logit|) and the same greedy
-  continuation: the file holds exactly our weights and llama.cpp computes our model with them (GPT-2:
-  ggml's GELU goes through an fp16 table, 4e-4 relative; our model with that rounding is compared too);
+  continuation: the file holds exactly our weights and llama.cpp computes our model with them (GPT-2,
+  Gemma 2 / 3: ggml's GELU goes through an fp16 table, 1e-4 to 4e-4 relative; our model with that rounding
+  is compared too);
 - run on the Q8_0 file itself: the relative logit difference (llama.cpp's quantized matmuls also quantize
-  the activations to 8 bits, so it is about 1%, not 1e-6) and how many greedy tokens agree.
+  the activations to 8 bits, so it is about 1%, not 1e-6) and how many greedy tokens agree; beside it, what
+  rounding the weights alone does to our forward's logits.
+
+The K-quant mixes (Q4_K_M, Q6_K) run the same way on llama-tiny 256 wide (whole super-blocks; Q8_0 of it as
+the baseline), the files quantized from the fp32 weights: the F32 copy against our model with the values the
+file holds (read back by gguf-py), and llama.cpp's own K-quant loader and matmuls on the file itself.
 
 Then, for the published byte-level BPE layouts (`published_tokenizer`: Qwen2 / Qwen3 and Llama 3, rebuilt from
 their tokenizer.json structure on a small vocabulary), a model exported with each: llama.cpp reads the
@@ -20,8 +29,8 @@ pre-tokenizer its GGUF names ('qwen2', 'llama-bpe'), tokenizes texts (contractio
 newline runs, accents, CJK) as the tokenizers library does, tokenizes a chat rendered with the GGUF's own
 `tokenizer.chat_template` as transformers' `apply_chat_template` does, and adds BOS as the tokenizer says.
 
-Exits non-zero when a load, the tokenization, the F32 logits (> 1e-4 relative; GPT-2 with fp16 GELU), the
-F32 greedy tokens or a published layout's tokenization fail.
+Exits non-zero when a load, the tokenization, the F32 logits (> 1e-4 relative; GPT-2 and the Gemmas with
+fp16 GELU), the F32 greedy tokens or a published layout's tokenization fail.
 """
 
 import argparse
@@ -33,17 +42,49 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
+import torch.nn.functional as F
 from gguf.quants import dequantize
 
 from data.corpus import default_corpus
 from data.tokenizer import load_tokenizer, train_sentencepiece
 from export import dequantized_state_dict, export_gguf
+from export.quantized import GGUF_ARCHS, _llama_row_order
 from models.config import ModelConfig
 from models.generate import generate
+from models.hf import config_from_hf, to_hf_state_dict
 from models.transformer import Transformer
 
 PRESETS = ("gpt2-tiny", "llama-tiny", "llama3-tiny", "qwen2-tiny", "qwen3-tiny", "mistral-tiny")
 TOKENS, VOCAB, BITS, BLOCK = 400, 416, 8, 64
+WINDOW = 8  # the Gemmas' window: shorter than the 28 positions a check runs over, so that it bites
+
+
+def _families() -> dict:
+    """The families of issue 37 as transformers' config classes make them (tiny, 256 wide: whole K-quant
+    super-blocks), every switch llama.cpp's architecture has a key for away from its default, and what it
+    hard-codes as it computes it (SmolLM3 without RoPE on every 4th layer; Gemma's attention scale)."""
+    from transformers import Gemma2Config, Gemma3TextConfig, GraniteConfig, Olmo2Config, SmolLM3Config
+
+    size = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    gemma = dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=WINDOW, **{**size, "num_hidden_layers": 3})
+    return {
+        "granite": GraniteConfig(embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1,
+                                 logits_scaling=3.0, attention_bias=True, mlp_bias=True, **size),
+        "olmo2": Olmo2Config(**size),
+        "smollm3": SmolLM3Config(**{**size, "num_hidden_layers": 4}),
+        # the scores' cap low enough to bite; the logits' at the published 30 (one of 3 pins the logits at +-3,
+        # and the max |diff| relative to 3 then measures the fp16 GELU table's absolute error against a tenth
+        # of the logits' scale: 1.0e-4 there, 3e-4 absolute)
+        "gemma2": Gemma2Config(attn_logit_softcapping=5.0, final_logit_softcapping=30.0, **gemma),
+        "gemma3": Gemma3TextConfig(sliding_window_pattern=3, final_logit_softcapping=7.0, rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, **gemma),
+    }
+
+
+FAMILIES = ("granite", "olmo2", "smollm3", "gemma2", "gemma3")
+KQUANTS, KQUANT_MODEL = ("Q4_K_M", "Q6_K"), "llama-tiny-256"
 PROMPT_LEN, NEW_TOKENS = 12, 16  # within mistral-tiny's 32-token window, which its GGUF declares as the context
 TEXT = "Return the number of items in a container, and raise an error when it is empty."
 
@@ -115,16 +156,25 @@ def published_tokenizer(directory: Path, layout: str, texts=LAYOUT_TEXTS, vocab_
     return directory
 
 
-def random_model(preset: str) -> Transformer:
-    """Matrices at std 0.2 (HF's 0.02 makes greedy decoding repeat one token), vectors moved off 0 / 1 so
+def random_model(name: str) -> Transformer:
+    """A tiny preset, a family of _families() as our loader reads transformers' config, or KQUANT_MODEL.
+    Matrices at std 0.2 * sqrt(64 / d_model) (0.2 for the 64-wide presets; at any width a matrix then scales
+    the activations alike, where 0.2 at 256 wide makes a model so chaotic that rounding its weights to Q8_0
+    moves its logits by 10%; HF's 0.02 makes greedy decoding repeat one token), vectors moved off 0 / 1 so
     that a bias or norm gain put in the wrong place shows."""
     torch.manual_seed(0)
-    extra = {"d_ff": 128} if preset == "llama-tiny" else {}  # its 176 is no multiple of GGUF's 32-element blocks
-    model = Transformer(ModelConfig.from_preset(preset, vocab_size=VOCAB, **extra))
+    if name in FAMILIES:
+        config = config_from_hf(_families()[name].to_dict(), name)
+    elif name == KQUANT_MODEL:  # llama-tiny 256 wide: its matrices whole K-quant super-blocks
+        config = ModelConfig.from_preset("llama-tiny", vocab_size=VOCAB, d_model=256, d_ff=512)
+    else:
+        extra = {"d_ff": 128} if name == "llama-tiny" else {}  # its 176 is no multiple of GGUF's 32-element blocks
+        config = ModelConfig.from_preset(name, vocab_size=VOCAB, **extra)
+    model = Transformer(config)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
-                p.normal_(0.0, 0.2)
+                p.normal_(0.0, 0.2 * (64 / config.d_model) ** 0.5)
             else:
                 p.add_(torch.randn_like(p) * 0.1)
     return model.eval()
@@ -174,42 +224,75 @@ def llama_cpp_run(path: Path, prompt: list[int], f32_cache: bool) -> tuple[np.nd
 
 
 def ggml_gelu(model: Transformer) -> Transformer:
-    """ggml computes GELU through an fp16 table (GGML_GELU_FP16): its input and its output are fp16 values.
-    Rounds them so in `model` (hooks around the activation), to tell that rounding from a wrong weight."""
+    """ggml computes GELU through an fp16 table (GGML_GELU_FP16): its input and its output are fp16 values
+    (below -10 it gives 0, from 10 on its input). Rounds them so in `model` (GPT-2's MLP: hooks around the
+    activation; a GeGLU's gate: its MLP's forward), to tell that rounding from a wrong weight."""
     for block in model.blocks:
-        block.mlp.up_proj.register_forward_hook(lambda module, args, out: out.half().float())
-        block.mlp.down_proj.register_forward_pre_hook(lambda module, args: (args[0].half().float(),))
+        mlp = block.mlp
+        if mlp.activation == "swiglu":
+            def forward(x, mlp=mlp):
+                g = mlp.gate_proj(x)
+                table = F.gelu(g.half().float(), approximate="tanh").half().float()
+                gate = torch.where(g <= -10, torch.zeros_like(g), torch.where(g >= 10, g, table))
+                return mlp.down_proj(gate * mlp.up_proj(x))
+            mlp.forward = forward
+        else:
+            mlp.up_proj.register_forward_hook(lambda module, args, out: out.half().float())
+            mlp.down_proj.register_forward_pre_hook(lambda module, args: (args[0].half().float(),))
     return model
 
 
-def check(preset: str, tokenizer_dir: Path, out: Path) -> tuple[dict, bool]:
-    model = random_model(preset)
+def file_weights(path: Path, model: Transformer) -> dict[str, torch.Tensor]:
+    """The weights a GGUF file of a LLaMA `model` holds, by our names: each tensor dequantized by gguf-py,
+    llama.cpp's q/k row order undone."""
     c = model.config
-    path = export_gguf(model, c, out / f"{preset}-q8_0.gguf", "Q8_0", tokenizer_dir, BLOCK)
-    f32 = f32_copy(path, out / f"{preset}-f32.gguf")
+    names = gguf.get_tensor_name_map(GGUF_ARCHS[c.arch], c.n_layer)
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    out = {}
+    for name, p in model.named_parameters():  # a tied head once, as the token embedding
+        (hf_name,) = to_hf_state_dict({name: p}, c)
+        t = tensors[names.get_name(hf_name, try_suffixes=(".weight", ".bias"))]
+        values = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type))).reshape(p.shape)
+        heads = {"attn.q_proj.weight": c.n_head, "attn.k_proj.weight": c.n_kv_head}
+        n_head = next((h for key, h in heads.items() if name.endswith(key)), None)
+        out[name] = values[torch.argsort(_llama_row_order(p.shape[0], n_head))] if n_head else values
+    return out
+
+
+def check(name: str, tokenizer_dir: Path, out: Path, qtype: str = "Q8_0") -> tuple[dict, bool]:
+    """One model exported as `qtype` (Q8_0 block 64, or a K-quant mix quantized from the fp32 weights): llama.cpp
+    on its F32-dequantized copy against our model with the weights the file holds, and on the file itself."""
+    model = random_model(name)
+    c = model.config
+    path = export_gguf(model, c, out / f"{name}-{qtype.lower()}.gguf", qtype, tokenizer_dir, BLOCK)
+    f32 = f32_copy(path, out / f"{name}-{qtype.lower()}-f32.gguf")
     ours = Transformer(c)
-    ours.load_state_dict(dequantized_state_dict(model, c, BITS, BLOCK), strict=False)  # tied head: strict off
+    held = dequantized_state_dict(model, c, BITS, BLOCK) if qtype == "Q8_0" else file_weights(path, model)
+    ours.load_state_dict(held, strict=False)  # tied head: strict off
     ours.eval()
     tokenizer = load_tokenizer(tokenizer_dir)
     prompt = tokenizer.encode(TEXT)[:PROMPT_LEN]
     with torch.no_grad():
         expected = ours(torch.tensor([prompt]))[0].numpy()
+        unquantized = model(torch.tensor([prompt]))[0].numpy()
     greedy = generate(ours, [prompt], NEW_TOKENS)[0]
     scale = float(np.abs(expected).max())
 
     logits32, new32, theirs_tokens = llama_cpp_run(f32, prompt, f32_cache=True)
-    logits8, new8, _ = llama_cpp_run(path, prompt, f32_cache=False)
-    row = {"preset": preset, "gguf arch": gguf.GGUFReader(path).fields["general.architecture"].contents(),
+    logits_q, new_q, _ = llama_cpp_run(path, prompt, f32_cache=False)
+    row = {"model": name, "type": qtype, "gguf arch": gguf.GGUFReader(path).fields["general.architecture"].contents(),
            "tokenizes alike": theirs_tokens == tokenizer.encode(TEXT),
            "F32 logits rel diff": float(np.abs(logits32 - expected).max()) / scale}
     exact = row["F32 logits rel diff"]
-    if c.activation == "gelu_tanh":
+    if c.activation == "gelu_tanh" or c.gate_activation == "gelu_tanh":
         with torch.no_grad():
             rounded = ggml_gelu(ours)(torch.tensor([prompt]))[0].numpy()
         exact = row["F32 rel diff, fp16 GELU"] = float(np.abs(logits32 - rounded).max()) / scale
     row.update({"F32 greedy equal": new32 == greedy,
-                "Q8_0 logits rel diff": float(np.abs(logits8 - expected).max()) / scale,
-                "Q8_0 greedy agree": f"{sum(a == b for a, b in zip(new8, greedy))}/{NEW_TOKENS}"})
+                # what rounding the weights alone does to this model's logits (our forward), for scale
+                f"{qtype} weights vs fp32 rel diff": float(np.abs(expected - unquantized).max()) / scale,
+                f"{qtype} logits rel diff": float(np.abs(logits_q - expected).max()) / scale,
+                f"{qtype} greedy agree": f"{sum(a == b for a, b in zip(new_q, greedy))}/{NEW_TOKENS}"})
     ok = row["tokenizes alike"] and exact < 1e-4 and row["F32 greedy equal"]
     return row, ok
 
@@ -251,6 +334,9 @@ def report(row: dict) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", default=",".join(PRESETS))
+    parser.add_argument("--families", default=",".join(FAMILIES), help="the families of issue 37 ('' for none)")
+    parser.add_argument("--kquants", default=",".join(KQUANTS),
+                        help=f"K-quant mixes run on {KQUANT_MODEL} ('' for none)")
     parser.add_argument("--layouts", default="qwen2,llama3", help="published tokenizer layouts to check ('' for none)")
     parser.add_argument("--out", help="where the GGUF files go (default: a temporary directory)")
     args = parser.parse_args(argv)
@@ -266,14 +352,17 @@ def main(argv=None) -> int:
     train_sentencepiece([out / "text.txt"], out / "sp" / "tokenizer", TOKENS)
     print(f"llama-cpp-python {llama_cpp.__version__}; files in {out}")
     failed = []
-    for preset in filter(None, args.presets.split(",")):
+    runs = [(name, "Q8_0") for name in filter(None, [*args.presets.split(","), *args.families.split(",")])]
+    kquants = list(filter(None, args.kquants.split(",")))
+    runs += [(KQUANT_MODEL, mix) for mix in ["Q8_0", *kquants] if kquants]  # Q8_0: the same model's baseline
+    for name, qtype in runs:
         try:
-            row, ok = check(preset, out / "sp", out)
+            row, ok = check(name, out / "sp", out, qtype)
         except Exception as e:  # a file llama.cpp cannot load: report it and go on
-            row, ok = {"preset": preset, "error": f"{type(e).__name__}: {e}"}, False
+            row, ok = {"model": name, "type": qtype, "error": f"{type(e).__name__}: {e}"}, False
         report(row)
         if not ok:
-            failed.append(preset)
+            failed.append(f"{name} {qtype}")
     for layout in filter(None, args.layouts.split(",")):
         try:
             row, ok = check_layout(layout, out)
