@@ -16,7 +16,8 @@ compressed-tensors dequantizes in the scale's dtype, and q * s in fp16 would rou
 Dense in the export, with their values on the grid (what a qwZ forward computes with): the embeddings, the
 LM head and OPT's project_in / project_out (listed in `ignore`); vectors in fp32 (on the grid with
 `vectors_on_grid`). GPT-2 is refused: HF stores its layers as Conv1D ([in, out]), which the format's schemes
-(nn.Linear along the input dim) do not describe.
+(nn.Linear along the input dim) do not describe. A SmolLM3 is refused without its tokenizer: config.json would name
+no pad_token_id, and transformers' default (128004) lies outside a smaller vocabulary.
 
 Written tensor by tensor (the layout from the shapes first, then each weight read, packed and written before
 the next one): the peak is one weight and its codes, not the model.
