@@ -419,6 +419,7 @@ _GGUF_BIASES = {"llama": (False, False, False), "mistral": (False, False, False)
                 **dict.fromkeys(("olmo2", "smollm3", "gemma2", "gemma3_text"), (None, False, False))}
 # llama.cpp's RoPE is NORM (adjacent pairs) for these: convert_hf_to_gguf.py permutes their q/k rows (LlamaModel).
 _GGUF_PERMUTED = ("llama", "mistral", "granite", "smollm3")
+_GGUF_ROPE_FREQS = ("llama", "mistral", "granite")  # the architectures whose loader takes a rope_freqs tensor
 _GGUF_SWA = ("gemma2", "gemma3_text")  # the architectures with a window per layer (sliding_window_pattern)
 _GGUF_SMOLLM3_NOPE = 4  # llama.cpp's smollm3 leaves RoPE out of every 4th layer, hard-coded (n_no_rope_layer_step)
 
@@ -462,10 +463,8 @@ def _gguf_switches(config: ModelConfig) -> list[tuple[str, bool, str]]:
         ("sliding_rope_theta", arch == "gemma3_text" or c.sliding_rope_theta is None, "one RoPE for every layer"),
         ("rope_scaling", not swa_scaled or arch == "gemma2",
          "its windowed layers' RoPE unscaled (rope.freq_base_swa); give them their own base, as Gemma 3 does"),
-        ("rope_scaling", not (c.rope_scaling or {}).get("rope_type") == "llama3" or arch in ("llama", "mistral",
-                                                                                              "granite", "qwen2",
-                                                                                              "qwen3"),
-         "no rope_freqs tensor (llama3 scaling)"),
+        ("rope_scaling", (c.rope_scaling or {}).get("rope_type") != "llama3" or arch in _GGUF_ROPE_FREQS,
+         "no rope_freqs tensor (the llama3 scaling; only llama and granite load one)"),
         ("explicit_head_dim", arch != "olmo2" or c.explicit_head_dim is None,
          "head_dim = d_model / n_head (q/k/v/o are d_model wide)"),
         ("tie_embeddings", c.tie_embeddings if arch == "gemma2" else arch != "olmo2" or not c.tie_embeddings,
@@ -473,7 +472,8 @@ def _gguf_switches(config: ModelConfig) -> list[tuple[str, bool, str]]:
         ("embedding_multiplier", arch == "granite" or c.embedding_multiplier == (c.d_model ** 0.5 if gemma else 1.0),
          "token embeddings times sqrt(d_model)" if gemma else "token embeddings unscaled"),
         ("residual_multiplier", arch == "granite" or c.residual_multiplier == 1.0, "residuals unscaled"),
-        ("attention_multiplier", arch == "granite" or c.attention_multiplier == (_gguf_gemma_scale(c) if gemma else None),
+        ("attention_multiplier",
+         arch == "granite" or c.attention_multiplier == (_gguf_gemma_scale(c) if gemma else None),
          "the attention scale 1 / sqrt(head_dim)" + (" (1 / sqrt(d_model / n_head) at the 27B layer count; "
                                                     "query_pre_attn_scalar must match)" if gemma else "")),
         ("logits_scaling", arch == "granite" or c.logits_scaling == 1.0, "logits unscaled"),

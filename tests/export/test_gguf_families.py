@@ -183,6 +183,11 @@ def test_family_refusals_by_config(family, tmp_path):
         (replace(gemma2, gate_activation="gelu"), r"gate_activation='gelu' .*GELU's tanh form"),
         # Gemma 3's windowed layers scaled like its global ones: llama.cpp's gemma3 leaves them unscaled
         (replace(gemma3, sliding_rope_theta=None), r"rope_scaling=.*'linear'.* windowed layers' RoPE unscaled"),
+        # llama.cpp's qwen2 (as olmo2, smollm3, the Gemmas) loads no rope_freqs tensor: the file would not load
+        (ModelConfig.from_preset("qwen2-tiny", vocab_size=VOCAB, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32}), r"rope_scaling=.*'llama3'.* cannot be written as llama.cpp's "
+                                                       r"qwen2, which computes with no rope_freqs tensor"),
     ]
     for config, match in refused:
         _refused(config, match, tmp_path)
