@@ -117,9 +117,32 @@ class GRPOSection:
     lr: float = 1e-6  # learning rate (TRL GRPOConfig's default)
     group_size: int = 8  # G samples per prompt (TRL num_generations 8)
     iterations: int = 1  # μ: optimizer passes per generation (TRL num_iterations 1)
-    clip: float = 0.2  # policy ratio clip (TRL epsilon)
-    beta: float = 0.0  # k3 KL to the reference (TRL default 0.0; DeepSeekMath 0.04)
-    scale_rewards: bool = True  # divide by the group's std (DeepSeekMath; TRL scale_rewards)
+    clip: float = 0.2  # policy ratio clip below, and above unless clip_high is set (TRL epsilon)
+    clip_high: float | None = None  # upper ratio clip; None: = clip (DAPO's clip-higher 0.28; TRL epsilon_high)
+    # k3 KL to the reference in the loss (TRL default 0.0; DeepSeekMath 0.04); with advantage
+    # reinforce_pp it is the k1 penalty in the reward instead (REINFORCE++).
+    beta: float = 0.0
+    # How the loss is aggregated (TRL loss_type, default "dapo"): grpo (each sequence's token mean,
+    # averaged over sequences), bnpo (token mean of each rank's batch), dr_grpo (token sum over
+    # sequences x generation.max_new_tokens), dapo (token mean of the global batch), gspo (GSPO's
+    # sequence-level ratio, aggregated as grpo). All but bnpo are global: N ranks equal one process.
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "gspo"] = "dapo"
+    # Advantages: group (GRPO, scaled by scale_rewards), rloo (leave-one-out baseline; TRL RLOOTrainer),
+    # reinforce_pp (REINFORCE++: KL in the reward, returns normalized over the global batch).
+    advantage: Literal["group", "rloo", "reinforce_pp"] = "group"
+    # advantage group's divisor (TRL scale_rewards): the group's std ("group", DeepSeekMath), the
+    # global batch's ("batch", PPO Lite) or none ("none", Dr. GRPO); true / false mean group / none.
+    scale_rewards: Literal["group", "batch", "none"] | bool = "group"
+    # Drop the groups whose rewards are all equal from the loss and its normalization (DAPO's dynamic
+    # sampling, without resampling); each step logs how many were dropped.
+    dynamic_sampling: bool = False
+    # Leave responses cut at generation.max_new_tokens (no EOS) out of the loss (DAPO's overlong
+    # filtering; TRL mask_truncated_completions).
+    mask_truncated_completions: bool = False
+    # > 0: DAPO's soft overlong punishment over the last this many tokens before max_new_tokens
+    # (verl overlong_buffer.len; TRL get_soft_overlong_punishment's soft_punish_cache); 0: off.
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0  # the punishment at max_new_tokens (verl overlong_buffer.penalty_factor)
 
 
 def _train_section() -> RunSection:
@@ -183,6 +206,7 @@ def check(cfg: RLHFConfig, stage: str) -> None:
         raise ConfigError(f"generation.temperature must be >= 0, got {cfg.generation.temperature}")
     if not 0.0 < cfg.generation.top_p <= 1.0:
         raise ConfigError(f"generation.top_p must be in (0, 1], got {cfg.generation.top_p}")
+    check_grpo_section(cfg.grpo, cfg.generation.max_new_tokens)
     if cfg.ppo.mini_batches > cfg.train.micro_batch_size:
         raise ConfigError(f"ppo.mini_batches {cfg.ppo.mini_batches} exceeds train.micro_batch_size "
                           f"{cfg.train.micro_batch_size}: every mini-batch needs a rollout on each rank")
@@ -196,3 +220,30 @@ def check(cfg: RLHFConfig, stage: str) -> None:
         cfg.zero_optimization.validate()
     except ZeroConfigError as e:
         raise ConfigError(str(e)) from None
+
+
+def reward_scaling(g: GRPOSection) -> str:
+    """grpo.scale_rewards as one of "group", "batch", "none" (true / false: TRL's aliases of group / none)."""
+    return {True: "group", False: "none"}.get(g.scale_rewards, g.scale_rewards)
+
+
+def check_grpo_section(g: GRPOSection, max_new_tokens: int) -> None:
+    """The grpo keys' ranges and combinations, each error naming its key."""
+    for key, value in (("grpo.clip", g.clip), ("grpo.clip_high", g.clip_high)):
+        if value is not None and value <= 0:
+            raise ConfigError(f"{key} must be > 0, got {value}")
+    if g.clip >= 1:
+        raise ConfigError(f"grpo.clip must be below 1 (the ratio's lower bound 1 - clip stays positive), got {g.clip}")
+    if g.beta < 0:
+        raise ConfigError(f"grpo.beta must be >= 0, got {g.beta}")
+    if g.advantage == "rloo" and g.group_size < 2:
+        raise ConfigError(f"grpo.advantage rloo needs grpo.group_size >= 2 (a leave-one-out baseline), got "
+                          f"{g.group_size}")
+    if g.advantage != "group" and reward_scaling(g) != "group":
+        raise ConfigError(f"grpo.scale_rewards {g.scale_rewards!r} applies to grpo.advantage group only, not "
+                          f"{g.advantage!r}: leave it at its default")
+    if not 0 <= g.overlong_buffer <= max_new_tokens:
+        raise ConfigError(f"grpo.overlong_buffer must be in [0, generation.max_new_tokens = {max_new_tokens}], got "
+                          f"{g.overlong_buffer}")
+    if g.overlong_penalty < 0:
+        raise ConfigError(f"grpo.overlong_penalty must be >= 0 (it is subtracted), got {g.overlong_penalty}")

@@ -250,39 +250,150 @@ def diverging_reward_loss(chosen_values: Tensor, rejected_values: Tensor, chosen
     return masked_mean(-F.logsigmoid(chosen_values - rejected_values), window, dim=1)
 
 
-def grpo_advantages(rewards: Tensor, group_size: int, scale: bool = True, eps: float = 1e-6) -> Tensor:
-    """Group-relative advantages [N] for rewards [N] laid out as consecutive groups of `group_size`
-    completions of one prompt: (r - group mean) / (group std + eps), DeepSeekMath's GRPO
-    (Shao et al. 2024) with TRL's unbiased std.
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "gspo")
+REWARD_SCALINGS = ("group", "batch", "none")
 
-    scale=True is the paper's and TRL's default; scale=False (r - mean only) is Dr. GRPO (Liu et
-    al. 2025), which drops the std that upweights nearly solved or unsolved prompts. eps only
-    keeps tiny spreads finite (TRL adds 1e-4, OpenRLHF 1e-9): a group whose rewards are all
-    equal, a group of one included, gets exactly 0.
-    """
+
+def _check_groups(rewards: Tensor, group_size: int) -> Tensor:
+    """rewards [N] as float groups [N / group_size, group_size], or a ValueError naming the shapes."""
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
     if group_size < 1 or rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of group_size={group_size}")
-    if not rewards.is_floating_point():
-        rewards = rewards.float()
-    groups = rewards.view(-1, group_size)
+    return (rewards if rewards.is_floating_point() else rewards.float()).view(-1, group_size)
+
+
+def equal_reward_groups(rewards: Tensor, group_size: int) -> Tensor:
+    """bool [N / group_size]: groups whose rewards are all equal (no learning signal; DAPO's dynamic
+    sampling drops them)."""
+    groups = _check_groups(rewards, group_size)
+    return (groups == groups[:, :1]).all(dim=1)
+
+
+def grpo_advantages(rewards: Tensor, group_size: int, scale: str = "group", batch_std: float | None = None,
+                    eps: float = 1e-6) -> Tensor:
+    """Group-relative advantages [N] for rewards [N] laid out as consecutive groups of `group_size`
+    completions of one prompt: (r - group mean) / (std + eps), DeepSeekMath's GRPO (Shao et al.
+    2024) with TRL's unbiased std.
+
+    scale (TRL scale_rewards): "group" divides by the group's std (the paper's and TRL's default);
+    "batch" by `batch_std`, the std of the whole batch's rewards, which the caller computes over
+    every rank (PPO Lite, Liu et al. 2025); "none" keeps r - mean only (Dr. GRPO, Liu et al. 2025,
+    which drops the std that upweights nearly solved or unsolved prompts). eps only keeps tiny
+    spreads finite (TRL adds 1e-4, OpenRLHF 1e-9): a group whose rewards are all equal, a group of
+    one included, gets exactly 0.
+    """
+    if scale not in REWARD_SCALINGS:
+        raise ValueError(f"scale={scale!r}; expected one of {list(REWARD_SCALINGS)}")
+    if scale == "batch" and batch_std is None:
+        raise ValueError('scale="batch" needs batch_std, the std of the global batch\'s rewards')
+    groups = _check_groups(rewards, group_size)
     advantages = groups - groups.mean(dim=1, keepdim=True)
-    if scale:
+    if scale == "group":
         std = (advantages.pow(2).sum(dim=1, keepdim=True) / max(group_size - 1, 1)).sqrt()
         advantages = advantages / (std + eps)
+    elif scale == "batch":
+        advantages = advantages / (batch_std + eps)
     all_equal = (groups == groups[:, :1]).all(dim=1, keepdim=True)
     return advantages.masked_fill(all_equal, 0).view(-1)
 
 
+def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    """REINFORCE Leave-One-Out advantages [N] (Kool et al. 2019; Ahmadian et al. 2024, TRL's
+    RLOOTrainer): each completion's reward minus the mean reward of the other completions of its
+    prompt, r_i - (sum_j r_j - r_i) / (G - 1). Needs group_size >= 2."""
+    if group_size < 2:
+        raise ValueError(f"RLOO needs group_size >= 2 (a baseline from the other samples), got {group_size}")
+    groups = _check_groups(rewards, group_size)
+    baseline = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
+    return (groups - baseline).view(-1)
+
+
+@torch.no_grad()
+def reinforce_pp_returns(scores: Tensor, mask: Tensor, logp: Tensor | None = None, ref_logp: Tensor | None = None,
+                         kl_coef: float = 0.0) -> Tensor:
+    """REINFORCE++'s per-token returns [B, T] before its global-batch normalization (Hu 2025): the
+    reward is -kl_coef * k1 KL on every real token plus the sequence score at the last one (the KL
+    sits in the reward, not in the loss), and each token's return is the sum of the rewards from it
+    on (gamma 1, no critic). kl_coef 0 needs no log-probs: every real token gets the score."""
+    real = mask.bool()
+    if kl_coef > 0:
+        if logp is None or ref_logp is None:
+            raise ValueError(f"kl_coef={kl_coef} > 0 needs logp and ref_logp for the KL in the reward")
+        rewards, _ = shape_rewards(scores, logp, ref_logp, real, kl_coef, None)
+    else:
+        rewards = torch.zeros(real.shape, dtype=torch.float32, device=real.device)
+        rows = real.any(dim=1).nonzero().squeeze(1)
+        rewards[rows, _last_real_positions(real)[rows]] = scores[rows].to(rewards.dtype)
+    return rewards.flip(1).cumsum(1).flip(1).masked_fill(~real, 0)
+
+
+def soft_overlong_penalty(lengths: Tensor, max_len: int, buffer: int, factor: float = 1.0) -> Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to the reward: 0 up to
+    max_len - buffer tokens, then falling linearly to -factor at max_len, -factor beyond."""
+    if buffer < 1 or buffer > max_len:
+        raise ValueError(f"buffer={buffer} must be in [1, max_len={max_len}]")
+    over = (lengths.double() - (max_len - buffer)).clamp(min=0) / buffer
+    return -factor * over.clamp(max=1.0)
+
+
 def grpo_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, advantages: Tensor, clip: float,
-              beta: float) -> tuple[Tensor, Tensor]:
-    """(loss, clipped) [B, T]: GRPO's per-token objective (DeepSeekMath eq. 3): PPO's clipped
-    surrogate with each row's advantage [B] on all its tokens, plus beta * k3 KL to the reference
-    (eq. 4) when beta > 0 (ref_logp may then be None)."""
-    loss, clipped = ppo_policy_loss(logp, old_logp, advantages.unsqueeze(1), clip)
+              beta: float, clip_high: float | None = None, mask: Tensor | None = None,
+              sequence: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, clipped_low, clipped_high) [B, T]: GRPO's per-token objective (DeepSeekMath eq. 3):
+    PPO's clipped surrogate with each row's advantage ([B], or per token [B, T]) on all its tokens,
+    plus beta * k3 KL to the reference (eq. 4) when beta > 0 (ref_logp may then be None).
+
+    clip_high (DAPO's clip-higher, TRL epsilon_high; None: = clip) bounds the ratio at
+    1 + clip_high above and 1 - clip below. sequence=True is GSPO (Zheng et al. 2025; TRL
+    importance_sampling_level="sequence"): one ratio per sequence, exp of the mean token log-ratio
+    over `mask` (the geometric mean of the token ratios), clipped at the sequence level; the
+    sequence's surrogate and its clip flags are repeated on each of its tokens. The flags mark
+    where the clipped term is the smaller objective at the lower (A < 0) or upper (A > 0) bound.
+    """
+    high = clip if clip_high is None else clip_high
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    if sequence:
+        if mask is None:
+            raise ValueError("sequence=True (GSPO) needs the response mask")
+        log_ratio = masked_mean(logp - old_logp, mask, dim=1).unsqueeze(1)
+    else:
+        log_ratio = logp - old_logp
+    ratio = torch.exp(log_ratio)
+    unclipped_loss = -advantages * ratio
+    clipped_loss = -advantages * ratio.clamp(1 - clip, 1 + high)
+    loss = torch.maximum(unclipped_loss, clipped_loss).expand_as(logp)
+    clipped = (clipped_loss > unclipped_loss).expand_as(logp)
+    above = (ratio > 1).expand_as(logp)
     if beta > 0:
         if ref_logp is None:
             raise ValueError(f"beta={beta} > 0 needs ref_logp for the KL penalty")
         loss = loss + beta * kl_estimate(logp, ref_logp, "k3")
-    return loss, clipped
+    return loss, clipped & ~above, clipped & above
+
+
+def grpo_token_weights(mask: Tensor, loss_type: str, sequences: float, tokens: float, max_len: int,
+                       world: int) -> Tensor:
+    """Per-token weights [B, T] of this rank's rows such that the update's loss is the sum over every
+    rank of weights * per-token loss, with TRL's aggregations (GRPOConfig loss_type):
+
+    - "grpo", "gspo": each sequence's token mean, averaged over the `sequences` of the global batch;
+    - "dapo": every token of the global batch weighs the same: 1 / `tokens` (global);
+    - "dr_grpo": the token sum over `sequences` x `max_len` (Dr. GRPO's constant, TRL's
+      max_completion_length: generation.max_new_tokens);
+    - "bnpo": each rank's own token mean (its local batch), averaged over the `world` ranks: the one
+      aggregation that depends on how the batch is split over ranks, as TRL says of it.
+
+    `mask` is the loss mask (rows that train, 0/1); `sequences` and `tokens` are global counts.
+    """
+    real = mask.to(torch.float64)
+    if loss_type in ("grpo", "gspo"):
+        return real / (real.sum(dim=1, keepdim=True).clamp(min=1) * max(sequences, 1.0))
+    if loss_type == "dapo":
+        return real / max(tokens, 1.0)
+    if loss_type == "dr_grpo":
+        return real / (max(sequences, 1.0) * max_len)
+    if loss_type == "bnpo":
+        return real / (real.sum().clamp(min=1) * world)
+    raise ValueError(f"loss_type={loss_type!r}; expected one of {list(GRPO_LOSS_TYPES)}")

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.config import STAGES, RLHFConfig, check
+from rlhf.config import STAGES, RLHFConfig, check, reward_scaling
 from trainer.config import ConfigError, parse_args
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("rlhf_*.yaml"))
@@ -31,11 +31,43 @@ def test_one_preset_per_stage_and_one_for_the_pipeline():
     (["--train.dist_timeout", "0"], "train.dist_timeout"),
     (["--model.n_head", "3"], "model.n_head: value 3 does not divide model.d_model"),  # as train.py says it
     (["--model.preset", "gpt9"], "model.preset: value 'gpt9' is not a preset"),
+    (["--grpo.clip_high", "0"], "grpo.clip_high must be > 0, got 0"),
+    (["--grpo.clip", "1.5"], "grpo.clip must be below 1"),
+    (["--grpo.advantage", "rloo", "--grpo.group_size", "1"], "grpo.advantage rloo needs grpo.group_size >= 2"),
+    (["--grpo.advantage", "rloo", "--grpo.scale_rewards", "false"],
+     "grpo.scale_rewards False applies to grpo.advantage group only"),
+    (["--grpo.overlong_buffer", "65"], r"grpo.overlong_buffer must be in \[0, generation.max_new_tokens = 64\], got 65"),
+    (["--grpo.overlong_penalty", "-1"], "grpo.overlong_penalty must be >= 0"),
 ])
 def test_bad_values_name_the_key(argv, key):
     cfg = parse_args(["--data.task", "word", *argv], RLHFConfig())
     with pytest.raises(ConfigError, match=key):
         check(cfg, "ppo")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--grpo.loss_type", "sapo"], r"grpo.loss_type: value 'sapo' is not one of \['grpo', 'bnpo'"),
+    (["--grpo.advantage", "gae"], r"grpo.advantage: value 'gae' is not one of \['group', 'rloo', 'reinforce_pp'\]"),
+    (["--grpo.scale_rewards", "std"], r"grpo.scale_rewards: value 'std' is not one of \['group', 'batch', 'none'\]"),
+])
+def test_unknown_grpo_choices_are_refused_when_parsed(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_args(["--data.task", "word", *argv], RLHFConfig())
+
+
+@pytest.mark.parametrize("value,meaning", [("true", "group"), ("false", "none"), ("group", "group"),
+                                           ("batch", "batch"), ("none", "none")])
+def test_scale_rewards_takes_trls_names_and_the_old_booleans(value, meaning):
+    cfg = parse_args(["--data.task", "word", "--grpo.scale_rewards", value], RLHFConfig())
+    check(cfg, "grpo")
+    assert reward_scaling(cfg.grpo) == meaning
+
+
+def test_grpo_defaults_are_trls():
+    g = RLHFConfig().grpo
+    assert (g.loss_type, g.clip, g.clip_high, reward_scaling(g), g.mask_truncated_completions) == \
+        ("dapo", 0.2, None, "group", False)
+    assert (g.advantage, g.dynamic_sampling, g.overlong_buffer) == ("group", False, 0)
 
 
 def test_unknown_stage_and_missing_data():

@@ -7,10 +7,11 @@ import statistics
 import pytest
 import torch
 
-from rlhf.losses import (AdaptiveKLController, FixedKLController, approx_kl, diverging_reward_loss, dpo_loss,
-                         entropy_from_logits, gae, grpo_advantages, grpo_loss, kl_controller, kl_estimate,
-                         last_token_scores, masked_mean, masked_sum, masked_whiten, pairwise_reward_loss,
-                         ppo_policy_loss, shape_rewards, token_logprobs, value_loss)
+from rlhf.losses import (GRPO_LOSS_TYPES, AdaptiveKLController, FixedKLController, approx_kl, diverging_reward_loss,
+                         dpo_loss, entropy_from_logits, equal_reward_groups, gae, grpo_advantages, grpo_loss,
+                         grpo_token_weights, kl_controller, kl_estimate, last_token_scores, masked_mean, masked_sum,
+                         masked_whiten, pairwise_reward_loss, ppo_policy_loss, reinforce_pp_returns, rloo_advantages,
+                         shape_rewards, soft_overlong_penalty, token_logprobs, value_loss)
 
 F64 = torch.float64
 
@@ -242,39 +243,158 @@ def test_diverging_reward_loss_averages_from_the_first_difference_to_the_longer_
 
 def test_grpo_advantages_normalize_within_groups():
     rewards = [1.0, 0.0, 0.0, 0.1, 0.1, 0.1, 2.0, 4.0, 9.0]
-    expected_scaled, expected_centered = [], []
+    batch_std = statistics.stdev(rewards)
+    expected = {"group": [], "none": [], "batch": []}
     for g in range(3):
         group = rewards[3 * g:3 * g + 3]
         mean, std = statistics.fmean(group), statistics.stdev(group)  # stdev: n - 1
         equal = len(set(group)) == 1
-        expected_scaled += [0.0 if equal else (r - mean) / (std + 1e-6) for r in group]
-        expected_centered += [0.0 if equal else r - mean for r in group]
+        expected["group"] += [0.0 if equal else (r - mean) / (std + 1e-6) for r in group]
+        expected["none"] += [0.0 if equal else r - mean for r in group]
+        expected["batch"] += [0.0 if equal else (r - mean) / (batch_std + 1e-6) for r in group]
     scaled = grpo_advantages(t(rewards), 3)
-    assert_close(scaled, expected_scaled)
+    assert_close(scaled, expected["group"])
     assert scaled[3:6].tolist() == [0.0, 0.0, 0.0]  # exactly, though mean(0.1, 0.1, 0.1) != 0.1 in floats
-    assert_close(grpo_advantages(t(rewards), 3, scale=False), expected_centered)
+    assert_close(grpo_advantages(t(rewards), 3, scale="none"), expected["none"])
+    assert_close(grpo_advantages(t(rewards), 3, scale="batch", batch_std=batch_std), expected["batch"])
     assert grpo_advantages(t(rewards), 1).tolist() == [0.0] * 9
     assert grpo_advantages(torch.tensor([1, 0]), 2).dtype.is_floating_point
+    assert equal_reward_groups(t(rewards), 3).tolist() == [False, True, False]
     with pytest.raises(ValueError, match=r"9 rewards.*group_size=4"):
         grpo_advantages(t(rewards), 4)
+    with pytest.raises(ValueError, match="batch_std"):
+        grpo_advantages(t(rewards), 3, scale="batch")
+    with pytest.raises(ValueError, match="'std'"):
+        grpo_advantages(t(rewards), 3, scale="std")
 
 
-def test_grpo_loss_adds_k3_to_the_clipped_surrogate():
+def test_rloo_advantages_subtract_the_mean_of_the_other_samples():
+    rewards = [1.0, 0.0, 0.5, 0.5, 3.0, -1.0, 2.0, 0.0]
+    expected = []
+    for g in range(2):
+        group = rewards[4 * g:4 * g + 4]
+        for i, r in enumerate(group):
+            others = [v for j, v in enumerate(group) if j != i]
+            expected.append(r - sum(others) / len(others))
+    assert_close(rloo_advantages(t(rewards), 4), expected)
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        rloo_advantages(t(rewards), 1)
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.05])
+def test_reinforce_pp_returns_sum_the_k1_shaped_rewards_to_the_end(kl_coef):
+    logp = t([[-1.0, -2.0, -0.5, -1.0], [-0.1, -0.2, 9.0, 9.0], [5.0, 5.0, 5.0, 5.0]])
+    ref = t([[-1.5, -1.0, -0.5, -2.0], [-0.3, -0.1, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    lengths, scores = [4, 2, 0], [2.0, -0.5, 3.0]
+    returns = reinforce_pp_returns(t(scores), prefix_mask(lengths, 4), logp, ref, kl_coef)
+    for b, n in enumerate(lengths):
+        step_rewards = [-kl_coef * (logp[b, i].item() - ref[b, i].item()) + (scores[b] if i == n - 1 else 0.0)
+                        for i in range(n)]
+        expected = [sum(step_rewards[i:]) for i in range(n)] + [0.0] * (4 - n)
+        assert returns[b].tolist() == pytest.approx(expected, rel=1e-12, abs=1e-12)
+    with pytest.raises(ValueError, match="ref_logp"):
+        reinforce_pp_returns(t(scores), prefix_mask(lengths, 4), None, None, 0.1)
+
+
+def test_soft_overlong_penalty_is_dapos_piecewise_linear_punishment():
+    max_len, buffer, factor = 10, 4, 0.5
+    lengths = [1, 6, 7, 9, 10, 12]
+    expected = []
+    for n in lengths:  # DAPO eq. 13, scaled by the factor
+        if n <= max_len - buffer:
+            expected.append(0.0)
+        elif n <= max_len:
+            expected.append(factor * ((max_len - buffer) - n) / buffer)
+        else:
+            expected.append(-factor)
+    assert soft_overlong_penalty(torch.tensor(lengths), max_len, buffer, factor).tolist() == pytest.approx(expected)
+    with pytest.raises(ValueError, match="buffer=0"):
+        soft_overlong_penalty(torch.tensor(lengths), max_len, 0)
+
+
+@pytest.mark.parametrize("clip_high", [None, 0.28])
+def test_grpo_loss_adds_k3_to_the_asymmetrically_clipped_surrogate(clip_high):
     clip, beta = 0.2, 0.04
-    logp = [[-1.0, -0.5, -2.0], [-0.3, -1.2, -0.8]]
-    old = [[-1.2, -0.5, -1.0], [-0.3, -2.0, -0.1]]
-    ref = [[-0.8, -1.5, -2.0], [-1.0, -1.0, -1.0]]
+    high = clip if clip_high is None else clip_high
+    logp = [[-1.0, -0.5, -2.0, math.log(1.25)], [-0.3, -1.2, -0.8, math.log(0.7)]]
+    old = [[-1.2, -0.5, -1.0, 0.0], [-0.3, -2.0, -0.1, 0.0]]
+    ref = [[-0.8, -1.5, -2.0, -1.0], [-1.0, -1.0, -1.0, -1.0]]
     advantages = [0.5, -1.5]
-    loss, clipped = grpo_loss(t(logp), t(old), t(ref), t(advantages), clip, beta)
-    without_kl, _ = grpo_loss(t(logp), t(old), None, t(advantages), clip, 0.0)
+    loss, low_flags, high_flags = grpo_loss(t(logp), t(old), t(ref), t(advantages), clip, beta, clip_high=clip_high)
+    without_kl, _, _ = grpo_loss(t(logp), t(old), None, t(advantages), clip, 0.0, clip_high=clip_high)
     for b in range(2):
-        for i in range(3):
+        for i in range(4):
             ratio, a = math.exp(logp[b][i] - old[b][i]), advantages[b]
-            clipped_term = min(max(ratio, 1 - clip), 1 + clip) * a
+            clipped_term = min(max(ratio, 1 - clip), 1 + high) * a
             surrogate = -min(ratio * a, clipped_term)
             k3 = math.exp(ref[b][i] - logp[b][i]) - (ref[b][i] - logp[b][i]) - 1
             assert loss[b, i].item() == pytest.approx(surrogate + beta * k3, rel=1e-12, abs=1e-12)
             assert without_kl[b, i].item() == pytest.approx(surrogate, rel=1e-12, abs=1e-12)
-            assert clipped[b, i].item() == (clipped_term < ratio * a)
+            assert high_flags[b, i].item() == (a > 0 and ratio > 1 + high)
+            assert low_flags[b, i].item() == (a < 0 and ratio < 1 - clip)
+    # ratio 1.25 with A > 0 is clipped by 0.2, not by 0.28
+    assert high_flags[0, 3].item() == (clip_high is None)
     with pytest.raises(ValueError, match="ref_logp"):
         grpo_loss(t(logp), t(old), None, t(advantages), clip, beta)
+
+
+def test_gspo_clips_the_geometric_mean_ratio_of_each_sequence():
+    clip, clip_high = 0.1, 0.15
+    lengths = [3, 2, 1]
+    logp_rows = [[-1.0, -0.5, -2.0, 7.0], [-0.3, -1.0, 5.0, 5.0], [-0.9, 3.0, 3.0, 3.0]]
+    old_rows = [[-1.1, -0.6, -2.1, 0.0], [0.2, -0.1, 0.0, 0.0], [-1.2, 0.0, 0.0, 0.0]]
+    advantages = [0.7, -0.4, 1.2]
+    logp = t(logp_rows).requires_grad_()
+    mask = prefix_mask(lengths, 4)
+    loss, low_flags, high_flags = grpo_loss(logp, t(old_rows), None, t(advantages), clip, 0.0, clip_high=clip_high,
+                                            mask=mask, sequence=True)
+    weights = grpo_token_weights(mask, "gspo", sequences=3, tokens=6, max_len=4, world=1)
+    (loss * weights).sum().backward()
+    expected_total, expected_grad = 0.0, torch.zeros(3, 4, dtype=F64)
+    for b, n in enumerate(lengths):
+        log_ratios = [logp_rows[b][i] - old_rows[b][i] for i in range(n)]
+        s = math.exp(sum(log_ratios) / n)  # (prod of token ratios)^(1/n)
+        a = advantages[b]
+        clipped = min(max(s, 1 - clip), 1 + clip_high) * a
+        seq_loss = -min(s * a, clipped)
+        expected_total += seq_loss / 3
+        is_clipped = clipped < s * a
+        for i in range(n):
+            assert loss[b, i].item() == pytest.approx(seq_loss, rel=1e-12)
+            assert high_flags[b, i].item() == (is_clipped and s > 1) and low_flags[b, i].item() == (is_clipped and s < 1)
+            # d(-s a / 3)/d logp_i = -a s / (3 n) unless the clipped (constant) term is the smaller objective
+            expected_grad[b, i] = 0.0 if is_clipped else -a * s / (3 * n)
+    assert (loss * weights).sum().item() == pytest.approx(expected_total, rel=1e-12)
+    assert_close(logp.grad, expected_grad)
+    # one sequence of each kind: inside the range (s = e^0.1), clipped below (e^-0.7, A < 0), above (e^0.3, A > 0)
+    assert [low_flags[b, 0].item() for b in range(3)] == [False, True, False]
+    assert [high_flags[b, 0].item() for b in range(3)] == [False, False, True]
+    with pytest.raises(ValueError, match="mask"):
+        grpo_loss(logp, t(old_rows), None, t(advantages), clip, 0.0, sequence=True)
+
+
+def test_grpo_token_weights_aggregate_as_trl_and_global_ones_do_not_depend_on_the_split():
+    g = torch.Generator().manual_seed(3)
+    lengths, max_len = [4, 1, 0, 3, 2, 4], 5  # row 2: a masked (truncated) row, still a sequence
+    mask = prefix_mask(lengths, 5)
+    losses = torch.randn(6, 5, generator=g, dtype=F64)
+    rows = [[losses[b, i].item() for i in range(n)] for b, n in enumerate(lengths)]
+    n_seq, n_tok = len(lengths), sum(lengths)
+    expected = {
+        "grpo": sum(sum(r) / len(r) for r in rows if r) / n_seq,
+        "dapo": sum(sum(r) for r in rows) / n_tok,
+        "dr_grpo": sum(sum(r) for r in rows) / (n_seq * max_len),
+    }
+    expected["gspo"] = expected["grpo"]
+    halves = ([0, 1, 2], [3, 4, 5])
+    # bnpo on two ranks: each rank's token mean, averaged over the ranks
+    expected["bnpo"] = sum(sum(sum(rows[b]) for b in rank) / sum(lengths[b] for b in rank) for rank in halves) / 2
+    for loss_type in GRPO_LOSS_TYPES:
+        if loss_type != "bnpo":
+            one = (losses * grpo_token_weights(mask, loss_type, n_seq, n_tok, max_len, world=1)).sum()
+            assert one.item() == pytest.approx(expected[loss_type], rel=1e-12), loss_type
+        two = sum((losses[rank] * grpo_token_weights(mask[rank], loss_type, n_seq, n_tok, max_len, world=2)).sum()
+                  for rank in halves)
+        assert two.item() == pytest.approx(expected[loss_type], rel=1e-12), loss_type
+    with pytest.raises(ValueError, match="'token'"):
+        grpo_token_weights(mask, "token", n_seq, n_tok, max_len, world=1)
