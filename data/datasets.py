@@ -9,14 +9,19 @@ both roles: inputs `sample[:-1]`, targets `sample[1:]`.
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
+import shutil
+import socket
+from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from data.chat import ChatTemplate, chat_example
-from data.indexed import IndexedDataset
+from data.indexed import BadIndexedFile, IndexedDataset, IndexedDatasetBuilder, best_dtype
 from data.sources import MissingKeyError, iter_json_records
 from data.tokenizer import Tokenizer
 
@@ -168,15 +173,17 @@ SFT_FORMATS = {"alpaca": ("instruction", "output"), "hh": ("chosen",), "completi
 PREFERENCE_FORMATS = {"pairs": ("prompt", "chosen", "rejected"), "hh": ("chosen", "rejected")}
 
 
-def _load_records(source, formats: dict, format: str | None) -> tuple[list[dict], str, str]:
-    """(records, format, name for messages) from a JSON/JSONL(.gz) path or a list of dicts."""
+def _records(source, formats: dict, format: str | None) -> tuple[Iterator[dict], str, str]:
+    """(records, format, name for messages) from a JSON/JSONL(.gz) path or a list of dicts. A path's
+    records are streamed, one at a time: the format is told from the first."""
     if isinstance(source, (str, os.PathLike)):
-        name, records = str(source), list(iter_json_records(source))
+        name, records = str(source), iter_json_records(source)
     else:
-        name, records = "records", list(source)
-    if not records:
+        name, records = "records", iter(source)
+    first = next(records, None)
+    if first is None:
         raise ValueError(f"{name}: no records")
-    keys = set(records[0])
+    keys = set(first)
     if format is None:
         format = next((f for f, required in formats.items() if set(required) <= keys), None)
         if format is None:
@@ -188,7 +195,7 @@ def _load_records(source, formats: dict, format: str | None) -> tuple[list[dict]
     if missing:
         raise MissingKeyError(f"{name}: format {format!r} needs key {missing[0]!r}; "
                               f"the records have keys {sorted(keys)}")
-    return records, format, name
+    return itertools.chain([first], records), format, name
 
 
 def _field(record: dict, key: str, i: int, name: str) -> str:
@@ -243,8 +250,10 @@ class _TokenizedRecords(torch.utils.data.Dataset):
         return {k: torch.from_numpy(v) for k, v in self.examples[i].items()}
 
 
-class SFTDataset(_TokenizedRecords):
-    """Supervised fine-tuning examples: [BOS] prompt response EOS, loss on response and EOS only.
+def sft_examples(source: str | os.PathLike | Sequence[dict], tokenizer: Tokenizer, max_len: int,
+                 format: str | None = None) -> tuple[str, Iterator[tuple[np.ndarray, np.ndarray] | None]]:
+    """(format, examples): each record's (tokens, labels) in order, None for a record that gives
+    none. One record at a time, so that an SFT cache can be written from a file larger than memory.
 
     Formats (auto-detected from the first record's keys, or given as `format=`):
     `alpaca`: instruction / input / output, prompt from `alpaca_prompt`;
@@ -252,32 +261,144 @@ class SFTDataset(_TokenizedRecords):
     `completion`: TRL's prompt / completion records, the prompt verbatim;
     `messages`: TRL's conversational records, multi-turn, rendered with the tokenizer's chat
     template, the loss on every assistant turn (data/chat.py).
-    Items are {"tokens", "labels"} int64 tensors truncated to `max_len`; records whose response
-    is truncated away entirely are skipped (counted in `num_skipped`).
+    An example is int64 tokens and labels truncated to `max_len`; a record whose response is
+    truncated away entirely gives None.
+    """
+    if max_len < 2:
+        raise ValueError(f"max_len={max_len}; expected at least 2")
+    records, format, name = _records(source, SFT_FORMATS, format)
+    template = ChatTemplate(tokenizer.path) if format == "messages" else None
+
+    def examples():
+        for i, record in enumerate(records):
+            if template is not None:
+                yield _truncated(*chat_example(template, tokenizer.encode, record.get("messages"),
+                                               IGNORE_INDEX, f"{name}: record {i}"), max_len)
+                continue
+            if format == "alpaca":
+                prompt = alpaca_prompt(_field(record, "instruction", i, name), record.get("input"))
+                response = _field(record, "output", i, name)
+            elif format == "completion":  # TRL's prompt-completion records: the prompt verbatim
+                prompt, response = _field(record, "prompt", i, name), _field(record, "completion", i, name)
+            else:
+                prompt, response = split_hh_dialogue(_field(record, "chosen", i, name))
+            yield _supervised(prompt_ids(tokenizer, prompt), response_ids(tokenizer, response), max_len)
+
+    return format, examples()
+
+
+class SFTDataset(_TokenizedRecords):
+    """Supervised fine-tuning examples held in memory: [BOS] prompt response EOS, loss on response
+    and EOS only (`sft_examples` says how each format is read). Items are {"tokens", "labels"}
+    int64 tensors; records left without a target are skipped (counted in `num_skipped`).
+    Fine-tuning reads its data sets through `SFTCache` instead, which keeps nothing in memory.
     """
 
     def __init__(self, source: str | os.PathLike | Sequence[dict], tokenizer: Tokenizer, max_len: int,
                  format: str | None = None):
         super().__init__(max_len)
-        records, self.format, name = _load_records(source, SFT_FORMATS, format)
-        template = ChatTemplate(tokenizer.path) if self.format == "messages" else None
-        for i, record in enumerate(records):
-            if template is not None:
-                example = _truncated(*chat_example(template, tokenizer.encode, record.get("messages"),
-                                                   IGNORE_INDEX, f"{name}: record {i}"), max_len)
-            else:
-                if self.format == "alpaca":
-                    prompt = alpaca_prompt(_field(record, "instruction", i, name), record.get("input"))
-                    response = _field(record, "output", i, name)
-                elif self.format == "completion":  # TRL's prompt-completion records: the prompt verbatim
-                    prompt, response = _field(record, "prompt", i, name), _field(record, "completion", i, name)
-                else:
-                    prompt, response = split_hh_dialogue(_field(record, "chosen", i, name))
-                example = _supervised(prompt_ids(tokenizer, prompt), response_ids(tokenizer, response), max_len)
+        self.format, examples = sft_examples(source, tokenizer, max_len, format)
+        for example in examples:
             if example is None:
                 self.num_skipped += 1
             else:
                 self.examples.append({"tokens": example[0], "labels": example[1]})
+
+
+class SFTCache(torch.utils.data.Dataset):
+    """SFT examples tokenized once into a directory (`build_sft_cache`) and read lazily through
+    memory maps, so a rank's memory does not grow with the data set: Megatron `.bin/.idx` pairs
+    (data/indexed.py), `tokens` (one sequence per example) and `targets` (uint8, 1 where the label
+    is the token, 0 where it is -100), and `meta.json` (the key it was built for, the format, the
+    counts), written last. Items equal `SFTDataset`'s for the same records.
+
+    A directory that does not hold what its meta.json says (truncated, corrupt, another key) raises
+    BadIndexedFile naming the file: the caller rebuilds it.
+    """
+
+    def __init__(self, directory: str | os.PathLike, key: dict | None = None):
+        self.directory = Path(directory)
+        meta_path = self.directory / "meta.json"
+        try:
+            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+            self.format, self.num_skipped, count, num_tokens = (meta["format"], meta["skipped"], meta["examples"],
+                                                                meta["tokens"])
+        except FileNotFoundError:
+            raise BadIndexedFile(f"{meta_path}: missing (an interrupted or foreign cache)") from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise BadIndexedFile(f"{meta_path}: unreadable ({type(e).__name__}: {e}; truncated?)") from None
+        if key is not None and meta.get("key") != key:
+            raise BadIndexedFile(f"{meta_path}: built for {meta.get('key')}, not {key}")
+        try:
+            self.tokens = IndexedDataset(self.directory / "tokens")
+            self.targets = IndexedDataset(self.directory / "targets")
+        except FileNotFoundError as e:
+            raise BadIndexedFile(str(e)) from None
+        if (len(self.tokens), self.tokens.num_tokens) != (count, num_tokens) or self.targets.dtype != np.uint8 \
+                or not np.array_equal(self.tokens.sequence_lengths, self.targets.sequence_lengths):
+            raise BadIndexedFile(f"{self.directory}: tokens ({len(self.tokens)} examples, {self.tokens.num_tokens} "
+                                 f"tokens) and targets ({len(self.targets)} examples) do not match {meta_path} "
+                                 f"({count} examples, {num_tokens} tokens)")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        tokens = self.tokens[i].astype(np.int64)
+        labels = np.where(self.targets[i] != 0, tokens, IGNORE_INDEX)
+        return {"tokens": torch.from_numpy(tokens), "labels": torch.from_numpy(labels)}
+
+
+def build_sft_cache(directory: str | os.PathLike, source: str | os.PathLike, tokenizer: Tokenizer, max_len: int,
+                    format: str | None = None, key: dict | None = None) -> SFTCache:
+    """Tokenize `source` record by record (`sft_examples`) into the SFTCache `directory`.
+
+    Everything is written into a temporary directory beside it, renamed into place at the end: an
+    interrupted build leaves nothing under the final name. Builders racing for one directory (the
+    nodes of a run on a shared file system) each write their own; the first rename wins and the
+    others keep it (same key, same bytes). A directory already there that does not open (corrupt,
+    another key) is replaced.
+    """
+    directory = Path(directory)
+    tmp = directory.with_name(f"{directory.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        format, examples = sft_examples(source, tokenizer, max_len, format)
+        counts = {"examples": 0, "skipped": 0, "tokens": 0}
+        with IndexedDatasetBuilder(tmp / "tokens", best_dtype(tokenizer.vocab_size)) as tokens, \
+                IndexedDatasetBuilder(tmp / "targets", np.uint8) as targets:
+            for example in examples:
+                if example is None:
+                    counts["skipped"] += 1
+                    continue
+                tokens.add_document(example[0])
+                targets.add_document((example[1] != IGNORE_INDEX).astype(np.uint8))
+                counts["examples"] += 1
+                counts["tokens"] += len(example[0])
+        (tmp / "meta.json").write_text(json.dumps({"key": key, "format": format, **counts}, indent=1),
+                                       encoding="utf-8")
+        _move_into_place(tmp, directory, key)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return SFTCache(directory, key)
+
+
+def _move_into_place(tmp: Path, directory: Path, key: dict | None) -> None:
+    try:
+        os.rename(tmp, directory)
+        return
+    except OSError:  # the name is taken: by a builder that won the race, or by a bad cache
+        pass
+    try:
+        SFTCache(directory, key)
+        return  # a racing builder's, identical to ours
+    except (OSError, ValueError):
+        pass
+    stale = directory.with_name(f"{directory.name}.stale-{socket.gethostname()}-{os.getpid()}")
+    os.rename(directory, stale)  # out of the way first: readers never see a half-deleted cache
+    shutil.rmtree(stale, ignore_errors=True)
+    os.rename(tmp, directory)
 
 
 class PreferenceDataset(_TokenizedRecords):
@@ -293,7 +414,7 @@ class PreferenceDataset(_TokenizedRecords):
     def __init__(self, source: str | os.PathLike | Sequence[dict], tokenizer: Tokenizer, max_len: int,
                  format: str | None = None):
         super().__init__(max_len)
-        records, self.format, name = _load_records(source, PREFERENCE_FORMATS, format)
+        records, self.format, name = _records(source, PREFERENCE_FORMATS, format)
         for i, record in enumerate(records):
             chosen, rejected = _field(record, "chosen", i, name), _field(record, "rejected", i, name)
             if self.format == "pairs":

@@ -20,6 +20,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import struct
+from array import array
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -68,7 +69,7 @@ class IndexedDatasetBuilder:
         self._bin_tmp = Path(f"{self.prefix}.bin{suffix}")
         self._idx_tmp = Path(f"{self.prefix}.idx{suffix}")
         self._bin = open(self._bin_tmp, "wb")
-        self._lengths: list[int] = []
+        self._lengths = array("q")  # 8 bytes a document, not a Python int's 36: corpora of many short ones
 
     def add_document(self, ids: Sequence[int] | np.ndarray) -> None:
         if self._bin.closed:

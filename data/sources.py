@@ -1,14 +1,15 @@
 """Reading raw data files: plain text split into documents, and JSON / JSON Lines records.
 
-JSON, JSONL and their `.gz` forms are read with `datasets.load_dataset("json", streaming=True)`:
-records are streamed, so a large file is never converted into an Arrow cache.
+JSON Lines (`.jsonl`, `.jsonl.gz`, or a `.json` of one object a line) are read a line at a time,
+so a file larger than memory streams through; a JSON list is parsed whole.
 """
 
 from __future__ import annotations
 
 import gzip
+import json
 import os
-import tempfile
+import zlib
 from pathlib import Path
 from typing import Iterator
 
@@ -59,34 +60,41 @@ def iter_text_documents(path: str | os.PathLike) -> Iterator[str]:
 
 
 def iter_json_records(path: str | os.PathLike, required_keys: tuple[str, ...] = ()) -> Iterator[dict]:
-    """Records of a JSON list or JSON Lines file (`.gz` allowed).
+    """Records of a JSON list or JSON Lines file (`.gz` allowed), as written (a key a record lacks
+    is absent from it).
 
-    Records missing a key the file has elsewhere come back with it set to None. When
-    `required_keys` are given, a file whose columns lack one raises an error naming the key
-    and the keys found, before any record is yielded.
+    JSON Lines are read a line at a time, so memory does not grow with the file; a JSON list (the
+    first character `[`) is parsed whole. When `required_keys` are given, a file whose first record
+    lacks one raises an error naming the key and the keys found, before any record is yielded.
     """
-    import datasets  # heavy: imported only by the processes that read JSON
-
     path = require_file(path)
-    # A throwaway cache dir: streaming still writes lock files, which belong nowhere in ~.
-    with tempfile.TemporaryDirectory(prefix="json-records-") as cache_dir:
-        try:
-            records = datasets.load_dataset("json", data_files=str(path), split="train",
-                                            streaming=True, cache_dir=cache_dir)
-            it = iter(records)
-            first = next(it, None)
-        except Exception as e:  # pyarrow / datasets raise many types for malformed JSON
-            raise ValueError(f"cannot read {path} as JSON or JSON Lines: {type(e).__name__}: {e}") from e
-        if first is None:
-            return
-        missing = [k for k in required_keys if k not in first]
-        if missing:
-            raise MissingKeyError(f"{path}: key {missing[0]!r} not found; the records have keys {sorted(first)}")
-        yield first
-        try:
-            yield from it
-        except Exception as e:
-            raise ValueError(f"cannot read {path} as JSON or JSON Lines: {type(e).__name__}: {e}") from e
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            first = f.read(1)
+            while first.isspace():
+                first = f.read(1)
+            f.seek(0)
+            records = ((f"record {i}", r) for i, r in enumerate(json.load(f))) if first == "[" else _json_lines(f)
+            for i, (where, record) in enumerate(records):
+                if not isinstance(record, dict):
+                    raise ValueError(f"{where} is {record!r:.60}, expected an object")
+                missing = [k for k in required_keys if k not in record] if i == 0 else []
+                if missing:
+                    raise MissingKeyError(f"{path}: key {missing[0]!r} not found; the records have keys "
+                                          f"{sorted(record)}")
+                yield record
+    except (ValueError, EOFError, gzip.BadGzipFile, zlib.error) as e:  # UnicodeDecodeError and JSON's are ValueErrors
+        raise ValueError(f"cannot read {path} as JSON or JSON Lines: {e}") from e
+
+
+def _json_lines(f) -> Iterator[tuple[str, object]]:
+    for n, line in enumerate(f, 1):
+        if line.strip():
+            try:
+                yield f"line {n}", json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"line {n}: {e}") from e
 
 
 def iter_documents(path: str | os.PathLike, json_key: str = "text") -> Iterator[str]:
@@ -95,7 +103,7 @@ def iter_documents(path: str | os.PathLike, json_key: str = "text") -> Iterator[
         yield from iter_text_documents(path)
         return
     for i, record in enumerate(iter_json_records(path, required_keys=(json_key,))):
-        text = record[json_key]
+        text = record.get(json_key)
         if not isinstance(text, str):
             raise ValueError(f"{path}: record {i}: key {json_key!r} is {text!r}, expected a string")
         yield text

@@ -1,12 +1,20 @@
 import functools
 import gzip
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from data.datasets import (IGNORE_INDEX, PreferenceDataset, SFTDataset, alpaca_prompt, collate_preference,
-                           collate_sft, split_hh_dialogue)
+from data.datasets import (IGNORE_INDEX, PreferenceDataset, SFTCache, SFTDataset, alpaca_prompt, build_sft_cache,
+                           collate_preference, collate_sft, split_hh_dialogue)
+from data.indexed import BadIndexedFile
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_hh(path):
@@ -133,6 +141,14 @@ def test_sft_errors(tmp_path, sp_tokenizer):
         SFTDataset([{"instruction": "a", "output": "b"}, {"instruction": "c"}], sp_tokenizer, max_len=64)
     with pytest.raises(ValueError, match="supported formats pairs"):
         PreferenceDataset([{"chosen": "x"}], sp_tokenizer, max_len=64)
+    # A JSON Lines file is read a line at a time: a broken line or a non-object is named by its number.
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"instruction": "a", "output": "b"}\n\n{"instruction": "c", "output": \n')
+    with pytest.raises(ValueError, match=r"cannot read .*broken.jsonl as JSON or JSON Lines: line 3: Expecting value"):
+        SFTDataset(path, sp_tokenizer, max_len=64)
+    path.write_text('{"instruction": "a", "output": "b"}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r"broken.jsonl as JSON or JSON Lines: line 2 is \[1, 2\], expected an object"):
+        SFTDataset(path, sp_tokenizer, max_len=64)
 
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -219,3 +235,120 @@ def test_bad_chat_records_and_templates_are_named(chatml_tokenizer, tmp_path):
     (no_template / "tokenizer.json").write_text((chatml_tokenizer / "tokenizer.json").read_text())
     with pytest.raises(ValueError, match="has no chat template"):
         SFTDataset(path, load_tokenizer(no_template), max_len=64)
+
+
+def assert_same_examples(cache, dataset):
+    """The cache's examples are the in-memory tokenization's: same count, skips, tokens and labels."""
+    assert (cache.format, len(cache), cache.num_skipped) == (dataset.format, len(dataset), dataset.num_skipped)
+    for i in range(len(dataset)):
+        cached, held = cache[i], dataset[i]
+        assert cached["tokens"].dtype == cached["labels"].dtype == torch.int64
+        assert torch.equal(cached["tokens"], held["tokens"]) and torch.equal(cached["labels"], held["labels"])
+
+
+def test_sft_cache_holds_the_in_memory_examples(alpaca_path, sp_tokenizer, chatml_tokenizer, tmp_path):
+    """Issue 37, item 6: examples tokenized record by record into memory-mapped files are the ones
+    SFTDataset holds in memory, for Alpaca (with and without records truncated away) and for
+    multi-turn chats (several assistant turns masked apart)."""
+    from data.tokenizer import load_tokenizer
+
+    for max_len in (64, 4096):
+        cache = build_sft_cache(tmp_path / f"alpaca-{max_len}", alpaca_path, sp_tokenizer, max_len)
+        assert_same_examples(cache, SFTDataset(alpaca_path, sp_tokenizer, max_len))
+    assert cache.num_skipped == 0 and SFTCache(tmp_path / "alpaca-64").num_skipped > 0
+    assert isinstance(cache.tokens.tokens, np.memmap) and isinstance(cache.targets.tokens, np.memmap)
+
+    tok = load_tokenizer(chatml_tokenizer)
+    turns = [("You are terse.", None), ("What is two plus two?", "Four."), ("And three?", "Three, twice over."),
+             ("And four?", "Four, twice over.")]
+    chats = []
+    for i in range(12):
+        messages = [{"role": "system", "content": turns[0][0]}] if i % 2 else []
+        for question, answer in turns[1:2 + i % 3]:
+            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        chats.append({"messages": messages})
+    path = tmp_path / "chats.jsonl.gz"
+    path.write_bytes(gzip.compress("".join(json.dumps(c) + "\n" for c in chats).encode()))
+    # Cut inside the first answer of the chats without a system message, before it in the others.
+    short = len(tok.encode("<|im_start|>user\nWhat is two plus two?<|im_end|>\n<|im_start|>assistant\n")) + 2
+    for max_len in (short, 512):
+        cache = build_sft_cache(tmp_path / f"chats-{max_len}", path, tok, max_len)
+        assert_same_examples(cache, SFTDataset(path, tok, max_len))
+        assert cache.format == "messages" and len(cache) >= 6
+    assert SFTCache(tmp_path / f"chats-{short}").num_skipped == 6
+
+
+def test_corrupt_or_truncated_sft_cache_is_named_and_rebuilt(alpaca_path, sp_tokenizer, tmp_path):
+    key = {"for": "this test"}
+    directory = tmp_path / "cache"
+    source = tmp_path / "alpaca.jsonl"  # 100 records: each rebuild is quick
+    source.write_text("".join(json.dumps(r) + "\n" for r in json.loads(alpaca_path.read_text())[:100]))
+    fresh = build_sft_cache(directory, source, sp_tokenizer, 128, key=key)
+    reference = [fresh[i] for i in range(len(fresh))]
+
+    def truncate(name):
+        file = directory / name
+        file.write_bytes(file.read_bytes()[:-7])
+
+    for damage, match in [(lambda: truncate("tokens.bin"), r"tokens.bin: \d+ bytes, but .*tokens.idx lists"),
+                          (lambda: truncate("targets.idx"), r"targets.idx: \d+ bytes, expected"),
+                          (lambda: truncate("meta.json"), r"meta.json: unreadable \(JSONDecodeError"),
+                          (lambda: (directory / "meta.json").unlink(), r"meta.json: missing"),
+                          (lambda: (directory / "targets.bin").unlink(), r"not found: .*targets.bin")]:
+        damage()
+        with pytest.raises(BadIndexedFile, match=match):
+            SFTCache(directory, key)
+        rebuilt = build_sft_cache(directory, source, sp_tokenizer, 128, key=key)
+        assert all(torch.equal(rebuilt[i]["labels"], reference[i]["labels"]) for i in range(len(reference)))
+    with pytest.raises(BadIndexedFile, match=r"meta.json: built for \{'for': 'this test'\}, not \{'other': 1\}"):
+        SFTCache(directory, {"other": 1})
+    # A targets file from another build (other lengths) is caught too.
+    other = build_sft_cache(tmp_path / "other", source, sp_tokenizer, 64, key=key)
+    for suffix in (".bin", ".idx"):
+        (directory / f"targets{suffix}").write_bytes((other.directory / f"targets{suffix}").read_bytes())
+    with pytest.raises(BadIndexedFile, match=r"cache: tokens \(\d+ examples, .*\) and targets \(\d+ examples\) do not match .*meta.json"):
+        SFTCache(directory, key)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["alpaca.jsonl", "cache", "other"]  # no temporary one left
+
+
+MEMORY_PROBE = """
+import json, sys
+from data.datasets import build_sft_cache
+from data.tokenizer import load_tokenizer
+
+def peak():  # bytes
+    return int(next(line for line in open("/proc/self/status") if line.startswith("VmHWM")).split()[1]) * 1024
+
+tokenizer = load_tokenizer(sys.argv[1])
+out = []
+for path in sys.argv[2:]:
+    cache = build_sft_cache(path + ".cache", path, tokenizer, max_len=4096)
+    out.append({"peak": peak(), "examples": len(cache), "tokens": cache.tokens.num_tokens})
+print(json.dumps(out))
+"""
+
+
+def test_sft_cache_build_memory_does_not_grow_with_the_records(hf_tokenizer_dir, tmp_path):
+    """A process tokenizing a JSON Lines file of N records, then one of 8N, peaks (VmHWM) no higher
+    for the second: it holds a record at a time, not the data set. Holding the 8N records' tokens
+    and labels as int64 alone, as SFTDataset does, would cost 16 bytes a token more (plus each
+    example's array headers): over 10 MB here."""
+    words = "apple river stone cloud green quick seven music paper light north table".split()
+    rng = np.random.default_rng(0)
+    paths = []
+    for n in (200, 1600):
+        paths.append(tmp_path / f"{n}.jsonl")
+        with open(paths[-1], "w") as f:
+            for _ in range(n):
+                f.write(json.dumps({"instruction": " ".join(rng.choice(words, 20)), "input": "",
+                                    "output": " ".join(rng.choice(words, 130))}) + "\n")
+    result = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(hf_tokenizer_dir), *map(str, paths)],
+                            capture_output=True, text=True, timeout=300, check=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    small, large = json.loads(result.stdout)
+    assert (small["examples"], large["examples"]) == (200, 1600)
+    holding = 16 * (large["tokens"] - small["tokens"])
+    assert holding > 10e6
+    print(f"peak RSS: {small['examples']} records {small['peak'] / 2**20:.1f} MiB, {large['examples']} records "
+          f"{large['peak'] / 2**20:.1f} MiB; holding the extra tokens: {holding / 2**20:.1f} MiB")
+    assert large["peak"] - small["peak"] < holding / 8, (small, large)
