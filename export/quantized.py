@@ -633,15 +633,15 @@ def export_gguf(weights, config: ModelConfig, out_path, qtype: str, tokenizer_di
                                    rope_freqs.dtype, rope_freqs.nbytes)
         gguf_names = {hf_name: names.get_name(hf_name, try_suffixes=(".weight", ".bias")) for hf_name in plan}
         tied = "output.weight" not in gguf_names.values()
-        kinds, row_heads = {}, {}
+        as_blocks, row_heads = {}, {}  # per HF tensor: quantized (its matrix as blocks), its q/k heads to permute
         for hf_name, parts in plan.items():
             name = gguf_names[hf_name]
             if name is None:
                 raise ValueError(f"GGUF export: gguf-py has no {arch.name.lower()} tensor name for {hf_name!r}")
             rows, cols = sum(p.shape[0] for p in parts), parts[0].shape[-1]
             row_heads[hf_name] = next((h for key, h in heads.items() if f".{key}." in hf_name), 0)
-            kinds[hf_name] = is_quantized(parts[0]) and not name.startswith("position_embd.")
-            if kinds[hf_name]:
+            as_blocks[hf_name] = is_quantized(parts[0]) and not name.startswith("position_embd.")
+            if as_blocks[hf_name]:
                 raw_dtype = kquant_type(name, cols, qtype, config.n_layer, tied) if kquant \
                     else gguf.GGMLQuantizationType[qtype]
                 if raw_dtype == gguf.GGMLQuantizationType.F16:  # a K-quant's fallback for rows not a multiple of 32
@@ -658,7 +658,7 @@ def export_gguf(weights, config: ModelConfig, out_path, qtype: str, tokenizer_di
         writer.write_ti_data_to_file()
         if rope_freqs is not None:
             writer.write_tensor_data(rope_freqs)
-        for hf_name, quantized in kinds.items():
+        for hf_name, quantized in as_blocks.items():
             parts = _gguf_parts(hf_name, hf[hf_name], config)  # read and converted now
             n_head = row_heads[hf_name]
             orders = [_llama_row_order(p.shape[0], n_head) if n_head else None for p in parts]
