@@ -155,7 +155,7 @@ def test_a_bad_key_is_one_line_and_debug_shows_the_traceback(script, args, key, 
         assert "Traceback (most recent call last)" in result.stderr and key in result.stderr
 
 
-def test_run_errors_are_one_line_naming_file_key_and_value(hf_dirs, synthetic, tmp_path, capfd):
+def test_run_errors_are_one_line_naming_file_key_and_value(hf_dirs, synthetic, tmp_path, capfd):  # noqa: F811 (fixtures)
     """Data, LoRA target, model type and checkpoint errors raised inside the run: one line, exit 1."""
     one_line_error(call_entry(capfd, "train.py", "--data.path", str(tmp_path / "absent.txt"), cwd=tmp_path),
                    "train.py: error: data.path", "absent.txt", "no such file")
@@ -278,7 +278,7 @@ def test_rlhf_run_errors_are_one_line(tmp_path, capfd):
 
 # --- finetune.lora.init_from --------------------------------------------------------------
 
-def test_lora_init_from_continues_a_peft_adapter(hf_dirs, synthetic, tmp_path):
+def test_lora_init_from_continues_a_peft_adapter(hf_dirs, synthetic, tmp_path):  # noqa: F811 (fixtures)
     """A LoRA run's adapters, saved as a PEFT adapter, start a new fine-tune: its adapters equal the
     saved ones and its loss on the validation batches equals the first run's final one; the
     checkpoints do not record init_from; an adapter that is not the configured LoRA is refused,

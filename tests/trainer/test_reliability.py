@@ -30,7 +30,7 @@ from tests.trainer.test_train import corpus, tiny_args  # noqa: F401  (the modul
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def args(corpus, tmp_path, name, *extra):
+def args(corpus, tmp_path, name, *extra):  # noqa: F811 (the fixture)
     return parse_args(tiny_args(corpus, tmp_path / name, tmp_path / "cache", *extra))
 
 
