@@ -9,6 +9,8 @@ both roles: inputs `sample[:-1]`, targets `sample[1:]`.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import itertools
 import json
 import os
@@ -385,20 +387,23 @@ def build_sft_cache(directory: str | os.PathLike, source: str | os.PathLike, tok
 
 
 def _move_into_place(tmp: Path, directory: Path, key: dict | None) -> None:
-    try:
-        os.rename(tmp, directory)
-        return
-    except OSError:  # the name is taken: by a builder that won the race, or by a bad cache
-        pass
-    try:
-        SFTCache(directory, key)
-        return  # a racing builder's, identical to ours
-    except (OSError, ValueError):
-        pass
-    stale = directory.with_name(f"{directory.name}.stale-{socket.gethostname()}-{os.getpid()}")
-    os.rename(directory, stale)  # out of the way first: readers never see a half-deleted cache
-    shutil.rmtree(stale, ignore_errors=True)
-    os.rename(tmp, directory)
+    for attempt in range(3):  # bounded: racing builders settle within a round or two
+        try:
+            os.rename(tmp, directory)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+        try:  # the name is taken: by a racing builder's cache (same key, same bytes: keep it), or a bad one
+            SFTCache(directory, key)
+            return
+        except (OSError, ValueError):
+            pass
+        stale = directory.with_name(f"{directory.name}.stale-{socket.gethostname()}-{os.getpid()}-{attempt}")
+        with contextlib.suppress(FileNotFoundError):  # another builder may have moved it already
+            os.rename(directory, stale)  # out of the way first: readers never see a half-deleted cache
+        shutil.rmtree(stale, ignore_errors=True)
+    raise OSError(f"cannot rename {tmp} to {directory}: other processes keep replacing it")
 
 
 class PreferenceDataset(_TokenizedRecords):

@@ -300,6 +300,10 @@ def test_corrupt_or_truncated_sft_cache_is_named_and_rebuilt(alpaca_path, sp_tok
             SFTCache(directory, key)
         rebuilt = build_sft_cache(directory, source, sp_tokenizer, 128, key=key)
         assert all(torch.equal(rebuilt[i]["labels"], reference[i]["labels"]) for i in range(len(reference)))
+    # A builder that lost the race to a valid cache keeps that one (same key, same bytes).
+    inode = (directory / "tokens.bin").stat().st_ino
+    build_sft_cache(directory, source, sp_tokenizer, 128, key=key)
+    assert (directory / "tokens.bin").stat().st_ino == inode
     with pytest.raises(BadIndexedFile, match=r"meta.json: built for \{'for': 'this test'\}, not \{'other': 1\}"):
         SFTCache(directory, {"other": 1})
     # A targets file from another build (other lengths) is caught too.
