@@ -27,6 +27,7 @@ VARIANTS = {  # grpo keys; the first is checked against the direct formula (μ =
     "dr_grpo": dict(loss_type="dr_grpo", advantage="rloo", overlong_buffer=2, iterations=2, beta=0.04),
     "gspo": dict(loss_type="gspo", scale_rewards="batch", dynamic_sampling=True, iterations=2, clip_high=0.28),
     "dapo": dict(loss_type="dapo", advantage="reinforce_pp", beta=0.04, iterations=2, mask_truncated_completions=True),
+    "nothing left": dict(dynamic_sampling=True),  # with equal rewards everywhere: every group dropped, no step
 }
 
 
@@ -60,7 +61,8 @@ def _variants(rank, world, rows):
         actor = ModelRuntime("actor", (lm, None), cfg, env, lr=1e-3, steps=cfg.grpo.iterations)
         reference = ModelRuntime("reference", (Transformer(lm.config), None), cfg, env, lr=None) \
             if cfg.grpo.beta > 0 else None
-        stats = grpo_step(actor, reference, batch, torch.tensor([SCORES[i] for i in mine]), cfg.grpo, MAX_LEN, EOS, 0)
+        scores = torch.tensor([1.0 if name == "nothing left" else SCORES[i] for i in mine])
+        stats = grpo_step(actor, reference, batch, scores, cfg.grpo, MAX_LEN, EOS, 0)
         out[name] = {"actor": actor.runtime.full_state_dict(), "stats": stats}
         for m in (actor, reference):
             if m is not None:
@@ -71,15 +73,20 @@ def _variants(rank, world, rows):
 def test_grpo_variants_on_two_ranks_equal_one_process_and_the_direct_formula():
     sharded = run_ranks(_variants, world_size=2, args=({0: [0, 1, 2, 3], 1: [4, 5, 6, 7]},))[0]
     single = run_ranks(_variants, world_size=1, args=({0: list(range(8))},))[0]
+    torch.manual_seed(0)  # the ranks' initial actor
     start = Transformer(ModelConfig.from_preset("gpt2-tiny", vocab_size=64)).state_dict()
     for name in VARIANTS:
         one, two = single[name], sharded[name]
         for key, tensor in one["actor"].items():
             torch.testing.assert_close(two["actor"][key], tensor, rtol=0, atol=1e-5, msg=f"{name} {key}")
+        for key, value in one["stats"].items():
+            assert two["stats"][key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), f"{name} {key}"
+        if name == "nothing left":
+            assert all(torch.equal(one["actor"][k], p) for k, p in start.items() if k in one["actor"])
+            assert one["stats"]["dropped groups"] == 4 and one["stats"]["loss"] == 0
+            continue
         assert any(not torch.equal(one["actor"][k], p) for k, p in start.items() if k in one["actor"]), name
         assert one["stats"]["grad norm"] > 0, name
-        for key, value in one["stats"].items():
-            assert two["stats"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), f"{name} {key}"
 
     # "grpo": the ratio is 1 (μ = 1), so the loss is minus the mean advantage over the sequences that
     # remain after dynamic sampling, a truncated one counting with advantage 0 (TRL's grpo averages
