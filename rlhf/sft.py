@@ -22,6 +22,7 @@ def sft_config(cfg: RLHFConfig, env: DistEnv) -> Config:
     out.finetune.hf_checkpoint = str(base_model_dir(cfg, env))
     path, out.finetune.data_format = sft_file(cfg, env)
     out.data.path = str(path)
+    out.data.cache_dir = str(cfg.stage_dir("sft") / "data_cache")  # its tokenized examples, beside the stage
     out.data.seq_len = cfg.data.max_len - 1
     out.data.valid_fraction = cfg.data.valid_fraction
     out.optim = dataclasses.replace(cfg.optim, lr=cfg.sft.lr)

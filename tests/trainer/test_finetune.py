@@ -111,7 +111,8 @@ def ft_args(hf_dir, data, out_dir, *extra) -> list[str]:
             "--train.micro_batch_size", "4", "--train.steps", "8", "--train.log_interval", "2",
             "--train.eval_interval", "4", "--train.eval_batches", "2", "--train.out_dir", str(out_dir),
             "--train.tensorboard", "false", "--train.progress_bar", "false", "--optim.warmup_steps", "2",
-            "--optim.lr", "3e-3", "--train.precision", "fp32", *extra]  # fp32 references, as tiny_args
+            "--optim.lr", "3e-3", "--train.precision", "fp32",  # fp32 references, as tiny_args
+            "--data.cache_dir", str(Path(out_dir).parent / "sft_cache"), *extra]
 
 
 def ft_config(*args):
