@@ -301,12 +301,14 @@ def grpo_advantages(rewards: Tensor, group_size: int, scale: str = "group", batc
 def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
     """REINFORCE Leave-One-Out advantages [N] (Kool et al. 2019; Ahmadian et al. 2024, TRL's
     RLOOTrainer): each completion's reward minus the mean reward of the other completions of its
-    prompt, r_i - (sum_j r_j - r_i) / (G - 1). Needs group_size >= 2."""
+    prompt, r_i - (sum_j r_j - r_i) / (G - 1). Needs group_size >= 2. A group of equal rewards gets
+    exactly 0, not the rounding error of the leave-one-out sums."""
     if group_size < 2:
         raise ValueError(f"RLOO needs group_size >= 2 (a baseline from the other samples), got {group_size}")
     groups = _check_groups(rewards, group_size)
     baseline = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
-    return (groups - baseline).view(-1)
+    all_equal = (groups == groups[:, :1]).all(dim=1, keepdim=True)
+    return (groups - baseline).masked_fill(all_equal, 0).view(-1)
 
 
 @torch.no_grad()

@@ -269,14 +269,16 @@ def test_grpo_advantages_normalize_within_groups():
 
 
 def test_rloo_advantages_subtract_the_mean_of_the_other_samples():
-    rewards = [1.0, 0.0, 0.5, 0.5, 3.0, -1.0, 2.0, 0.0]
+    rewards = [1.0, 0.0, 0.5, 0.5, 3.0, -1.0, 2.0, 0.0, 0.1, 0.1, 0.1, 0.1]
     expected = []
-    for g in range(2):
+    for g in range(3):
         group = rewards[4 * g:4 * g + 4]
         for i, r in enumerate(group):
             others = [v for j, v in enumerate(group) if j != i]
             expected.append(r - sum(others) / len(others))
-    assert_close(rloo_advantages(t(rewards), 4), expected)
+    advantages = rloo_advantages(t(rewards), 4)
+    assert_close(advantages, expected)
+    assert advantages[8:].tolist() == [0.0] * 4  # exactly: 0.1 - (0.4 - 0.1) / 3 is not 0 in floats
     with pytest.raises(ValueError, match="group_size >= 2"):
         rloo_advantages(t(rewards), 1)
 
