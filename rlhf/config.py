@@ -35,7 +35,7 @@ class ModelsSection:
 
 @dataclass
 class DataSection(HeldOutSection):
-    # A built-in verifiable task (rlhf.tasks: "arithmetic", "word"): prompts, demonstrations,
+    # A built-in verifiable task (rlhf.tasks: "arithmetic", "word", "math"): prompts, demonstrations,
     # preference pairs and the reward all come from code; no data files. "" uses the files below.
     task: str = ""
     task_samples: int = 2000  # records the task generates for the sft / reward / dpo stages
@@ -63,9 +63,16 @@ class RewardSection:
     # "last": the score at each response's last real token (TRL, OpenRLHF); "diverging":
     # DeepSpeed-Chat's mean over the tokens after chosen and rejected first differ.
     loss: Literal["last", "diverging"] = "last"
-    # What scores ppo / grpo rollouts: "model" (the reward model) or "task" (data.task's code).
-    # A task's reward is logged in either case.
-    source: Literal["model", "task"] = "model"
+    # What scores ppo / grpo rollouts: "model" (the reward model), "task" (data.task's code) or
+    # "functions" (reward.functions, the user's own). A task's reward is logged in every case.
+    source: Literal["model", "task", "functions"] = "model"
+    # The user's reward functions (reward.source functions; rlhf.rewards): 'module:callable' or
+    # 'path/to/file.py:callable', called as fn(prompts=[...], completions=[...]) on decoded text,
+    # returning one number (or None: does not apply) per completion, as TRL's reward_funcs.
+    # On the command line: --reward.functions my_rewards:correct,checks.py:format
+    functions: list[str] = field(default_factory=list)
+    function_weights: list[float] = field(default_factory=list)  # one per function (TRL reward_weights); none: 1
+    function_timeout: float = 60.0  # seconds one call may take; then the run stops, naming the function
 
 
 @dataclass
@@ -216,6 +223,9 @@ def check(cfg: RLHFConfig, stage: str) -> None:
     if cfg.reward.source == "task" and not cfg.data.task:
         raise ConfigError("reward.source is 'task' but data.task is not set: name a built-in task or use "
                           "reward.source model")
+    if (cfg.reward.source == "functions") != bool(cfg.reward.functions):
+        raise ConfigError(f"reward.functions {cfg.reward.functions} with reward.source {cfg.reward.source!r}: "
+                          f"the functions score the rollouts with reward.source functions, and only then")
     try:
         cfg.zero_optimization.validate()
     except ZeroConfigError as e:

@@ -162,7 +162,7 @@ class GRPO(OnlineAlgorithm):
         self.models = [m for m in (self.actor, self.reference, self.reward_model) if m is not None]
 
     def headline(self) -> str:
-        source = f"the reward model {self.cfg.reward_path()}" if self.reward_model else f"task {self.cfg.data.task}"
+        source = self.reward_source()
         return f"actor {self.cfg.sft_path()}, reward from {source}"
 
     def learn(self, step: int, batch: RolloutBatch, rewards: torch.Tensor, nonfinite) -> dict[str, float]:

@@ -17,6 +17,7 @@ from data.tokenizer import Tokenizer
 from rlhf.common import ModelRuntime, comm_scalars, global_max, global_sum
 from rlhf.config import RLHFConfig
 from rlhf.data import Prompts, load_prompts, task, write_samples
+from rlhf.rewards import RewardFunctions
 from rlhf.rollout import RolloutBatch, generate, global_stats, model_rewards, response_text, task_rewards
 from rlhf.stage import RLHFStage
 from rlhf.tasks import VerifiableTask
@@ -45,6 +46,9 @@ class OnlineAlgorithm(RLHFStage):
         self.prompts: Prompts = load_prompts(cfg, tokenizer, env)
         self.train_indices = self.prompts.train_indices
         self.task: VerifiableTask | None = task(cfg)
+        r = cfg.reward
+        self.reward_functions = RewardFunctions.from_config(r.functions, r.function_weights, r.function_timeout) \
+            if r.source == "functions" else None
         self.samples_file = self.stage_dir / "samples.jsonl"
         self.last: tuple[RolloutBatch, torch.Tensor] | None = None  # the last step's rollout and rewards
 
@@ -56,6 +60,29 @@ class OnlineAlgorithm(RLHFStage):
     @abstractmethod
     def headline(self) -> str:
         """Where the stage's models come from, for the first log line."""
+
+    def reward_source(self) -> str:
+        """What scores the rollouts, for the headline."""
+        if self.reward_model is not None:
+            return f"the reward model {self.cfg.reward_path()}"
+        if self.reward_functions is not None:
+            return "reward functions " + ", ".join(f"{spec} x {w:g}" for spec, w in
+                                                   zip(self.reward_functions.specs, self.reward_functions.weights))
+        return f"task {self.cfg.data.task}"
+
+    def rewards(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Each rollout's reward (the reward model's, the user's functions' or the task's) and, for the
+        functions, each one's mean over every rank's completions it applied to."""
+        if self.reward_model is not None:
+            return model_rewards(self.reward_model, batch), {}
+        if self.reward_functions is None:
+            return task_rewards(self.task, batch, self.tokenizer), {}
+        completions = [response_text(self.tokenizer, r) for r in batch.responses]
+        total, applied_to = self.reward_functions.score(batch.prompt_texts, completions)
+        sums = global_sum(*(v for pair in applied_to.values() for v in pair))
+        means = {f"reward {spec}": sums[2 * i] / sums[2 * i + 1] if sums[2 * i + 1] else float("nan")
+                 for i, spec in enumerate(applied_to)}
+        return total.to(batch.tokens.device), means
 
     def resumed_at(self, step: int) -> None:
         """Called once before the first rollout with the step the run starts from."""
@@ -74,14 +101,13 @@ class OnlineAlgorithm(RLHFStage):
                               self.cfg.generation, tokenizer)
         generation_mb = comm_scalars(self.models)["cross-node sent (MB)"]
         generation_seconds = global_max(time.perf_counter() - start)
-        rewards = (model_rewards(self.reward_model, batch) if self.reward_model
-                   else task_rewards(task_, batch, tokenizer))
+        rewards, per_function = self.rewards(batch)
         metrics = self.learn(step, batch, rewards, nonfinite)
         rows = global_sum(len(indices))[0]
         reward_mean, reward_std = global_stats(rewards)
-        metrics = {"reward": reward_mean, "reward std": reward_std, **metrics,
+        metrics = {"reward": reward_mean, "reward std": reward_std, **per_function, **metrics,
                    "response length": global_sum(batch.mask.sum().item())[0] / rows}
-        if task_ is not None and self.reward_model is not None:
+        if task_ is not None and self.cfg.reward.source != "task":
             metrics["task reward"] = global_stats(task_rewards(task_, batch, tokenizer))[0]
         metrics.update({
             "generation tokens/s": global_sum(gen.new_tokens)[0] / generation_seconds,

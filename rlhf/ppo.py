@@ -181,7 +181,7 @@ class PPO(OnlineAlgorithm):
             self.ptx = _ptx_batches(self.cfg, self.tokenizer, self.env, consumed)
 
     def headline(self) -> str:
-        source = f"the reward model {self.cfg.reward_path()}" if self.reward_model else f"task {self.cfg.data.task}"
+        source = self.reward_source()
         return f"actor and reference {self.cfg.sft_path()}, critic and reward from {source}"
 
     def learn(self, step: int, batch: RolloutBatch, rewards: torch.Tensor, nonfinite) -> dict[str, float]:

@@ -253,6 +253,43 @@ def test_grpo_runs_on_a_task_and_logs_its_statistics(tmp_path, monkeypatch):
     assert (tmp_path / "grpo" / "hf" / "config.json").is_file()
 
 
+REWARD_FUNCTIONS = """
+def vowels(prompts, completions, **kwargs):
+    return [sum(c in "aeiou" for c in text) / max(len(text), 1) for text in completions]
+
+def long(prompts, completions):
+    return [len(text) / 10 if len(text) > 3 else None for text in completions]
+
+def broken(prompts, completions):
+    raise ValueError("no answer found")
+"""
+
+
+def test_grpo_trains_on_the_users_reward_functions_and_names_one_that_fails(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    module = tmp_path / "my_rewards.py"
+    module.write_text(REWARD_FUNCTIONS)
+    namespace = {}
+    exec(REWARD_FUNCTIONS, namespace)
+    common = ["--reward.source", "functions", "--grpo.steps", "2", "--grpo.group_size", "2"]
+    run_ranks(_main, world_size=1, args=(["grpo", *_tiny(tmp_path / "run", *common, "--reward.functions",
+                                                         f"{module}:vowels,{module}:long",
+                                                         "--reward.function_weights", "1,0.5")],))
+    samples = [json.loads(line) for line in open(tmp_path / "run" / "grpo" / "samples.jsonl")]
+    assert samples
+    for s in samples:  # each logged reward recomputed from the decoded response, as TRL sums reward_funcs
+        [vowels], [long] = namespace["vowels"]([s["prompt"]], [s["response"]]), namespace["long"]([s["prompt"]],
+                                                                                                   [s["response"]])
+        assert s["reward"] == pytest.approx(vowels + 0.5 * (long or 0.0), rel=1e-6)
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "grpo" / "metrics.jsonl")]
+    steps = [r for r in rows if "reward" in r and "loss" in r]
+    assert len(steps) == 2 and all(f"reward {module}:vowels" in r and "task reward" in r for r in steps)
+    with pytest.raises(AssertionError, match=rf"reward function {module}:broken raised ValueError: no answer found"):
+        run_ranks(_main, world_size=1, args=(["grpo", *_tiny(tmp_path / "broken", *common, "--reward.functions",
+                                                             f"{module}:broken", "--models.sft",
+                                                             str(tmp_path / "run" / "sft" / "hf"))],))
+
+
 def _nan_grad_norm_at(steps):
     """A build_runtime whose runtimes' clip_grad_norm_ (the global gradient norm) is NaN at the
     optimizer steps (counted from 1, over every runtime it built) in `steps`: the hook
