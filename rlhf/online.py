@@ -7,12 +7,14 @@ checkpoints, the non-finite policy, preemption and the export around it, as for 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from abc import abstractmethod
 
 import torch
 
+from data.datasets import ResumableBatchSampler
 from data.tokenizer import Tokenizer
 from rlhf.common import ModelRuntime, comm_scalars, global_max, global_sum
 from rlhf.config import RLHFConfig
@@ -122,6 +124,39 @@ class OnlineAlgorithm(RLHFStage):
                      + ", ".join(f"{k} {metrics[k]}" for k in ("reward", *self.loss_keys))
                      + "): its updates were skipped")
         self.last = (batch, rewards)
+        return metrics
+
+    def evaluate(self) -> dict[str, float] | None:
+        """The actor on (at most train.eval_batches global batches of) the held-out prompts: the mean
+        reward of its greedy responses and of sampled ones (the generation.* settings), and the task's
+        reward where there is a task. The sampled draws have their own generator, seeded alike at every
+        evaluation: the same draws each time, and the training's random stream untouched (a resumed run
+        stays bit-exact)."""
+        cfg, env, valid = self.cfg, self.env, self.prompts.valid_indices
+        if not len(valid):
+            return None
+        per_rank = min(cfg.train.micro_batch_size, max(1, len(valid) // env.world_size))
+        batches = iter(ResumableBatchSampler(valid, per_rank, env.rank, env.world_size, cfg.train.seed, shuffle=False))
+        n = min(cfg.train.eval_batches, max(1, len(valid) // (per_rank * env.world_size)))
+        generator = torch.Generator(device=env.device).manual_seed(cfg.train.seed + env.rank)
+        greedy = dataclasses.replace(cfg.generation, temperature=0.0)
+        sums = torch.zeros(5, dtype=torch.float64)  # greedy, sampled, greedy task reward, response tokens, rows
+        for _ in range(n):
+            indices = next(batches)
+            tokens, texts = [self.prompts.tokens[i] for i in indices], [self.prompts.texts[i] for i in indices]
+            for column, settings in ((0, greedy), (1, cfg.generation)):
+                batch, _ = generate(self.actor, tokens, texts, settings, self.tokenizer, generator)
+                sums[column] += self.rewards(batch)[0].double().sum().item()
+                if column == 0:
+                    if self.task is not None:
+                        sums[2] += task_rewards(self.task, batch, self.tokenizer).double().sum().item()
+                    sums[3] += batch.mask.sum().item()
+            sums[4] += len(indices)
+        greedy_sum, sampled_sum, task_sum, length, rows = global_sum(*sums)
+        metrics = {"held-out reward (greedy)": greedy_sum / rows, "held-out reward (sampled)": sampled_sum / rows,
+                   "held-out response length (greedy)": length / rows, "held-out prompts": rows}
+        if self.task is not None and cfg.reward.source != "task":
+            metrics["held-out task reward (greedy)"] = task_sum / rows
         return metrics
 
     def logged(self, step: int) -> None:

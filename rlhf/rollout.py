@@ -45,12 +45,13 @@ class GenerationStats:
 
 
 def generate(actor: ModelRuntime, prompts: list[list[int]], texts: list[str], cfg: GenerationSection,
-             tokenizer: Tokenizer) -> tuple[RolloutBatch, GenerationStats]:
-    """Sample one response per prompt from the actor, its weights gathered once for the rollout."""
+             tokenizer: Tokenizer, generator: torch.Generator | None = None) -> tuple[RolloutBatch, GenerationStats]:
+    """Sample one response per prompt from the actor, its weights gathered once for the rollout
+    (`generator`: the draws' own random stream; None: torch's global one)."""
     out = generate_rollouts(
         actor.runtime, prompts, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k or None,
         top_p=cfg.top_p if cfg.top_p < 1.0 else None, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
-        max_bytes=int(cfg.max_gather_mb * 2**20) or None)
+        generator=generator, max_bytes=int(cfg.max_gather_mb * 2**20) or None)
     batch = layout(prompts, out.responses, out.logprobs, texts, tokenizer.pad_id, actor.env.device)
     return batch, GenerationStats(out.new_tokens, out.seconds, out.inference_bytes, out.steps)
 

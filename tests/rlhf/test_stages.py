@@ -290,6 +290,50 @@ def test_grpo_trains_on_the_users_reward_functions_and_names_one_that_fails(tmp_
                                                              str(tmp_path / "run" / "sft" / "hf"))],))
 
 
+def test_grpo_evaluates_the_held_out_prompts_without_changing_training(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    common = ["--reward.source", "task", "--grpo.steps", "2", "--grpo.group_size", "2", "--sft.steps", "20"]
+    argv = ["grpo", *_tiny(tmp_path / "a", *common, "--train.eval_interval", "1")]
+    run_ranks(_main, world_size=1, args=(argv,))
+    sft = tmp_path / "a" / "sft" / "hf"
+    run_ranks(_main, world_size=1, args=(["grpo", *_tiny(tmp_path / "b", *common, "--train.eval_interval", "100",
+                                                         "--models.sft", str(sft))],))
+    rows = {d: [json.loads(line) for line in open(tmp_path / d / "grpo" / "metrics.jsonl")] for d in "ab"}
+    evals = {d: {r["step"]: r for r in rows[d] if "held-out reward (greedy)" in r} for d in "ab"}
+    assert sorted(evals["a"]) == [0, 1, 2] and sorted(evals["b"]) == [0, 2]
+    # An evaluation in between changes nothing the training does: its draws have their own generator.
+    steps = {d: {r["step"]: r for r in rows[d] if "loss" in r} for d in "ab"}
+    for step in (1, 2):
+        for key in ("loss", "reward", "kl", "entropy", "clip fraction"):
+            assert steps["a"][step][key] == steps["b"][step][key], (step, key)
+    for step in (0, 2):
+        for key in ("held-out reward (greedy)", "held-out reward (sampled)"):
+            assert evals["a"][step][key] == evals["b"][step][key], (step, key)
+    # Step 0's greedy reward, recomputed from the SFT model alone: each held-out prompt decoded by itself
+    # (no batch, no padding) and scored by the task.
+    from models.generate import generate
+    from models.hf import load_hf_checkpoint
+    from rlhf.config import check
+    from rlhf.data import load_prompts
+    from rlhf.tasks import get_task
+    from data.datasets import ResumableBatchSampler
+    from data.tokenizer import load_tokenizer
+    from trainer.config import parse_args
+    cfg = parse_args(argv[1:], RLHFConfig())
+    check(cfg, "grpo")
+    tokenizer, model, task = load_tokenizer(sft), load_hf_checkpoint(sft), get_task("word")
+    prompts = load_prompts(cfg, tokenizer, DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    batches = iter(ResumableBatchSampler(prompts.valid_indices, 4, 0, 1, cfg.train.seed, shuffle=False))
+    n = min(cfg.train.eval_batches, len(prompts.valid_indices) // 4)  # whole batches of micro-batch 4
+    chosen = [i for _ in range(n) for i in next(batches)]
+    rewards = [task.reward(prompts.texts[i], tokenizer.decode(generate(
+        model, [prompts.tokens[i]], 6, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)[0]))
+        for i in chosen]
+    assert evals["a"][0]["held-out prompts"] == len(chosen) >= 8
+    assert sum(rewards) > 0  # some prompts answered: the comparison is not of zeros
+    assert evals["a"][0]["held-out reward (greedy)"] == pytest.approx(sum(rewards) / len(rewards), abs=1e-6)
+
+
 def _nan_grad_norm_at(steps):
     """A build_runtime whose runtimes' clip_grad_norm_ (the global gradient norm) is NaN at the
     optimizer steps (counted from 1, over every runtime it built) in `steps`: the hook
