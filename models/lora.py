@@ -10,8 +10,9 @@ is an ordinary model that saves as a normal Hugging Face checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -32,8 +33,11 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Parameter(torch.empty(r, base.in_features, **like))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, **like))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # nn.Linear's init, as PEFT does
+        self.enabled = True  # False: the base layer alone (adapters_disabled)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return self.base(x)
         return self.base(x) + F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B) * self.scaling
 
     def delta_weight(self) -> torch.Tensor:
@@ -78,6 +82,20 @@ def apply_lora(model: nn.Module, targets: Sequence[str] = DEFAULT_TARGETS, r: in
             setattr(model.get_submodule(parent), attr, lora)
             wrapped.append(name)
     return wrapped
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, `model` computes as its base model: every adapter off (PEFT's
+    disable_adapter). RLHF's reference of a LoRA policy is the policy itself this way, no copy."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for m in layers:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.enabled = True
 
 
 @torch.no_grad()

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from data.tokenizer import Tokenizer, load_tokenizer
 from models.config import ModelConfig
 from models.hf import hf_model_on_meta, save_hf_checkpoint
+from models.lora import adapters_disabled, apply_lora, merge_lora
 from models.transformer import Transformer, score_model_from
 from models.weights import WeightSource
 from rlhf.config import RLHFConfig
@@ -31,7 +32,7 @@ from trainer.checkpoint import (
     samples_per_step as saved_per_step,
     save_checkpoint,
 )
-from trainer.config import ConfigError, TrainSection, to_dict
+from trainer.config import ConfigError, LoraSection, TrainSection, to_dict
 from trainer.distributed import (
     DistEnv,
     all_reduce_max,
@@ -39,6 +40,7 @@ from trainer.distributed import (
     barrier,
     init_distributed,
 )
+from trainer.loop import add_lora_adapters, lora_state
 from trainer.metrics import MetricsLogger
 from trainer.nonfinite import NonFiniteError, NonFiniteSteps, nonfinite_tensors
 from trainer.optim import build_optimizer, lr_at
@@ -79,13 +81,17 @@ class ModelRuntime:
     zero_quantized_nontrainable_weights)."""
 
     def __init__(self, name: str, loaded: tuple[Transformer, WeightSource], cfg: RLHFConfig, env: DistEnv,
-                 lr: float | None, steps: int = 1):
-        """loaded: load_model's (model on the meta device, its weights), or (a model in memory, None)."""
+                 lr: float | None, steps: int = 1, lora: LoraSection | None = None):
+        """loaded: load_model's (model on the meta device, its weights), or (a model in memory, None).
+        lora: adapters on a trainable model (rlhf.py's `lora` section; r 0: every weight trains)."""
         model, weights = loaded
         self.name, self.env = name, env
         self.trainable = lr is not None
         model.requires_grad_(self.trainable)
         self.config: ModelConfig = model.config
+        self.lora = lora if self.trainable and lora is not None and lora.r else None
+        if self.lora is not None:
+            add_lora_adapters(model, self.lora, "lora")
         if self.trainable:  # a frozen model's forwards keep no activations for a backward
             apply_activation_checkpointing(model, cfg.train.activation_checkpointing,
                                            cfg.train.activation_checkpointing_every)
@@ -122,11 +128,21 @@ class ModelRuntime:
         """Drop the gradients of a step that must not be taken (a non-finite loss or gradient norm)."""
         self.optimizer.zero_grad(set_to_none=True)
 
+    def lora_state(self) -> dict | None:
+        """What a checkpoint records of the adapters (None: none)."""
+        return lora_state(self.lora) if self.lora is not None else None
+
+    def without_adapters(self) -> AdaptersOff:
+        """The frozen base of this LoRA-trained model: the reference of RLHF's KL terms."""
+        return AdaptersOff(self)
+
     def full_model(self) -> Transformer:
-        """A plain copy of the model with the current weights (every rank calls it)."""
+        """A plain copy of the model with the current weights, adapters merged (every rank calls it)."""
         model = Transformer(self.config)
+        if self.lora is not None:
+            apply_lora(model, self.lora.targets, self.lora.r, self.lora.alpha)
         model.load_state_dict(self.runtime.full_state_dict(), strict=False)
-        return model
+        return merge_lora(model)
 
     def export(self, path: Path, tokenizer_dir: str | Path | None, tokenizer: Tokenizer | None) -> None:
         """Write the current weights as a Hugging Face directory (every rank calls it)."""
@@ -139,6 +155,29 @@ class ModelRuntime:
 
     def close(self) -> None:
         self.runtime.close()
+
+
+class AdaptersOff:
+    """A LoRA-trained model with its adapters switched off: the frozen base it started from (B starts
+    at zero), computed by the same runtime and weights. RLHF's reference this way costs no second
+    copy of the model; it is not a stage model of its own (not checkpointed, closed with its owner)."""
+
+    trainable = False
+
+    def __init__(self, owner: ModelRuntime):
+        self.owner, self.name, self.env, self.config = owner, "reference", owner.env, owner.config
+
+    def __call__(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        with adapters_disabled(self.owner.module):
+            return self.owner(tokens, attention_mask)
+
+
+def reference_of(policy: ModelRuntime, loaded, cfg: RLHFConfig, env: DistEnv) -> ModelRuntime | AdaptersOff:
+    """The frozen reference of `policy`: its own base with the adapters off when it trains LoRA
+    adapters, else a second, frozen model from `loaded` (load_model's)."""
+    if policy.lora is not None:
+        return policy.without_adapters()
+    return ModelRuntime("reference", loaded(), cfg, env, lr=None)
 
 
 def sequence_logprobs(model: ModelRuntime, tokens: torch.Tensor, attention_mask: torch.Tensor,
@@ -225,7 +264,8 @@ class StageCheckpoint:
                                  f"(the newest checkpoint stays the previous one)")
         full = {**state, "stage": self.stage, "config": to_dict(self.cfg), "world_size": self.env.world_size,
                 "format": trainable[0].runtime.checkpoint_format,
-                "models": {m.name: dataclasses.asdict(m.config) for m in models}}
+                "models": {m.name: dataclasses.asdict(m.config) for m in models},
+                "lora": {m.name: m.lora_state() for m in trainable if m.lora is not None}}
         return save_checkpoint(self.root, step, full, trainable[0].optimizer, write, self.env.rank)
 
     def resume_path(self) -> Path | None:
@@ -256,6 +296,10 @@ class StageCheckpoint:
                 raise ConfigError(f"resume: checkpoint {path} has another {m.name} model than this run "
                                   f"(saved {saved['models'].get(m.name)}, this run {want})")
         trainable = [m for m in models if m.trainable]
+        adapters = {m.name: m.lora_state() for m in trainable if m.lora is not None}
+        if saved.get("lora", {}) != adapters:
+            raise ConfigError(f"resume: checkpoint {path} has LoRA adapters {saved.get('lora', {})}, this run "
+                              f"{adapters} (the lora section); resume with the same ones")
         fmt = trainable[0].runtime.checkpoint_format
         if saved.get("format") != fmt:
             raise ConfigError(f"resume: checkpoint {path} is {saved.get('format')!r}, this runtime writes {fmt!r}; "

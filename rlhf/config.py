@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
-from trainer.config import (ConfigError, HeldOutSection, InputPath, ModelSection, OptimSection, ResumeConfig,
-                            RunSection, check_held_out, check_model_section, check_optim_section, check_run_section)
+from trainer.config import (ConfigError, HeldOutSection, InputPath, LoraSection, ModelSection, OptimSection,
+                            ResumeConfig, RunSection, check_held_out, check_lora_section, check_model_section,
+                            check_optim_section, check_run_section)
 from zeropp.config import ZeroConfig, ZeroConfigError
 
 STAGES = ("sft", "reward", "dpo", "ppo", "grpo")
@@ -171,6 +172,11 @@ class RLHFConfig(ResumeConfig):
     # The runtime of every model of a stage: 0 plain DDP, 3 ZeRO-3, plus ZeRO++ (docs/zeropp.md).
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     generation: GenerationSection = field(default_factory=GenerationSection)  # sampling the ppo / grpo rollouts
+    # LoRA adapters (r > 0) on the model sft trains and on the policy of dpo / ppo / grpo, over a
+    # frozen base (stored quantized under zero_optimization.zero_quantized_nontrainable_weights);
+    # the reference is that policy with its adapters off, no second copy. The reward model and
+    # the critic train every weight (their score head is new). Exports merge the adapters.
+    lora: LoraSection = field(default_factory=LoraSection)
     sft: SFTSection = field(default_factory=SFTSection)  # stage 1: supervised fine-tuning
     reward: RewardSection = field(default_factory=RewardSection)  # stage 2: the reward model
     ppo: PPOSection = field(default_factory=PPOSection)  # PPO: actor, critic, reference and reward model
@@ -206,6 +212,7 @@ def check(cfg: RLHFConfig, stage: str) -> None:
     check_optim_section(cfg.optim)
     check_model_section(cfg.model)
     check_held_out(cfg.data)
+    check_lora_section(cfg.lora, "lora")
     if cfg.data.max_prompt_len >= cfg.data.max_len:
         raise ConfigError(f"data.max_prompt_len {cfg.data.max_prompt_len} must be below data.max_len "
                           f"{cfg.data.max_len} (room for the response)")

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from rlhf.common import (ModelRuntime, global_max, global_sum, load_model, optimizer_step, sequence_logprobs,
-                         tokenizer_of, update_label)
+from rlhf.common import (ModelRuntime, global_max, global_sum, load_model, optimizer_step, reference_of,
+                         sequence_logprobs, tokenizer_of, update_label)
 from rlhf.config import GRPOSection, RLHFConfig, reward_scaling
 from rlhf.losses import (entropy_from_logits, equal_reward_groups, grpo_advantages, grpo_loss, grpo_token_weights,
                          kl_estimate, reinforce_pp_returns, rloo_advantages, soft_overlong_penalty)
@@ -152,14 +152,14 @@ class GRPO(OnlineAlgorithm):
         self.g, self.steps, self.samples_per_prompt = g, g.steps, g.group_size
         torch.manual_seed(cfg.train.seed)
         self.actor = ModelRuntime("actor", load_model(sft, "models.sft"), cfg, env, lr=g.lr,
-                                  steps=g.steps * g.iterations)
-        self.reference = ModelRuntime("reference", load_model(sft, "models.sft"), cfg, env, lr=None) \
+                                  steps=g.steps * g.iterations, lora=cfg.lora)
+        self.reference = reference_of(self.actor, lambda: load_model(sft, "models.sft"), cfg, env) \
             if g.beta > 0 else None
         self.reward_model = None
         if cfg.reward.source == "model":
             self.reward_model = ModelRuntime("reward", load_model(cfg.reward_path(), "models.reward"), cfg, env,
                                              lr=None)
-        self.models = [m for m in (self.actor, self.reference, self.reward_model) if m is not None]
+        self.models = [m for m in (self.actor, self.reference, self.reward_model) if isinstance(m, ModelRuntime)]
 
     def headline(self) -> str:
         source = self.reward_source()

@@ -16,6 +16,8 @@ import torch
 
 from data.datasets import ResumableBatchSampler
 from data.tokenizer import Tokenizer
+from models.config import num_params
+from models.lora import LoRALinear
 from rlhf.common import ModelRuntime, comm_scalars, global_max, global_sum
 from rlhf.config import RLHFConfig
 from rlhf.data import Prompts, load_prompts, task, write_samples
@@ -24,6 +26,7 @@ from rlhf.rollout import RolloutBatch, generate, global_stats, model_rewards, re
 from rlhf.stage import RLHFStage
 from rlhf.tasks import VerifiableTask
 from trainer.distributed import DistEnv
+from trainer.memory import peak_bytes
 from trainer.metrics import MetricsLogger
 from trainer.nonfinite import NonFiniteSteps
 from trainer.skeleton import run_stage
@@ -94,6 +97,22 @@ class OnlineAlgorithm(RLHFStage):
         micro, world = self.cfg.train.micro_batch_size, self.env.world_size
         log.info(f"{self.name}: {self.headline()} | {self.prompts.source} | world size {world} | {micro * world} "
                  f"prompts x {self.samples_per_prompt} samples per step | runtime: {self.actor.runtime.describe()}")
+        log.info(f"{self.name}: model states per rank (before the optimizer's first step): " + ", ".join(
+            f"{m.name} {sum(m.runtime.model_state_bytes(m.optimizer).values()) / 2**20:.1f} MB" for m in self.models)
+            + self.lora_note())
+
+    def lora_note(self) -> str:
+        """How the actor trains: its LoRA adapters (trainable / all parameters) and its reference."""
+        lora = self.actor.lora
+        if lora is None:
+            return ""
+        adapters = [m for m in self.actor.module.modules() if isinstance(m, LoRALinear)]
+        trainable = sum(lora.r * (m.base.in_features + m.base.out_features) for m in adapters)
+        return (f"; the actor trains LoRA r={lora.r} on {', '.join(lora.targets)} ({trainable / 1e6:.3f}M of "
+                f"{num_params(self.actor.config) / 1e6:.3f}M parameters), its reference is its base (adapters off)")
+
+    def finish(self, log: MetricsLogger) -> None:
+        log.info(f"{self.name}: peak memory of rank {self.env.rank}: {peak_bytes(self.env.device) / 2**20:.0f} MB")
 
     def update(self, step: int, batches, nonfinite: NonFiniteSteps, stop_requested: bool) -> dict[str, float]:
         prompts, tokenizer, task_ = self.prompts, self.tokenizer, self.task

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from data.datasets import IGNORE_INDEX, ResumableBatchSampler, collate_preference
-from rlhf.common import (ModelRuntime, comm_scalars, global_sum, load_model, optimizer_step, score_model,
+from rlhf.common import (ModelRuntime, comm_scalars, global_sum, load_model, optimizer_step, reference_of, score_model,
                          sequence_logprobs, tokenizer_of)
 from rlhf.config import RLHFConfig
 from rlhf.data import Preferences, load_preferences
@@ -77,12 +77,11 @@ class _DPOObjective:
     def __init__(self, cfg: RLHFConfig, env: DistEnv):
         self.cfg = cfg
         self.model = ModelRuntime("policy", load_model(cfg.sft_path(), "models.sft"), cfg, env, lr=cfg.dpo.lr,
-                                  steps=cfg.dpo.steps)
-        self.models = [self.model]
+                                  steps=cfg.dpo.steps, lora=cfg.lora)
         self.reference = None
         if not cfg.dpo.precompute_ref:
-            self.reference = ModelRuntime("reference", load_model(cfg.sft_path(), "models.sft"), cfg, env, lr=None)
-            self.models.append(self.reference)
+            self.reference = reference_of(self.model, lambda: load_model(cfg.sft_path(), "models.sft"), cfg, env)
+        self.models = [m for m in (self.model, self.reference) if isinstance(m, ModelRuntime)]
         self.ref_table: torch.Tensor | None = None  # pair index -> (chosen, rejected) reference log-probs
 
     @torch.no_grad()

@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 
 from data.datasets import ResumableBatchSampler, SFTDataset, collate_sft
 from models.transformer import lm_loss
-from rlhf.common import (ModelRuntime, comm_scalars, global_max, global_sum, load_model, optimizer_step, score_model,
-                         sequence_logprobs, tokenizer_of, update_label)
+from rlhf.common import (ModelRuntime, comm_scalars, global_max, global_sum, load_model, optimizer_step, reference_of,
+                         score_model, sequence_logprobs, tokenizer_of, update_label)
 from rlhf.config import PPOSection, RLHFConfig
 from rlhf.data import sft_file
 from rlhf.losses import (approx_kl, entropy_from_logits, gae, kl_controller, ppo_policy_loss, shape_rewards,
@@ -159,8 +159,8 @@ class PPO(OnlineAlgorithm):
         self.updates_per_rollout = p.epochs * p.mini_batches
         torch.manual_seed(cfg.train.seed)
         self.actor = ModelRuntime("actor", load_model(sft, "models.sft"), cfg, env, lr=p.actor_lr,
-                                  steps=p.steps * self.updates_per_rollout)
-        self.reference = ModelRuntime("reference", load_model(sft, "models.sft"), cfg, env, lr=None)
+                                  steps=p.steps * self.updates_per_rollout, lora=cfg.lora)
+        self.reference = reference_of(self.actor, lambda: load_model(sft, "models.sft"), cfg, env)
         self.reward_model = None
         if cfg.reward.source == "model":
             self.reward_model = ModelRuntime("reward", load_model(cfg.reward_path(), "models.reward"), cfg, env,
@@ -170,7 +170,8 @@ class PPO(OnlineAlgorithm):
             critic_start = score_model(load_model(sft, "models.sft"))
         self.critic = ModelRuntime("critic", critic_start, cfg, env, lr=p.critic_lr,
                                    steps=p.steps * self.updates_per_rollout)
-        self.models = [m for m in (self.actor, self.critic, self.reference, self.reward_model) if m is not None]
+        self.models = [m for m in (self.actor, self.critic, self.reference, self.reward_model)
+                       if isinstance(m, ModelRuntime)]
         self.kl_ctl = kl_controller(p.kl_coef, p.kl_target or None, p.kl_horizon)
         self.ema = _EMA(self.actor, p.ema) if p.ema > 0 else None
         self.ptx = None

@@ -197,6 +197,17 @@ class LoraSection:
     init_from: Annotated[str | None, InputPath()] = None
 
 
+
+def check_lora_section(lora: LoraSection, key: str) -> None:
+    """`key`: where the section is (finetune.lora, rlhf.py's lora)."""
+    if lora.r < 0:
+        raise ConfigError(f"{key}.r must be >= 0 (0: no LoRA), got {lora.r}")
+    default = LoraSection()
+    changed = [f.name for f in dataclasses.fields(lora) if getattr(lora, f.name) != getattr(default, f.name)]
+    if lora.r == 0 and changed:
+        raise ConfigError(f"{key}.{changed[0]} applies to LoRA, but {key}.r is 0 (every weight is trained); set "
+                          f"{key}.r or drop it")
+
 @dataclass
 class FinetuneSection:
     # A Hugging Face model directory (config.json + safetensors; a family docs/models.md lists).

@@ -36,7 +36,8 @@ from models.weights import InitWeights, WeightSource, materialize
 from trainer.activation_checkpointing import apply_activation_checkpointing, describe as describe_checkpointing
 from trainer.checkpoint import (FULL, CheckpointError, export_hf, export_note, load_checkpoint, read_state,
                                 recover, resolve_checkpoint, samples_per_step, save_checkpoint)
-from trainer.config import Config, ConfigError, LoraSection, check_held_out, check_values, pop_debug, to_dict
+from trainer.config import (Config, ConfigError, LoraSection, check_held_out, check_lora_section, check_values,
+                            pop_debug, to_dict)
 from trainer.distributed import (DistEnv, LauncherError, PeerError, all_gather_objects, all_reduce_sum, barrier,
                                  init_distributed, is_peer_failure, is_timeout)
 from trainer.finetune_data import FinetuneData, prepare_finetuning
@@ -109,15 +110,27 @@ def _check_finetune(cfg: Config) -> None:
             raise ConfigError(f"{stray[0]} applies to pretraining from scratch, but finetune.hf_checkpoint is set: "
                               f"the model comes from its config.json, the tokenizer from the checkpoint (or "
                               f"data.tokenizer); drop {', '.join(stray)}")
-    lora = ft.lora
-    if lora.r < 0:
-        raise ConfigError(f"finetune.lora.r must be >= 0 (0: no LoRA), got {lora.r}")
-    if lora.r == 0 and _changed(lora):
-        raise ConfigError(f"finetune.lora.{_changed(lora)[0]} applies to LoRA, but finetune.lora.r is 0 "
-                          f"(every weight is trained); set finetune.lora.r or drop it")
+    check_lora_section(ft.lora, "finetune.lora")
 
 
-def _lora_state(lora: LoraSection) -> dict | None:
+def add_lora_adapters(model: Transformer, lora: LoraSection, key: str) -> None:
+    """With `lora.r` > 0: freeze `model` and wrap its target layers in fresh adapters (made in memory,
+    small; from lora.init_from's PEFT adapter when set). `key` names the section in errors."""
+    if not lora.r:
+        return
+    try:
+        apply_lora(model, lora.targets, lora.r, lora.alpha, lora.dropout)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from e
+    materialize(model, InitWeights(model), only=lambda name: ".lora_" in name)
+    if lora.init_from:
+        try:
+            load_peft_adapter(model, lora.init_from)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{key}.init_from {lora.init_from!r}: {e}") from e
+
+
+def lora_state(lora: LoraSection) -> dict | None:
     """What a checkpoint records of the adapters: resuming needs the same ones (not where they started:
     init_from only initialises a fresh run)."""
     if not lora.r:
@@ -243,18 +256,7 @@ class Trainer:
             if cfg.data.seq_len > model.config.max_seq_len:
                 raise ConfigError(f"data.seq_len {cfg.data.seq_len} exceeds the max_position_embeddings "
                                   f"{model.config.max_seq_len} of {path}/config.json")
-        lora = cfg.finetune.lora
-        if lora.r:
-            try:
-                apply_lora(model, lora.targets, lora.r, lora.alpha, lora.dropout)
-            except ValueError as e:
-                raise ConfigError(f"finetune.lora: {e}") from e
-            materialize(model, InitWeights(model), only=lambda name: ".lora_" in name)
-            if lora.init_from:
-                try:
-                    load_peft_adapter(model, lora.init_from)
-                except (OSError, ValueError) as e:
-                    raise ConfigError(f"finetune.lora.init_from {lora.init_from!r}: {e}") from e
+        add_lora_adapters(model, cfg.finetune.lora, "finetune.lora")
         return model, weights
 
     def _resume(self, path: Path) -> None:
@@ -269,9 +271,9 @@ class Trainer:
             diff = {k: (saved_cfg.get(k, absent), ours.get(k, absent)) for k in {**saved_cfg, **ours}
                     if saved_cfg.get(k, absent) != ours.get(k, absent)}
             raise ConfigError(f"resume: checkpoint {path} was made for another model; (saved, ours): {diff}")
-        if saved.get("lora") != _lora_state(self.cfg.finetune.lora):
+        if saved.get("lora") != lora_state(self.cfg.finetune.lora):
             raise ConfigError(f"resume: checkpoint {path} has LoRA adapters {saved.get('lora')}, this run "
-                              f"{_lora_state(self.cfg.finetune.lora)} (finetune.lora); resume with the same ones")
+                              f"{lora_state(self.cfg.finetune.lora)} (finetune.lora); resume with the same ones")
         fmt, want = saved.get("format", FULL), self.runtime.checkpoint_format
         if "+tp" in fmt and "+tp" not in want:
             raise ConfigError(f"resume: checkpoint {path} was written with tensor parallelism; resume it with "
@@ -429,7 +431,7 @@ class Trainer:
             "model_config": dataclasses.asdict(self.model_cfg),
             "world_size": self.env.world_size,
             "tokenizer": str(self.data.tokenizer.path),
-            "lora": _lora_state(self.cfg.finetune.lora),
+            "lora": lora_state(self.cfg.finetune.lora),
         }
         self.saved = save_checkpoint(self.ckpt_root, self.step, state, self.optimizer,
                                      lambda d: self.runtime.save(d, self.optimizer), self.env.rank)

@@ -65,7 +65,8 @@ class RunDir:
                 elif path.exists():
                     os.replace(path, self.replaced / path.name)
         barrier()
-        return f"train.overwrite: the previous run is in {self.replaced} until this run's first checkpoint, then deleted"
+        return (f"train.overwrite: the previous run is in {self.replaced} until this run's first checkpoint, "
+                f"then deleted")
 
     def first_checkpoint_written(self, is_main: bool) -> None:
         """This run is now resumable: the one it replaces can go."""
