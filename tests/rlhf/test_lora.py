@@ -125,3 +125,18 @@ def test_a_lora_grpo_run_keeps_one_model_and_exports_it_merged(tmp_path, monkeyp
     assert moved and all(".attn." in k for k in moved)  # GPT-2: q/k/v/o, the default targets, are c_attn / c_proj
     assert load_hf_checkpoint(tmp_path / "grpo" / "hf").config == load_hf_checkpoint(tmp_path / "sft" / "hf").config
     assert "LoRA" in capfd.readouterr().out
+
+
+def test_lora_dpo_against_its_adapters_off_starts_at_zero_margin(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    run_ranks(_main, world_size=1, args=(["dpo", "--config", "configs/rlhf_tiny.yaml", "--train.out_dir",
+                                          str(tmp_path), "--data.task_samples", "200", "--sft.steps", "4",
+                                          "--dpo.steps", "3", "--dpo.lr", "1e-2", "--dpo.precompute_ref", "false",
+                                          "--train.micro_batch_size", "4", "--lora.r", "4",
+                                          "--train.precision", "fp32"],))
+    rows = [json.loads(line) for line in open(tmp_path / "dpo" / "metrics.jsonl")]
+    held_out = [r for r in rows if "held-out margin" in r]
+    assert held_out[0]["step"] == 0 and held_out[0]["held-out margin"] == 0.0  # the reference is the policy's base
+    assert held_out[-1]["held-out margin"] != 0.0  # and the adapters moved the policy away from it
+    checkpoint = sorted((tmp_path / "dpo" / "checkpoints").glob("step_*"))[-1]
+    assert sorted(json.loads((checkpoint / "state.json").read_text())["models"]) == ["policy"]
