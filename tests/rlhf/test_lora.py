@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from models.config import ModelConfig
 from models.hf import load_hf_checkpoint
 from models.transformer import Transformer
-from rlhf.common import AdaptersOff, ModelRuntime
+from rlhf.common import ModelRuntime
 from rlhf.config import RLHFConfig
 from rlhf.grpo import grpo_update
 from rlhf.losses import grpo_advantages
