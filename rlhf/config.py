@@ -40,6 +40,9 @@ class DataSection(HeldOutSection):
     # preference pairs and the reward all come from code; no data files. "" uses the files below.
     task: str = ""
     task_samples: int = 2000  # records the task generates for the sft / reward / dpo stages
+    # The task's own settings as name=value (math: steps, max_number; arithmetic: max_operand; both
+    # format_reward), e.g. --data.task_options steps=1,max_number=5; none: the task's defaults.
+    task_options: list[str] = field(default_factory=list)
     # Preference pairs (HH-RLHF .jsonl.gz or prompt/chosen/rejected records) for sft (its
     # chosen dialogues), reward and dpo; prompts for ppo / grpo when prompts is unset.
     preferences: Annotated[str | None, InputPath()] = None

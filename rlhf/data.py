@@ -7,6 +7,7 @@ the base), or data files (HH-RLHF pairs, Alpaca prompts) with a Hugging Face bas
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,17 +22,38 @@ from models.hf import save_hf_checkpoint
 from models.transformer import Transformer
 from rlhf.common import tokenizer_of
 from rlhf.config import RLHFConfig
-from rlhf.tasks import VerifiableTask, get_task, save_task_tokenizer, task_records, write_jsonl
+from rlhf.tasks import TASKS, VerifiableTask, get_task, save_task_tokenizer, task_records, write_jsonl
 from trainer.config import Config, ConfigError
 from trainer.loop import build_model_config
 from trainer.distributed import DistEnv, barrier
+
+
+def task_options(cfg: RLHFConfig) -> dict[str, int | float]:
+    """data.task_options as keyword arguments of the task's class (numbers), each checked by name."""
+    options = {}
+    for item in cfg.data.task_options:
+        name, sep, value = item.partition("=")
+        try:
+            options[name.strip()] = float(value) if "." in value or "e" in value.lower() else int(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise ConfigError(f"data.task_options: {item!r} is not name=number (e.g. steps=1)")
+    if cfg.data.task not in TASKS:
+        return options  # get_task names the task it does not know
+    known = list(inspect.signature(TASKS[cfg.data.task]).parameters)
+    unknown = [n for n in options if n not in known]
+    if unknown:
+        raise ConfigError(f"data.task_options: the {cfg.data.task!r} task has no option {unknown[0]!r}; its options "
+                          f"are {known}")
+    return options
 
 
 def task(cfg: RLHFConfig) -> VerifiableTask | None:
     if not cfg.data.task:
         return None
     try:
-        return get_task(cfg.data.task)
+        return get_task(cfg.data.task, **task_options(cfg))
     except ValueError as e:
         raise ConfigError(f"data.task: {e}") from None
 
@@ -60,7 +82,8 @@ def base_model_dir(cfg: RLHFConfig, env: DistEnv) -> Path:
 def task_file(cfg: RLHFConfig, kind: str, env: DistEnv) -> Path:
     """The task's records of `kind` ("sft": prompt / completion, "pairs": prompt / chosen /
     rejected), written once by rank 0."""
-    path = Path(cfg.train.out_dir) / "data" / f"{cfg.data.task}_{kind}_{cfg.data.task_samples}.jsonl"
+    options = "".join(f"_{name}{value}" for name, value in sorted(task_options(cfg).items()))  # its own file
+    path = Path(cfg.train.out_dir) / "data" / f"{cfg.data.task}{options}_{kind}_{cfg.data.task_samples}.jsonl"
     if env.is_main and not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         write_jsonl(task_records(task(cfg), cfg.data.task_samples, cfg.train.seed, kind), path)

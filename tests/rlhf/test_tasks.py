@@ -161,3 +161,20 @@ def test_math_task_prompts_never_go_below_zero_and_corruptions_are_wrong():
             a, op, b = re.fullmatch(r"(\d+)([-+*])(\d+)", left).groups()
             assert int(right) == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op] >= 0
         assert task.reward(prompt, task.corrupt(prompt, rng)) < 1.0
+
+
+def test_task_options_reach_the_task_and_name_what_is_wrong(tmp_path):
+    from rlhf.config import RLHFConfig
+    from rlhf.data import task
+    from trainer.config import ConfigError
+    cfg = RLHFConfig()
+    cfg.data.task, cfg.data.task_options = "math", ["steps=1", "max_number=3", "format_reward=0.2"]
+    math = task(cfg)
+    assert (math.steps, math.max_number, math.format_reward) == (1, 3, 0.2)
+    rng = random.Random(0)
+    assert all(len(re.findall(r"(?:She|He) ", math.prompt(rng))) == 1 for _ in range(50))
+    for options, match in ((["stepz=1"], r"the 'math' task has no option 'stepz'; its options are \['steps', "),
+                           (["steps"], r"'steps' is not name=number"), (["steps=0"], r"data.task: steps=0")):
+        cfg.data.task_options = options
+        with pytest.raises(ConfigError, match=match):
+            task(cfg)
