@@ -26,7 +26,7 @@ from data.sources import is_json
 from data.tokenizer import Tokenizer, load_tokenizer
 from trainer.config import Config, ConfigError
 from trainer.distributed import barrier
-from trainer.pretrain_data import DataError, _fingerprint
+from trainer.pretrain_data import DataError, file_fingerprint
 
 
 @dataclass
@@ -67,8 +67,8 @@ def _sft_set(path: str, tokenizer: Tokenizer, cfg: Config, format: str | None, k
                         f"fine-tuning reads an SFT data set from a .json / .jsonl(.gz) file (docs/finetune.md)")
     # seq_len + 1 tokens give seq_len inputs and targets after the shift, as in pretraining.
     max_len = cfg.data.seq_len + 1
-    cache_key = {"version": CACHE_VERSION, "source": _fingerprint(Path(path)), "tokenizer": _tokenizer_digest(tokenizer),
-                 "max_len": max_len, "format": format or "auto"}
+    cache_key = {"version": CACHE_VERSION, "source": file_fingerprint(Path(path)),
+                 "tokenizer": _tokenizer_digest(tokenizer), "max_len": max_len, "format": format or "auto"}
     digest = hashlib.sha256(json.dumps(cache_key, sort_keys=True).encode()).hexdigest()[:16]
     directory = Path(cfg.data.cache_dir) / f"sft-{Path(path).name}-{digest}"
     how = f"cached in {directory}"

@@ -69,7 +69,9 @@ def _explain(cfg: DataSection, error: ValueError) -> str:
     return f"data.path {cfg.path!r}: {text}"
 
 
-def _fingerprint(path: Path) -> dict:
+def file_fingerprint(path: Path) -> dict:
+    """What says a data file changed, for a cache key (pretraining's token store, the SFT caches): its resolved
+    path, size and modification time; reading its bytes would cost every rank a pass over a large corpus."""
     stat = path.stat()
     return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
@@ -112,11 +114,11 @@ def prepare_pretraining(cfg: DataSection, seq_len: int, seed: int, rank: int = 0
         indexed = IndexedDataset(cfg.path)
         name = cfg.path
     else:
-        key = {"source": _fingerprint(source), "json_key": cfg.json_key}
+        key = {"source": file_fingerprint(source), "json_key": cfg.json_key}
         if cfg.tokenizer is None:
             key["sentencepiece_vocab"] = cfg.vocab_size
         else:
-            key["tokenizer"] = _fingerprint(Path(cfg.tokenizer))
+            key["tokenizer"] = file_fingerprint(Path(cfg.tokenizer))
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         work = cache / f"{source.stem}-{digest}"
         prefix = work / "tokens"
