@@ -167,7 +167,7 @@ class OnlineAlgorithm(RLHFStage):
                 batch, _ = generate(self.actor, tokens, texts, settings, self.tokenizer, generator)
                 sums[column] += self.rewards(batch)[0].double().sum().item()
                 if column == 0:
-                    if self.task is not None:
+                    if self.task is not None and cfg.reward.source != "task":  # else it is column 0 itself
                         sums[2] += task_rewards(self.task, batch, self.tokenizer).double().sum().item()
                     sums[3] += batch.mask.sum().item()
             sums[4] += len(indices)
