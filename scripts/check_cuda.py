@@ -9,22 +9,33 @@
 - their time against a device-to-device copy of 64M fp32 elements;
 - the ZeRO-3 engine on CUDA in one process (an NCCL group of one), plain and as ZeRO++ with qwZ
   int4 deltas, against the plain model's losses.
+
+With `--parts training lora8b` (issue 30's memory checks on a GPU; `--work` holds their runs):
+- `training`: train.py on one GPU (an NCCL group of one), ZeRO-3, bf16 autocast, the 361.6M
+  `qwen2.5-0.5b` at 8 x 1024 tokens: no activation checkpointing, full checkpointing, and full
+  checkpointing with the optimizer offloaded to the CPU; each run's predicted and measured
+  (`max_memory_allocated`) peak, its median step time and losses (offload must equal no offload);
+- `lora8b`: the README's Llama 3.1 8B LoRA command, as written but on one GPU and 3 steps, on a
+  random bf16 checkpoint of that shape written here with a BPE tokenizer trained on `--data`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
 import traceback
+from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import kernels as K
 from kernels.samples import received, sample, stage_view
-
-if not hasattr(dist, "all_gather_single"):  # torch < 2.13 (e.g. a GPU image's 2.11): its older name
-    dist.all_gather_single = dist.all_gather_into_tensor
 
 N = 1_000_003  # odd: a ragged last block
 
@@ -175,21 +186,154 @@ def engine_on_cuda() -> dict:
     return out
 
 
+MEMORY_LINE = re.compile(r"peak memory per rank \((?:max_memory_allocated|VmHWM)\): measured (\d+)-(\d+) MB, predicted (\d+)-(\d+) MB")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _launch(script: str, args: list[str], log: Path, timeout: float) -> dict:
+    """One process of `script` under torchrun (an NCCL group of one): what its log says of memory,
+    step time and loss, or its log's tail when it failed."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", script, *args]
+    start = time.time()
+    try:
+        with open(log, "w") as out:
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    text = log.read_text(errors="replace")
+    peak = MEMORY_LINE.search(text)
+    if rc != 0 or not peak:
+        return {"failed": rc, "log": text[-2500:]}
+    steps = [float(v) for v in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", text)]
+    return {"measured_mb": int(peak[2]), "predicted_mb": int(peak[4]),
+            "measured_over_predicted": int(peak[2]) / int(peak[4]),
+            "prediction": re.search(r"predicted peak memory per rank: (.*)", text)[1],
+            "median_step_ms_after_the_first_two": statistics.median(steps[2:]) if len(steps) > 2 else None,
+            "losses": [float(v) for v in re.findall(r"lm loss: ([0-9.]+)", text)], "wall_s": time.time() - start}
+
+
+def training_memory(work: Path, preset: str = "qwen2.5-0.5b", batch: int = 8, seq: int = 1024, steps: int = 6,
+                    timeout: float = 180) -> dict:
+    """train.py's predicted vs measured peak with and without activation checkpointing and offload."""
+    from scripts.bench.runner import TIMED
+
+    out = {}
+    for checkpointing, offload in (("none", "none"), ("full", "none"), ("full", "cpu")):
+        name = f"checkpointing-{checkpointing}-offload-{offload}"
+        args = ["--config", "configs/quickstart.yaml", "--model.preset", preset, "--model.max_seq_len", str(seq),
+                "--data.seq_len", str(seq), "--data.cache_dir", str(work / "cache"),
+                "--train.micro_batch_size", str(batch), "--train.steps", str(steps), *TIMED,
+                "--train.activation_checkpointing", checkpointing, "--zero_optimization.stage", "3",
+                "--zero_optimization.offload_optimizer", offload,
+                "--train.out_dir", str(work / name), "--train.overwrite", "true"]
+        out[name] = _launch("train.py", args, work / f"{name}.log", timeout)
+        shutil.rmtree(work / name, ignore_errors=True)  # its checkpoint: GBs of the machine's disk
+    return out
+
+
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+                bos_token_id=0, eos_token_id=1, pad_token_id=2,
+                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192})
+
+
+def write_random_checkpoint(out: Path, shape: dict, data: Path, device: torch.device,
+                            shard_bytes: int = 4 << 30) -> int:
+    """A Hugging Face Llama directory of `shape` with random bf16 weights (std 0.02, norms 1) drawn on
+    `device` tensor by tensor, in safetensors shards with their index, and a BPE tokenizer trained on the
+    instruction set `data`; returns the checkpoint's bytes."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from scripts.bench.memory import write_bpe_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = LlamaConfig(**shape)
+    config.save_pretrained(out)
+    write_bpe_tokenizer(out, data)
+    with torch.device("meta"):
+        names = {k: v.shape for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    generator = torch.Generator(device).manual_seed(0)
+    shards, shard, size, total = [], {}, 0, 0
+    for name, tensor_shape in names.items():
+        if name.endswith("norm.weight"):
+            t = torch.ones(tensor_shape, dtype=torch.bfloat16)
+        else:
+            t = (torch.randn(tensor_shape, generator=generator, device=device) * 0.02).to(torch.bfloat16).cpu()
+        shard[name] = t
+        size += t.numel() * 2
+        if size >= shard_bytes:
+            shards.append(shard)
+            shard, total, size = {}, total + size, 0
+    shards.append(shard)
+    total += size
+    weight_map = {}
+    for i, part in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(part, out / file, metadata={"format": "pt"})
+        weight_map.update({k: file for k in part})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                  "weight_map": weight_map}))
+    return total
+
+
+def lora_8b(work: Path, data: Path, steps: int = 3, timeout: float = 420) -> dict:
+    """The README's 8B LoRA command (finetune_alpaca_lora_zeropp.yaml, full activation checkpointing) on
+    one GPU, `steps` steps."""
+    hf = work / "llama3.1-8b-random"
+    start = time.time()
+    checkpoint_bytes = write_random_checkpoint(hf, LLAMA_8B, data, torch.device("cuda"))
+    made_s = time.time() - start
+    args = ["--config", "configs/finetune_alpaca_lora_zeropp.yaml", "--finetune.hf_checkpoint", str(hf),
+            "--train.activation_checkpointing", "full", "--data.path", str(data), "--train.steps", str(steps),
+            "--train.log_interval", "1", "--train.eval_interval", str(steps), "--train.eval_batches", "1",
+            "--train.eval_at_start", "false", "--train.checkpoint_interval", "0", "--train.export_hf", "false",
+            "--train.progress_bar", "false", "--train.out_dir", str(work / "lora8b"), "--train.overwrite", "true"]
+    return {"checkpoint_bytes": checkpoint_bytes, "checkpoint_written_s": made_s,
+            **_launch("finetune.py", args, work / "lora8b.log", timeout)}
+
+
+PARTS = ("kernels", "engine", "training", "lora8b")
+
+
 def main(argv=None) -> None:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", nargs="+", choices=PARTS, default=["kernels", "engine"])
+    p.add_argument("--work", type=Path, default=Path("runs/check_cuda"), help="the memory checks' runs and logs")
+    p.add_argument("--data", type=Path, default=ROOT.parent / "shared/data/alpaca_en_demo.json",
+                   help="lora8b's instruction set (default: %(default)s)")
+    p.add_argument("--out", type=Path, help="also write the JSON here, after each part")
+    args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("check_cuda.py needs a CUDA GPU: torch.cuda.is_available() is False")
+    args.work = args.work.resolve()
+    args.work.mkdir(parents=True, exist_ok=True)
     result = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}
-    failures = {}
-    for name, run in kernel_cases().items():
+    for part in args.parts:
+        start = time.time()
         try:
-            diff = differences(run("cpu"), run("cuda"))
-            if any(diff):
-                failures[name] = diff
-        except Exception as e:  # reported per case
-            failures[name] = repr(e)[:300]
-    result.update(kernel_cases=len(kernel_cases()), kernel_failures=failures, bandwidth_64M=bandwidth(),
-                  engine=engine_on_cuda())
+            if part == "kernels":
+                failures = {}
+                for name, run in kernel_cases().items():
+                    try:
+                        diff = differences(run("cpu"), run("cuda"))
+                        if any(diff):
+                            failures[name] = diff
+                    except Exception as e:  # reported per case
+                        failures[name] = repr(e)[:300]
+                result.update(kernel_cases=len(kernel_cases()), kernel_failures=failures, bandwidth_64M=bandwidth())
+            elif part == "engine":
+                result["engine"] = engine_on_cuda()
+            elif part == "training":
+                result["training"] = training_memory(args.work)
+            else:
+                result["lora8b"] = lora_8b(args.work, args.data.resolve())
+        except Exception:  # reported, the other parts still run
+            result[part] = traceback.format_exc()[-2000:]
+        result.setdefault("part_seconds", {})[part] = round(time.time() - start, 1)
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=1, default=str))
     print(json.dumps(result, indent=1, default=str))
 
 

@@ -112,13 +112,16 @@ def activation_bytes(config: ModelConfig, micro_batch: int, seq_len: int, dtype:
 
 
 def predicted_peak(runtime, optimizer, config: ModelConfig, micro_batch: int, seq_len: int, dtype: torch.dtype,
-                   checkpointed: set[int] | frozenset, baseline: int) -> dict[str, int]:
-    """Each part of the predicted peak of this rank, in bytes (see the module docstring)."""
+                   checkpointed: set[int] | frozenset, baseline: int, device: torch.device) -> dict[str, int]:
+    """Each part of the predicted peak of this rank, in bytes (see the module docstring). On CUDA the
+    states an optimizer offload keeps in host memory ("(host)") are not part of the device's peak."""
     states = runtime.model_state_bytes(optimizer)
     key = next((k for k in states if k.startswith("optimizer states")), "optimizer states")
     if not states.get(key):  # AdamW's moments come at the first step
         states[key] = 8 * sum(p.numel() for group in optimizer.param_groups for p in group["params"]
                                              if p.requires_grad)
+    if device.type == "cuda":
+        states = {k: v for k, v in states.items() if not k.endswith("(host)")}
     return {"baseline": baseline, "model states": sum(states.values()), "buffers": runtime.buffer_bytes(),
             **{f"activations ({k})": v for k, v in activation_bytes(config, micro_batch, seq_len, dtype,
                                                                     checkpointed).items() if v}}

@@ -47,6 +47,10 @@ import torch.distributed as dist
 
 from zeropp.topology import Mesh, world_mesh
 
+# torch < 2.13 (the GPU images' 2.11) knows the single-tensor collectives by their older names
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class LedgerEntry:
@@ -251,7 +255,7 @@ class Comm:
             return _DoneWork() if async_op else None
         if self.backend == "gloo":
             return self._exchange_all_gather(out, shard, group, async_op, thread)
-        return dist.all_gather_single(out, shard, group=self.mesh.group(group, thread=thread), async_op=async_op)
+        return _all_gather_single(out, shard, group=self.mesh.group(group, thread=thread), async_op=async_op)
 
     def _exchange_all_gather(self, out, shard, group, async_op, thread=False):
         """gloo: each member sends its shard straight to every other one, received in place in `out`
@@ -278,8 +282,8 @@ class Comm:
         """Across nodes among the ranks with this local rank, then inside the node (on the comm thread)."""
         m = self.mesh
         across = torch.empty(m.num_nodes * shard.numel(), dtype=shard.dtype, device=shard.device)
-        dist.all_gather_single(across, shard, group=m.group("inter_node", thread=True))
-        dist.all_gather_single(out, across, group=m.group("intra_node", thread=True))
+        _all_gather_single(across, shard, group=m.group("inter_node", thread=True))
+        _all_gather_single(out, across, group=m.group("intra_node", thread=True))
 
     @property
     def threaded(self) -> bool:
@@ -328,9 +332,9 @@ class Comm:
 
     def _native_reduce_scatter(self, out, full, group, async_op, accumulate):
         if not accumulate and out.dtype == full.dtype:
-            return dist.reduce_scatter_single(out, full, group=self.mesh.group(group), async_op=async_op)
+            return _reduce_scatter_single(out, full, group=self.mesh.group(group), async_op=async_op)
         result = torch.empty(full.numel() // self.mesh.size(group), dtype=full.dtype, device=full.device)
-        work = dist.reduce_scatter_single(result, full, group=self.mesh.group(group), async_op=True)
+        work = _reduce_scatter_single(result, full, group=self.mesh.group(group), async_op=True)
 
         def finish():
             work.wait()

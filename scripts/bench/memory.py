@@ -809,24 +809,34 @@ LORA_HF = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, n
                rope_theta=500000.0, bos_token_id=0, eos_token_id=1, pad_token_id=2,
                rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                              "original_max_position_embeddings": 8192})
+def write_bpe_tokenizer(out: Path, data: Path, vocab_size: int = 8192) -> None:
+    """A byte-level BPE tokenizer trained on the instruction set `data`, with Llama 3's special tokens (ids 0-2)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    records = json.loads(Path(data).read_text())
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator((" ".join(r[k] for k in ("instruction", "input", "output")) for r in records),
+                            trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|begin_of_text|>",
+                                                "<|end_of_text|>", "<|pad|>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                show_progress=False))
+    tok.save(str(Path(out) / "tokenizer.json"))
+    (Path(out) / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "pad_token": "<|pad|>"}))
+
+
 _MAKE_LORA_CHECKPOINT = """
 import json, sys
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig
+from scripts.bench.memory import write_bpe_tokenizer
 
 out, data, shape = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-records = json.load(open(data))
-tok = Tokenizer(models.BPE())
-tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-tok.decoder = decoders.ByteLevel()
-tok.train_from_iterator((" ".join(r[k] for k in ("instruction", "input", "output")) for r in records),
-                        trainers.BpeTrainer(vocab_size=8192, special_tokens=["<|begin_of_text|>", "<|end_of_text|>",
-                                            "<|pad|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                            show_progress=False))
-tok.save(out + "/tokenizer.json")
-json.dump({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "pad_token": "<|pad|>"},
-          open(out + "/tokenizer_config.json", "w"))
+write_bpe_tokenizer(out, data)
 torch.manual_seed(0)
 AutoModelForCausalLM.from_config(LlamaConfig(**shape), dtype=torch.bfloat16).save_pretrained(out)
 """
