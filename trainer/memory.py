@@ -4,8 +4,9 @@ predicted peak = the process' baseline (`baseline_bytes`: what it holds running 
 parameters: torch and its kernels' code, the data, the process group) + model states (the runtime's `model_state_bytes`, with AdamW's two
 fp32 moments per trainable element this rank steps) + the runtime's preallocated buffers +
 activations. Activations are counted, not guessed: one block's forward (and the final norm,
-head and loss) runs on the meta device at the run's micro-batch and sequence length under
-autograd's saved-tensor hooks, which see every tensor the backward will need. A checkpointed
+head and loss) runs on fake tensors of the run's device (no memory; SDPA's kernel and autocast's
+casts are the run's own) at the run's micro-batch and sequence length under autograd's
+saved-tensor hooks, which see every tensor the backward will need. A checkpointed
 block keeps only its input until its backward recomputes it (then one block's activations
 live again). Measured: VmHWM of the process on CPU, `torch.cuda.max_memory_allocated` on CUDA
 (where the baseline is 0).
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode  # what torch.compile traces with
 
 from models.config import ModelConfig
 from models.transformer import Block, Transformer, lm_loss, make_norm, rope_cos_sin
@@ -79,18 +81,33 @@ def _saved_bytes(module: nn.Module, fn) -> int:
     return sum(saved.values())
 
 
+def _built(make, dtype: torch.dtype):
+    """What `make()` builds, its weights in `dtype` (fake tensors' modules cannot be converted with .to)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return make()
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def activation_bytes(config: ModelConfig, micro_batch: int, seq_len: int, dtype: torch.dtype = torch.float32,
-                     checkpointed: set[int] | frozenset = frozenset()) -> dict[str, int]:
+                     checkpointed: set[int] | frozenset = frozenset(), device: torch.device = torch.device("cpu"),
+                     param_dtype: torch.dtype = torch.float32) -> dict[str, int]:
     """Activation memory of one micro-batch's forward, kept for its backward: {"blocks", "head and
-    loss", "recompute"} bytes (the head's with the backward's fp32 gradients of the logits), counted on the meta device from one block and the model's tail built
-    from `config` in `dtype` (the compute dtype; LoRA's small extra activations are not counted)."""
-    with torch.device("meta"):
-        block = Block(config, 0).to(dtype)
-        tail = nn.ModuleDict({"norm": make_norm(config),
-                              "head": nn.Linear(config.embed_dim, config.head_outputs, bias=False)}).to(dtype)
+    loss", "recompute"} bytes (the head's with the backward's fp32 gradients of the logits), counted
+    from one block and the model's tail built from `config` with weights in `param_dtype`, computing
+    in `dtype` (bf16: under autocast, whose weight casts are kept too). Counted with fake tensors of
+    the run's device type (no memory), so that SDPA picks the run's own kernel (a fused one keeps no
+    T x T probabilities) and autocast casts as it will; LoRA's small extra activations are not counted."""
+    autocast = dtype == torch.bfloat16 and param_dtype != dtype
+    with FakeTensorMode(), torch.device(device.type):
+        block, tail = _built(lambda: (Block(config, 0), nn.ModuleDict({
+            "norm": make_norm(config), "head": nn.Linear(config.embed_dim, config.head_outputs, bias=False)})),
+            param_dtype)
         if config.word_embed_proj_dim:
-            tail["project_out"] = nn.Linear(config.d_model, config.embed_dim, bias=False).to(dtype)
-        x = torch.empty(micro_batch, seq_len, config.d_model, dtype=dtype, requires_grad=True)
+            tail["project_out"] = _built(lambda: nn.Linear(config.d_model, config.embed_dim, bias=False), param_dtype)
+        x = torch.empty(micro_batch, seq_len, config.d_model, dtype=param_dtype, requires_grad=True)
         rope = None
         if config.positions == "rope":
             positions = torch.arange(seq_len).expand(micro_batch, seq_len)
@@ -103,8 +120,9 @@ def activation_bytes(config: ModelConfig, micro_batch: int, seq_len: int, dtype:
                 h = tail["project_out"](h)
             lm_loss(tail["head"](h).float(), labels)
 
-        per_block = _saved_bytes(block, lambda: block(x, rope))
-        head = _saved_bytes(tail, run_tail)
+        with torch.autocast(device.type, dtype=dtype, enabled=autocast):
+            per_block = _saved_bytes(block, lambda: block(x, rope))
+            head = _saved_bytes(tail, run_tail)
     block_input = x.numel() * x.element_size()
     kept = sum(block_input if i in checkpointed else per_block for i in range(config.n_layer))
     logits_grad = 2 * micro_batch * seq_len * config.head_outputs * 4  # fp32: d(logits) and d(log-softmax)
@@ -112,7 +130,8 @@ def activation_bytes(config: ModelConfig, micro_batch: int, seq_len: int, dtype:
 
 
 def predicted_peak(runtime, optimizer, config: ModelConfig, micro_batch: int, seq_len: int, dtype: torch.dtype,
-                   checkpointed: set[int] | frozenset, baseline: int, device: torch.device) -> dict[str, int]:
+                   checkpointed: set[int] | frozenset, baseline: int, device: torch.device,
+                   param_dtype: torch.dtype = torch.float32) -> dict[str, int]:
     """Each part of the predicted peak of this rank, in bytes (see the module docstring). On CUDA the
     states an optimizer offload keeps in host memory ("(host)") are not part of the device's peak."""
     states = runtime.model_state_bytes(optimizer)
@@ -124,4 +143,4 @@ def predicted_peak(runtime, optimizer, config: ModelConfig, micro_batch: int, se
         states = {k: v for k, v in states.items() if not k.endswith("(host)")}
     return {"baseline": baseline, "model states": sum(states.values()), "buffers": runtime.buffer_bytes(),
             **{f"activations ({k})": v for k, v in activation_bytes(config, micro_batch, seq_len, dtype,
-                                                                    checkpointed).items() if v}}
+                                                                    checkpointed, device, param_dtype).items() if v}}

@@ -102,6 +102,7 @@ class Runtime:
     ledger: CommLedger  # bytes of every collective since the last reset()
     checkpoint_format: str  # state.json "format" of the tensors `save` writes
     timings: Timings
+    param_dtype: torch.dtype = torch.float32  # the weights the forward computes with (before autocast)
 
     def __call__(self, *args, **kwargs):
         """The training forward (through the wrapper that hooks gradient synchronization)."""
