@@ -329,6 +329,11 @@ class Unit:
         self.secondary = torch.zeros(self.gathered_numel // size, dtype=self.codec.dtype, device=self.device)
         self.reference_at = node * self.shard_numel
 
+    def master_stepped(self) -> None:
+        """An optimizer kernel that does not bump version counters (torch's fused AdamW) changed the
+        master: the next refresh() must re-encode."""
+        self._encoded_master_version = -1
+
     def references_current(self) -> bool:
         """qwZ deltas: the references hold the master's weights (nothing to send for them)."""
         return self.secondary_state is Secondary.CURRENT and self.master._version == self._encoded_master_version
