@@ -4,9 +4,9 @@ predicted peak = the process' baseline (`baseline_bytes`: what it holds running 
 parameters: torch and its kernels' code, the data, the process group) + model states (the runtime's `model_state_bytes`, with AdamW's two
 fp32 moments per trainable element this rank steps) + the runtime's preallocated buffers +
 activations. Activations are counted, not guessed: one block's forward (and the final norm,
-head and loss) runs on fake tensors of the run's device (no memory; SDPA's kernel and autocast's
-casts are the run's own) at the run's micro-batch and sequence length under autograd's
-saved-tensor hooks, which see every tensor the backward will need. A checkpointed
+head and loss) runs on the meta device (attention as the fused kernels keep it, bf16 autocast
+emulated) at the run's micro-batch and sequence length under autograd's saved-tensor hooks,
+which see every tensor the backward will need. A checkpointed
 block keeps only its input until its backward recomputes it (then one block's activations
 live again). Measured: VmHWM of the process on CPU, `torch.cuda.max_memory_allocated` on CUDA
 (where the baseline is 0).
@@ -14,13 +14,15 @@ live again). Measured: VmHWM of the process on CPU, `torch.cuda.max_memory_alloc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode  # what torch.compile traces with
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from models.config import ModelConfig
 from models.transformer import Block, Transformer, lm_loss, make_norm, rope_cos_sin
@@ -81,32 +83,74 @@ def _saved_bytes(module: nn.Module, fn) -> int:
     return sum(saved.values())
 
 
-def _built(make, dtype: torch.dtype):
-    """What `make()` builds, its weights in `dtype` (fake tensors' modules cannot be converted with .to)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+class _FusedAttention(torch.autograd.Function):
+    """What the fused attention kernels keep for the backward (flash / memory-efficient: torch's choice
+    on CUDA and on CPU): q, k, v, the output and an fp32 log-sum-exp per query and head, not the T x T
+    probabilities that SDPA's math path, the meta device's, keeps. Their output is laid out (batch,
+    position, head, dim), so the o_proj input that the model reshapes it into is the same memory."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        b, h, t, _ = q.shape
+        out = q.new_empty(b, t, h, v.shape[-1]).transpose(1, 2)
+        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
+        return out
+
+
+_MATRIX_PRODUCTS = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm, torch.bmm,
+                    torch.addmm, torch.baddbmm}
+
+
+class _MetaAutocast(TorchFunctionMode):
+    """bf16 autocast where there is none (the meta device): fp32 inputs of matrix products are cast
+    as autocast casts them, so the casts the backward keeps (the weights' too) are counted. Our models'
+    other ops get the inputs autocast would give them (norms and losses compute in fp32 explicitly)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _MATRIX_PRODUCTS:
+            args, kwargs = _cast_fp32((args, kwargs or {}), torch.bfloat16)
+        return func(*args, **(kwargs or {}))
+
+
+def _cast_fp32(tree, dtype):
+    if isinstance(tree, torch.Tensor):
+        return tree.to(dtype) if tree.dtype == torch.float32 else tree
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_cast_fp32(t, dtype) for t in tree)
+    if isinstance(tree, dict):
+        return {k: _cast_fp32(v, dtype) for k, v in tree.items()}
+    return tree
+
+
+@contextlib.contextmanager
+def _counting(autocast: bool):
+    """SDPA as the fused kernels keep it (after autocast's cast of q, k, v), and autocast emulated."""
+    sdpa = F.scaled_dot_product_attention
+    cast = (lambda t: _cast_fp32(t, torch.bfloat16)) if autocast else (lambda t: t)
+    F.scaled_dot_product_attention = lambda q, k, v, **_: _FusedAttention.apply(cast(q), cast(k), cast(v))
     try:
-        return make()
+        with _MetaAutocast() if autocast else contextlib.nullcontext():
+            yield
     finally:
-        torch.set_default_dtype(previous)
+        F.scaled_dot_product_attention = sdpa
 
 
 def activation_bytes(config: ModelConfig, micro_batch: int, seq_len: int, dtype: torch.dtype = torch.float32,
-                     checkpointed: set[int] | frozenset = frozenset(), device: torch.device = torch.device("cpu"),
+                     checkpointed: set[int] | frozenset = frozenset(),
                      param_dtype: torch.dtype = torch.float32) -> dict[str, int]:
     """Activation memory of one micro-batch's forward, kept for its backward: {"blocks", "head and
     loss", "recompute"} bytes (the head's with the backward's fp32 gradients of the logits), counted
-    from one block and the model's tail built from `config` with weights in `param_dtype`, computing
-    in `dtype` (bf16: under autocast, whose weight casts are kept too). Counted with fake tensors of
-    the run's device type (no memory), so that SDPA picks the run's own kernel (a fused one keeps no
-    T x T probabilities) and autocast casts as it will; LoRA's small extra activations are not counted."""
+    on the meta device from one block and the model's tail built from `config` with weights in
+    `param_dtype`, computing in `dtype` (bf16 over fp32 weights: autocast, emulated, whose weight
+    casts are kept too); attention as the fused kernels keep it. LoRA's small extra activations are
+    not counted."""
     autocast = dtype == torch.bfloat16 and param_dtype != dtype
-    with FakeTensorMode(), torch.device(device.type):
-        block, tail = _built(lambda: (Block(config, 0), nn.ModuleDict({
-            "norm": make_norm(config), "head": nn.Linear(config.embed_dim, config.head_outputs, bias=False)})),
-            param_dtype)
+    with torch.device("meta"):
+        block = Block(config, 0).to(param_dtype)
+        tail = nn.ModuleDict({"norm": make_norm(config),
+                              "head": nn.Linear(config.embed_dim, config.head_outputs, bias=False)}).to(param_dtype)
         if config.word_embed_proj_dim:
-            tail["project_out"] = _built(lambda: nn.Linear(config.d_model, config.embed_dim, bias=False), param_dtype)
+            tail["project_out"] = nn.Linear(config.d_model, config.embed_dim, bias=False).to(param_dtype)
         x = torch.empty(micro_batch, seq_len, config.d_model, dtype=param_dtype, requires_grad=True)
         rope = None
         if config.positions == "rope":
@@ -120,7 +164,7 @@ def activation_bytes(config: ModelConfig, micro_batch: int, seq_len: int, dtype:
                 h = tail["project_out"](h)
             lm_loss(tail["head"](h).float(), labels)
 
-        with torch.autocast(device.type, dtype=dtype, enabled=autocast):
+        with _counting(autocast):
             per_block = _saved_bytes(block, lambda: block(x, rope))
             head = _saved_bytes(tail, run_tail)
     block_input = x.numel() * x.element_size()
@@ -143,4 +187,4 @@ def predicted_peak(runtime, optimizer, config: ModelConfig, micro_batch: int, se
         states = {k: v for k, v in states.items() if not k.endswith("(host)")}
     return {"baseline": baseline, "model states": sum(states.values()), "buffers": runtime.buffer_bytes(),
             **{f"activations ({k})": v for k, v in activation_bytes(config, micro_batch, seq_len, dtype,
-                                                                    checkpointed, device, param_dtype).items() if v}}
+                                                                    checkpointed, param_dtype).items() if v}}
