@@ -194,8 +194,9 @@ def predicted_step_bytes(units: dict, block_groups: list[list], held: int, comm,
     buffers) should send in one training step of `micro_batches` forward/backward passes, by
     ledger tag: {"sent", "cross_node_sent"} bytes, from the units' sizes and the configuration
     alone (the ledger of a step that follows a training step measures the same). The embeddings
-    and norms are gathered once per step; the blocks per pass, the backward from the hpZ
-    secondary; frozen units not again where they stay gathered (`unit_gathers`).
+    and norms are gathered once per step; the blocks per pass, with hpZ from the secondary but for
+    the first forward after the weight update (a frozen unit's always: its weights never change);
+    frozen units not again where they stay gathered (`unit_gathers`).
     A reducer whose volume depends on the round (SEPARATE) leaves "gradient reduce" out."""
     totals: dict[str, list[int]] = {}
 
@@ -215,6 +216,11 @@ def predicted_step_bytes(units: dict, block_groups: list[list], held: int, comm,
             forward = comm.volume(u.wire.numel() * u.wire.element_size(), "dp", node_aware=True)
             backward = forward if u.secondary is None else \
                 comm.volume(u.secondary.numel() * u.secondary.element_size(), "secondary")
+            if u.secondary is not None and forwards:  # hpZ: one forward from every rank after the update,
+                if u.trainable:                       # the rest (and a frozen unit's) inside the group
+                    add("forward gather", forward)
+                    forwards -= 1
+                forward = backward
         add("forward gather", forward, forwards)
         if i is not None:
             add("backward gather", backward, backwards)

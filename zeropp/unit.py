@@ -353,7 +353,10 @@ class Unit:
             self.secondary_state = Secondary.CURRENT
 
     def source(self, phase: Phase) -> Source:
-        if phase is Phase.BACKWARD and self.secondary is not None and self.secondary_state is Secondary.CURRENT:
+        """hpZ: the secondary while it holds the current weights (kept by the first forward after a
+        weight update, or a rollout): the backward, and the forwards of later micro-batches and
+        frozen weights, gather inside the secondary group; otherwise every data-parallel rank."""
+        if self.secondary is not None and self.secondary_state is Secondary.CURRENT:
             return Source.SECONDARY
         return Source.PRIMARY
 
@@ -383,8 +386,8 @@ class Unit:
 
     def decode(self, comm, phase: Phase, timings) -> None:
         """Wait for the gather, decode into the compute buffer (putting the shards of a node-aware
-        gather in place); in a forward with autograd, keep this rank's part of the bytes as the
-        hpZ secondary. The secondary slices of a group concatenate to the primary's gathered
+        gather in place); in a forward with autograd or a rollout (a training forward follows it),
+        keep this rank's part of the bytes as the hpZ secondary. The secondary slices of a group concatenate to the primary's gathered
         bytes, so both sources decode in the primary's order."""
         if self.state is not UnitState.GATHERING:
             raise RuntimeError(f"unit {self.name} asked to decode while {self.state.value}")
@@ -397,8 +400,8 @@ class Unit:
         with timer("weight decode"):
             self.codec.decode(gather, compute, self.world_size, self.gather_order(comm))
         self.state = UnitState.GATHERED
-        if self.delta_codec is None and self.secondary is not None and phase is Phase.FORWARD \
-                and torch.is_grad_enabled():
+        if self.delta_codec is None and self.secondary is not None and self.secondary_state is not Secondary.CURRENT \
+                and (phase is Phase.ROLLOUT or phase is Phase.FORWARD and torch.is_grad_enabled()):
             n = self.secondary.numel()
             j = comm.mesh.group_rank("secondary")
             self.secondary.copy_(gather[j * n:(j + 1) * n])

@@ -260,7 +260,9 @@ def _zeropp(rank, world):
     out["grads"], out["fresh_grads"] = [], []
     for step in range(2):
         for e, o, key in ((engine, opt, ""), (fresh, fresh_opt, "fresh_")):
+            e.ledger.reset()
             out[key + "grads"].append(train_step(e, rank, step)[1])
+            out[key + "step_ledger"] = e.ledger.totals()  # step 1's: after the rollout of new weights
             o.step()
             o.zero_grad()
         if step == 0:  # new weights: the next rollout gathers everything again
@@ -298,7 +300,8 @@ def test_zeropp_rollout_gathers_qwz_codes_once_and_matches_one_process(results, 
     for bit (the blocks do not depend on the world size), and generation equals the plain model's
     on them. The rollout's gather moves qwZ's bytes (int8 codes + fp16 scales, about half of bf16)
     once per rollout: the same for 2 and for 20 new tokens, and no collective while decoding.
-    Training around the rollouts stays bit-exact."""
+    Training around the rollouts stays bit-exact, and its forward gathers from the hpZ secondary
+    that the rollout kept: nothing across nodes."""
     results = [r["zeropp"] for r in results]
     gathered, state = results[0]["gathered"], results[0]["state"]
     assert all(torch.equal(gathered[k], v) for k, v in quantized_weights(state).items())
@@ -314,3 +317,6 @@ def test_zeropp_rollout_gathers_qwz_codes_once_and_matches_one_process(results, 
         assert 0.45 < r["wire"] / r["bf16"] < 0.6, (r["wire"], r["bf16"])
         for grads, fresh in zip(r["grads"], r["fresh_grads"]):
             assert all(torch.equal(a, b) for a, b in zip(grads, fresh))
+        # the rollout kept the hpZ secondary: the training forward after it stays inside the node
+        assert r["step_ledger"]["forward gather"]["cross_node_sent"] == 0
+        assert r["fresh_step_ledger"]["forward gather"]["cross_node_sent"] > 0
