@@ -310,6 +310,28 @@ def default_position_ids(attention_mask, batch: int, seq_len: int, past_len: int
     return position_ids[:, past_len:]
 
 
+def packed_position_ids(document_ids: torch.Tensor) -> torch.Tensor:
+    """Positions restarting at 0 where each packed document starts (a new id from the slot before),
+    so every document is placed as if it were alone in its row."""
+    T = document_ids.shape[-1]
+    slots = torch.arange(T, device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[..., 1:] = document_ids[..., 1:] != document_ids[..., :-1]
+    return slots - torch.where(starts, slots, 0).cummax(-1).values
+
+
+def packed_mask(document_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Boolean [B, 1, T, T] block-diagonal causal mask: a token sees the earlier tokens of its own
+    document only (and with `window`, those less than `window` slots back)."""
+    T = document_ids.shape[-1]
+    q_pos = torch.arange(T, device=document_ids.device)[:, None]
+    k_pos = torch.arange(T, device=document_ids.device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask = mask & (k_pos > q_pos - window)
+    return (mask & (document_ids[:, :, None] == document_ids[:, None, :]))[:, None]
+
+
 def attention_mask_4d(attention_mask, seq_len: int, past_len: int, device, window: int | None = None) -> torch.Tensor:
     """Boolean [B or 1, 1, T, past+T] mask: causal, hiding padded keys, and with `window` the keys
     `window` or more slots back (transformers' sliding window: key > query - window).
@@ -388,20 +410,28 @@ class Transformer(nn.Module):
             values.normal_(0.0, std, generator=generator)
         out.copy_(values)
 
-    def forward(self, tokens, position_ids=None, attention_mask=None, kv_cache=None) -> torch.Tensor:
+    def forward(self, tokens, position_ids=None, attention_mask=None, kv_cache=None,
+                document_ids=None) -> torch.Tensor:
         """tokens [B, T] -> float32 logits [B, T, V] (score model: values [B, T, num_labels]).
 
         attention_mask: optional [B, past+T] 1/0 padding mask (left padding for
         batched generation). kv_cache: a KVCache that is read and extended.
+        document_ids: optional [B, T] ids of packed documents (data.packing): each token attends
+        to its own document only and positions restart at 0 with each (unless position_ids).
         """
         B, T = tokens.shape
         past_len = kv_cache.seq_len if kv_cache is not None else 0
+        if document_ids is not None and (attention_mask is not None or kv_cache is not None):
+            raise ValueError("document_ids (packed rows) take no attention_mask or kv_cache: the documents' "
+                             "extents are the mask, and packing is for full forwards, not decoding")
         if attention_mask is not None and tuple(attention_mask.shape) != (B, past_len + T):
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected "
                              f"{(B, past_len + T)} (batch, cached + new tokens)")
         if self.config.positions == "learned" and past_len + T > self.config.max_seq_len:
             raise ValueError(f"sequence length {past_len + T} exceeds max_seq_len={self.config.max_seq_len}")
-        if position_ids is None:
+        if position_ids is None and document_ids is not None:
+            position_ids = packed_position_ids(document_ids)
+        elif position_ids is None:
             position_ids = default_position_ids(attention_mask, B, T, past_len, tokens.device)
 
         x = self.embed(tokens, position_ids)
@@ -413,7 +443,11 @@ class Transformer(nn.Module):
         if self.config.sliding_rope_theta is not None:
             local_rope = rope_cos_sin(position_ids, self.config.head_dim, self.config.sliding_rope_theta)
         windows = [self.config.layer_window(i) for i in range(len(self.blocks))]
-        masks = {window: self._mask(attention_mask, T, past_len, tokens.device, window) for window in set(windows)}
+        if document_ids is not None:
+            masks = {window: packed_mask(document_ids, window) for window in set(windows)}
+        else:
+            masks = {window: self._mask(attention_mask, T, past_len, tokens.device, window)
+                     for window in set(windows)}
         for i, block in enumerate(self.blocks):
             layer_rope = None if not self.config.layer_has_rope(i) else rope if windows[i] is None else local_rope
             x = block(x, layer_rope, masks[windows[i]], kv_cache)

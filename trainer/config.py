@@ -95,6 +95,9 @@ class DataSection(HeldOutSection):
     seq_len: int = 128  # tokens per training sample (a fine-tune: the longest example; longer ones are cut)
     cache_dir: str = "cache"  # tokenized data and trained tokenizers, reused by later runs
     workers: int = 2  # processes that tokenize the corpus
+    # Fine-tuning: pack a micro-batch's examples side by side into rows of seq_len (positions restart
+    # and attention stays within each example) instead of one padded row each; the same loss.
+    packing: bool = False
 
 
 @dataclass

@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.datasets import SFTCache, build_sft_cache, collate_sft, split_train_valid
+from data.datasets import IGNORE_INDEX, SFTCache, build_sft_cache, collate_sft, split_train_valid
+from data.packing import pack
 from data.sources import is_json
 from data.tokenizer import Tokenizer, load_tokenizer
 from trainer.config import Config, ConfigError
@@ -36,13 +37,24 @@ class FinetuneData:
     train_indices: np.ndarray  # an epoch's examples, as the mixture weighs them (ids may repeat)
     valid_indices: np.ndarray
     source: str
+    seq_len: int
+    packing: bool  # data.packing
 
-    def batch(self, indices: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and targets of examples `indices`, right-padded to the longest: the target is
-        -100 over the prompt and the padding, so the loss covers response tokens (and EOS) only.
-        Right padding needs no attention mask: causal attention never looks ahead to it."""
-        batch = collate_sft([self.dataset[i] for i in indices], pad_id=self.tokenizer.pad_id)
-        return batch["tokens"][:, :-1].to(device), batch["labels"][:, 1:].to(device)
+    def batch(self, indices: list[int], device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The model's inputs and the targets of examples `indices`: the target is -100 over the
+        prompt and the padding, so the loss covers response tokens (and EOS) only.
+
+        Padded: one row per example, right-padded to the longest (no attention mask needed: causal
+        attention never looks ahead to the padding). Packed: the examples side by side in rows of
+        seq_len with their document_ids; the same targets, so the same loss."""
+        examples = [self.dataset[i] for i in indices]
+        if not self.packing:
+            batch = collate_sft(examples, pad_id=self.tokenizer.pad_id)
+            return {"tokens": batch["tokens"][:, :-1].to(device)}, batch["labels"][:, 1:].to(device)
+        rows = pack([len(x["tokens"]) - 1 for x in examples], self.seq_len)
+        tokens = rows.scatter([x["tokens"][:-1] for x in examples], self.tokenizer.pad_id)
+        labels = rows.scatter([x["labels"][1:] for x in examples], IGNORE_INDEX)
+        return {"tokens": tokens.to(device), "document_ids": rows.document_ids().to(device)}, labels.to(device)
 
 
 CACHE_VERSION = 1  # raised when what an SFTCache holds for the same key changes
@@ -127,4 +139,5 @@ def prepare_finetuning(cfg: Config) -> FinetuneData:
     if ft.mix_weights:
         described = [f"{text} x {w / sum(ft.mix_weights):.0%}" for text, w in zip(described, ft.mix_weights)]
     dataset = sets[0] if len(sets) == 1 else torch.utils.data.ConcatDataset(sets)
-    return FinetuneData(tokenizer, dataset, train_idx, np.concatenate(valid_sets), " + ".join(described))
+    return FinetuneData(tokenizer, dataset, train_idx, np.concatenate(valid_sets), " + ".join(described),
+                        data.seq_len, data.packing)

@@ -96,6 +96,9 @@ def _check_finetune(cfg: Config) -> None:
     """Keys that only mean something for one of pretraining and fine-tuning are errors in the other."""
     ft = cfg.finetune
     if ft.hf_checkpoint is None:
+        if cfg.data.packing:
+            raise ConfigError("data.packing: value True applies to fine-tuning; pretraining's samples are already "
+                              "full rows of the token stream, with nothing to pad")
         stray = [f"finetune.{k}" for k in _changed(ft)]
         if stray:
             raise ConfigError(f"{stray[0]} applies to fine-tuning, but finetune.hf_checkpoint is not set; "
@@ -149,6 +152,10 @@ def _check(cfg: Config) -> None:
     try:
         cfg.zero_optimization.validate()
         cfg.tensor_parallel.validate()
+        if cfg.data.packing and cfg.tensor_parallel.size > 1 and cfg.tensor_parallel.topk_keep_ratio < 1.0:
+            raise ZeroConfigError(f"data.packing: value True cannot go with tensor_parallel.topk_keep_ratio "
+                                  f"{cfg.tensor_parallel.topk_keep_ratio}: its token scores take each row as one "
+                                  f"causal sequence, not packed documents; use data.packing false or topk_keep_ratio 1")
         if cfg.tensor_parallel.size > 1 and cfg.finetune.lora.r:
             raise ZeroConfigError("tensor_parallel.size > 1 does not slice LoRA adapters; use finetune.lora.r 0 or "
                                   "tensor_parallel.size 1")
@@ -346,15 +353,15 @@ class Trainer:
         runtime.timings.clear()
         micro_batches = [self.data.batch(next(batches), self.env.device) for _ in range(accum)]
         targets = torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in micro_batches]).tolist()  # one sync
-        counts = torch.tensor([float(stop), sum(tokens.numel() for tokens, _ in micro_batches), sum(targets)],
+        counts = torch.tensor([float(stop), sum(inputs["tokens"].numel() for inputs, _ in micro_batches), sum(targets)],
                               dtype=torch.float64, device=self.env.device)
         stops, n_tokens, n_targets = all_reduce_sum(counts).tolist()
         anyone_stops, n_tokens, n_targets = stops > 0, round(n_tokens / self.copies), round(n_targets / self.copies)
         total = torch.zeros((), device=self.env.device)
-        for micro, (tokens, labels) in enumerate(micro_batches):
+        for micro, (inputs, labels) in enumerate(micro_batches):
             with nullcontext() if micro == accum - 1 else runtime.no_sync():
                 with autocast_for(cfg.train.precision, self.env.device):
-                    logits = runtime(tokens)
+                    logits = runtime(**inputs)
                 loss = runtime.lm_loss(logits, labels) * (targets[micro] / n_targets)
                 runtime.backward(loss)
             total += loss.detach()
@@ -403,9 +410,9 @@ class Trainer:
         for start in range(0, len(samples), mbs * world):
             block = samples[start:start + mbs * world]
             mine = block[rank * mbs:(rank + 1) * mbs]
-            tokens, labels = self.data.batch(mine or block[:1], self.env.device)
+            inputs, labels = self.data.batch(mine or block[:1], self.env.device)
             with autocast_for(cfg.train.precision, self.env.device):
-                logits = self.model(tokens)
+                logits = self.model(**inputs)
             if mine:
                 targets = (labels != IGNORE_INDEX).sum().double()
                 total += torch.stack([self.runtime.lm_loss(logits, labels).double() * targets, targets])

@@ -36,12 +36,13 @@ class PretrainData:
     valid_indices: np.ndarray
     source: str
 
-    def batch(self, indices: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and targets of samples `indices`: each sample's first and last seq_len tokens."""
+    def batch(self, indices: list[int], device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The model's inputs and the targets of samples `indices`: each sample's first and last
+        seq_len tokens."""
         samples = torch.stack([self.dataset[i] for i in indices])
         check_token_ids(samples, self.tokenizer.vocab_size, self.source, indices)
         samples = samples.to(device)
-        return samples[:, :-1], samples[:, 1:]
+        return {"tokens": samples[:, :-1]}, samples[:, 1:]
 
 
 def check_token_ids(samples: torch.Tensor, vocab_size: int, source: str, indices: list[int]) -> None:

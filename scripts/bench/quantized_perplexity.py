@@ -65,8 +65,8 @@ def evaluate(model, data, micro_batch_size: int, trainer_batches: int) -> dict:
     nll = n = sub_nll = sub_n = 0.0
     with torch.no_grad():
         for b, start in enumerate(range(0, len(valid), micro_batch_size)):
-            tokens, labels = data.batch(valid[start:start + micro_batch_size], torch.device("cpu"))
-            loss = F.cross_entropy(model(tokens).float().flatten(0, -2), labels.flatten(), reduction="sum").item()
+            inputs, labels = data.batch(valid[start:start + micro_batch_size], torch.device("cpu"))
+            loss = F.cross_entropy(model(**inputs).float().flatten(0, -2), labels.flatten(), reduction="sum").item()
             nll, n = nll + loss, n + labels.numel()
             if b < trainer_batches and start + micro_batch_size <= len(valid):
                 sub_nll, sub_n = sub_nll + loss, sub_n + labels.numel()

@@ -140,5 +140,5 @@ def test_mixed_sets_are_cached_apart(tokenizer_dir, records, tmp_path):
         (item["tokens"].tolist(), item["labels"].tolist())
         for item in SFTDataset(small, load_tokenizer(tokenizer_dir), max_len=65)]
     assert examples(data) == expected
-    tokens, targets = data.batch(data.train_indices[:4].tolist(), torch.device("cpu"))
-    assert tokens.shape == targets.shape
+    inputs, targets = data.batch(data.train_indices[:4].tolist(), torch.device("cpu"))
+    assert inputs["tokens"].shape == targets.shape
