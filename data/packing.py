@@ -31,9 +31,12 @@ class PackedRows:
         """[rows, slots]: document i's slots hold i, padding -1."""
         return self.scatter([torch.full((n,), i) for i, n in enumerate(self.lengths)], -1)
 
-    def gather(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Each document's slots of a per-slot tensor `x` [rows, slots, ...]."""
-        return [x[row, start:start + n] for (row, start), n in zip(self.places, self.lengths)]
+    def slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, columns) of every document token, document after document: `x[rows.slots()]` takes
+        them out of a per-slot tensor `x` [rows, slots, ...] in that order."""
+        row = torch.cat([torch.full((n,), r) for (r, _), n in zip(self.places, self.lengths)])
+        column = torch.cat([torch.arange(start, start + n) for (_, start), n in zip(self.places, self.lengths)])
+        return row, column
 
 
 def pack(lengths: list[int], capacity: int) -> PackedRows:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from data.packing import pack
 from data.tokenizer import Tokenizer, load_tokenizer
 from models.config import ModelConfig
 from models.hf import hf_model_on_meta, save_hf_checkpoint
@@ -86,6 +87,7 @@ class ModelRuntime:
         lora: adapters on a trainable model (rlhf.py's `lora` section; r 0: every weight trains)."""
         model, weights = loaded
         self.name, self.env = name, env
+        self.packing = cfg.data.packing
         self.trainable = lr is not None
         model.requires_grad_(self.trainable)
         self.config: ModelConfig = model.config
@@ -109,8 +111,22 @@ class ModelRuntime:
             self.optimizer = self.runtime.attach_optimizer(build_optimizer(self.module, self.optim_cfg))
 
     def __call__(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The outputs [B, T, ...] of padded rows. With data.packing, rows that have an attention mask
+        go through packed: their real tokens side by side in rows of T (data.packing.pack), and the
+        outputs are put back where the padded forward has them (0 at the padding), so every caller
+        computes the padded path's losses."""
         with autocast_for(self.precision, self.env.device):
-            return self.runtime(tokens, attention_mask=attention_mask)
+            if not self.packing or attention_mask is None:
+                return self.runtime(tokens, attention_mask=attention_mask)
+            real = attention_mask.bool()
+            lengths = real.sum(-1).tolist()
+            rows = pack(lengths, tokens.shape[1])
+            packed = rows.scatter(list(tokens[real].cpu().split(lengths)), 0).to(tokens.device)
+            out = self.runtime(packed, document_ids=rows.document_ids().to(tokens.device))
+            result = out.new_zeros(*tokens.shape, *out.shape[2:])
+            row, column = (index.to(out.device) for index in rows.slots())
+            result[real] = out[row, column]
+            return result
 
     def clip_gradients(self) -> float:
         """Clip the gradients (optim.clip_grad); returns their global norm before clipping."""

@@ -51,6 +51,9 @@ class DataSection(HeldOutSection):
     prompts: Annotated[str | None, InputPath()] = None
     max_len: int = 256  # prompt + response tokens per sequence
     max_prompt_len: int = 128  # ppo / grpo prompts are cut to their last max_prompt_len tokens
+    # Every stage's forwards over padded sequences (sft examples, preference pairs, rollouts) run packed:
+    # the sequences side by side, positions restarting, attention within each; the same losses.
+    packing: bool = False
 
 
 @dataclass

@@ -24,6 +24,7 @@ def sft_config(cfg: RLHFConfig, env: DistEnv) -> Config:
     out.data.path = str(path)
     out.data.cache_dir = str(cfg.stage_dir("sft") / "data_cache")  # its tokenized examples, beside the stage
     out.data.seq_len = cfg.data.max_len - 1
+    out.data.packing = cfg.data.packing
     out.data.valid_fraction = cfg.data.valid_fraction
     out.optim = dataclasses.replace(cfg.optim, lr=cfg.sft.lr)
     shared = {f.name: getattr(cfg.train, f.name) for f in dataclasses.fields(RunSection)}  # every shared key
