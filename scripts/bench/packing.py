@@ -1,6 +1,7 @@
 """Sequence packing (data.packing) against padding: padding share and training speed, side by side in one run.
 
-    python scripts/bench/packing.py --data ../shared/data/alpaca_en_demo.json --seq-len 512 --steps 20
+    python -m scripts.bench.packing --data ../shared/data/alpaca_en_demo.json --seq-len 512 --steps 20 \
+        --pairs ../shared/data/hh-rlhf-harmless-base-test.jsonl.gz
 
 A gpt2-tiny model (the configs' preset; max_seq_len raised to --seq-len) is written as a Hugging Face
 directory with a byte-level BPE tokenizer trained on the data set, then fine-tuned by trainer.loop's
@@ -15,14 +16,21 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import finetune
+from data.datasets import PreferenceDataset
+from data.packing import pack
+from data.tokenizer import load_tokenizer
 from models.config import ModelConfig
-from models.hf import save_hf_checkpoint
+from models.hf import load_hf_checkpoint, save_hf_checkpoint
 from models.transformer import Transformer
+from rlhf.common import ModelRuntime
+from rlhf.config import RLHFConfig
+from rlhf.pairs import _pair_batch, _response_logprob_sums
 from trainer.config import parse_args
 from trainer.loop import Trainer
 
@@ -69,12 +77,42 @@ def timed_steps(trainer: Trainer, batches, steps: int) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
+def dpo_pairs(args, model_dir: Path, trainer: Trainer) -> dict[str, list[float]]:
+    """DPO's policy forward + backward (rlhf.pairs) on batches of --micro-batch-size pairs, padded and
+    packed by ModelRuntime: (padding share, steps/s), timed in alternating rounds as the SFT steps."""
+    batch_pairs, max_len = args.micro_batch_size, args.seq_len
+    prefs = PreferenceDataset(str(args.pairs), load_tokenizer(model_dir), max_len)
+    batches = [_pair_batch(SimpleNamespace(dataset=prefs), list(range(i, i + batch_pairs)), 2, torch.device("cpu"))
+               for i in range(0, len(prefs) - batch_pairs + 1, batch_pairs)]
+    lengths = [b["attention_mask"].sum(-1).tolist() for b in batches]
+    slots = {"padded": sum(b["tokens"].numel() for b in batches),
+             "packed": sum(pack(n, b["tokens"].shape[1]).document_ids().numel() for n, b in zip(lengths, batches))}
+    models = {}
+    for name in ("padded", "packed"):
+        cfg = RLHFConfig()
+        cfg.train.precision, cfg.data.packing = "fp32", name == "packed"
+        torch.manual_seed(0)
+        models[name] = ModelRuntime("policy", (load_hf_checkpoint(model_dir), None), cfg, trainer.env, lr=1e-6)
+    seconds = dict.fromkeys(models, 0.0)
+    for start in range(0, args.steps, ROUND):
+        for name, model in models.items():
+            began = time.perf_counter()
+            for batch in batches[start:start + ROUND]:
+                _response_logprob_sums(model, batch).sum().backward()
+            seconds[name] += time.perf_counter() - began
+    for model in models.values():
+        model.close()
+    real = sum(sum(n) for n in lengths)
+    return {name: [1 - real / slots[name], min(args.steps, len(batches)) / seconds[name]] for name in models}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, required=True)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per path, in rounds of 4")
+    parser.add_argument("--pairs", type=Path, help="also DPO's forward + backward on these preference pairs")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = hf_model(args.data, args.seq_len, Path(tmp))
@@ -101,6 +139,8 @@ def main() -> None:
         finally:
             for trainer in trainers.values():
                 trainer.close()
+        if args.pairs:
+            pairs = dpo_pairs(args, model_dir, trainers["padded"])
     steps = args.steps // ROUND * ROUND
     print(f"{args.data.name}, seq_len {args.seq_len}, micro-batch {args.micro_batch_size} examples, "
           f"gpt2-tiny, fp32, {torch.get_num_threads()} threads")
@@ -110,6 +150,12 @@ def main() -> None:
         wall, cpu = times[name]
         print(f"| {name} | {r['padding share']:.1%} | {r['slots per micro-batch']:.0f} | {steps / wall:.2f} | "
               f"{steps * r['real tokens per step'] / wall:.0f} | {cpu / steps:.2f} |")
+    if args.pairs:
+        print(f"\nDPO policy forward + backward, {args.pairs.name}, {args.micro_batch_size} pairs a batch, "
+              f"max_len {args.seq_len}")
+        print("| path | padding share | batches/s |\n| --- | --- | --- |")
+        for name, (share, speed) in pairs.items():
+            print(f"| {name} | {share:.1%} | {speed:.2f} |")
 
 if __name__ == "__main__":
     main()
