@@ -353,8 +353,8 @@ class Trainer:
         runtime.timings.clear()
         micro_batches = [self.data.batch(next(batches), self.env.device) for _ in range(accum)]
         targets = torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in micro_batches]).tolist()  # one sync
-        counts = torch.tensor([float(stop), sum(inputs["tokens"].numel() for inputs, _ in micro_batches), sum(targets)],
-                              dtype=torch.float64, device=self.env.device)
+        n_slots = sum(inputs["tokens"].numel() for inputs, _ in micro_batches)
+        counts = torch.tensor([float(stop), n_slots, sum(targets)], dtype=torch.float64, device=self.env.device)
         stops, n_tokens, n_targets = all_reduce_sum(counts).tolist()
         anyone_stops, n_tokens, n_targets = stops > 0, round(n_tokens / self.copies), round(n_targets / self.copies)
         total = torch.zeros((), device=self.env.device)

@@ -41,7 +41,8 @@ def _dpo(cfg, env, lm):
     sums = _response_logprob_sums(policy, batch)
     loss = dpo_loss(*sums.chunk(2), ref_chosen, ref_rejected, beta=0.1)[0].mean()
     loss.backward()
-    out = {"sums": sums.detach(), "loss": loss.detach(), "grads": {n: p.grad for n, p in policy.module.named_parameters()}}
+    grads = {n: p.grad for n, p in policy.module.named_parameters()}
+    out = {"sums": sums.detach(), "loss": loss.detach(), "grads": grads}
     policy.close()
     reference.close()
     return out
