@@ -1,19 +1,22 @@
 """data.packing in rlhf.py: the packed forwards give the padded path's DPO loss and gradients, the RL
-update's log-probs and values, and the same PPO / GRPO updates."""
+update's log-probs and values, and the same PPO / GRPO updates; the sft stage hands the key to finetune's."""
 
 import types
 
 import pytest
 import torch
 
+import rlhf.sft
 from models.transformer import Transformer, score_model_from
 from rlhf.common import ModelRuntime
+from rlhf.config import RLHFConfig
 from rlhf.grpo import grpo_update
 from rlhf.losses import dpo_loss, grpo_advantages
 from rlhf.pairs import _pair_batch, _response_logprob_sums
 from rlhf.ppo import make_experience, ppo_update
 from rlhf.rollout import logprobs, values_of
 from tests.rlhf.test_stages import _my_rollouts, _setup
+from trainer.distributed import DistEnv
 from trainer.spawn import run_ranks
 
 
@@ -96,3 +99,14 @@ def test_packed_rl_update_equals_padded():
     for stage in ("ppo", "grpo"):
         for key, value in padded[stage].items():
             assert packed[stage][key] == pytest.approx(value, rel=1e-4, abs=1e-6), f"{stage} {key}"
+
+
+def test_the_sft_stage_packs_as_finetune_does(monkeypatch):
+    monkeypatch.setattr(rlhf.sft, "base_model_dir", lambda cfg, env: "base")
+    monkeypatch.setattr(rlhf.sft, "sft_file", lambda cfg, env: ("sft.jsonl", "auto"))
+    cfg = RLHFConfig()
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    for packing in (False, True):
+        cfg.data.packing = packing
+        data = rlhf.sft.sft_config(cfg, env).data
+        assert (data.packing, data.seq_len) == (packing, cfg.data.max_len - 1)
