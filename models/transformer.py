@@ -312,12 +312,14 @@ def default_position_ids(attention_mask, batch: int, seq_len: int, past_len: int
 
 def packed_position_ids(document_ids: torch.Tensor) -> torch.Tensor:
     """Positions restarting at 0 where each packed document starts (a new id from the slot before),
-    so every document is placed as if it were alone in its row."""
+    so every document is placed as if it were alone in its row; padding (id < 0) gets 0, so that
+    no position exceeds the longest document's (dynamic RoPE scales by the largest)."""
     T = document_ids.shape[-1]
     slots = torch.arange(T, device=document_ids.device).expand_as(document_ids)
     starts = torch.ones_like(document_ids, dtype=torch.bool)
     starts[..., 1:] = document_ids[..., 1:] != document_ids[..., :-1]
-    return slots - torch.where(starts, slots, 0).cummax(-1).values
+    positions = slots - torch.where(starts, slots, 0).cummax(-1).values
+    return positions.masked_fill(document_ids < 0, 0)
 
 
 def packed_mask(document_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:

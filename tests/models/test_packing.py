@@ -31,6 +31,7 @@ def test_pack_places_documents_first_fit_and_restarts_positions():
     ids = rows.document_ids()
     assert ids[2].tolist() == [4] * 9 + [6] * 6 + [-1]
     assert packed_position_ids(ids)[0].tolist() == [*range(7), *range(3), *range(5), 0]
+    assert packed_position_ids(ids)[1].tolist() == [*range(12), 0, 0, 0, 0]  # padding at 0
     with pytest.raises(ValueError, match="does not fit a row of 16"):
         pack([17], 16)
 
