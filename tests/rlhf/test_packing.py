@@ -7,15 +7,14 @@ import pytest
 import torch
 
 import rlhf.sft
-from models.transformer import Transformer, score_model_from
+from models.transformer import Transformer
 from rlhf.common import ModelRuntime
 from rlhf.config import RLHFConfig
 from rlhf.grpo import grpo_update
 from rlhf.losses import dpo_loss, grpo_advantages
 from rlhf.pairs import _pair_batch, _response_logprob_sums
-from rlhf.ppo import make_experience, ppo_update
-from rlhf.rollout import logprobs, values_of
-from tests.rlhf.test_stages import _my_rollouts, _setup
+from rlhf.ppo import ppo_update
+from tests.rlhf.test_stages import _setup, ppo_inputs
 from trainer.distributed import DistEnv
 from trainer.spawn import run_ranks
 
@@ -52,16 +51,10 @@ def _dpo(cfg, env, lm):
 
 
 def _rl(cfg, env, lm):
-    actor = ModelRuntime("actor", (lm, None), cfg, env, lr=1e-3, steps=4)
-    critic = ModelRuntime("critic", (score_model_from(lm), None), cfg, env, lr=1e-3, steps=4)
-    reference = ModelRuntime("reference", (Transformer(lm.config), None), cfg, env, lr=None)
-    batch, scores = _my_rollouts(1, list(range(8)))  # left-padded prompts, right-padded responses
-    old_logp, ref_logp = logprobs(actor, batch), logprobs(reference, batch)
-    with torch.no_grad():
-        old_values = values_of(critic, batch)
-    cfg.ppo.epochs, cfg.ppo.mini_batches = 2, 2
-    exp, _ = make_experience(batch, scores, old_logp, ref_logp, old_values, 0.1, cfg.ppo)
-    ppo_stats, _ = ppo_update(actor, critic, exp, cfg.ppo, 0)
+    p = ppo_inputs(lm, cfg, env, list(range(8)))  # left-padded prompts, right-padded responses
+    actor, critic, reference, batch = p["actor"], p["critic"], p["reference"], p["batch"]
+    old_logp, ref_logp, old_values, scores = p["old_logp"], p["ref_logp"], p["old_values"], p["scores"]
+    ppo_stats, _ = ppo_update(actor, critic, p["exp"], cfg.ppo, 0)
     cfg.grpo.group_size, cfg.grpo.iterations, cfg.grpo.beta = 2, 2, 0.04
     grpo_stats, _ = grpo_update(actor, batch, grpo_advantages(scores, 2), ref_logp, cfg.grpo, 0)
     out = {"logp": old_logp, "ref_logp": ref_logp, "values": old_values, "ppo": ppo_stats, "grpo": grpo_stats,

@@ -61,20 +61,29 @@ def _setup(rank: int, world: int, stage: int):
     return lm, cfg, DistEnv(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
 
 
-def _ppo_step(rank, world, rows, stage):
-    """One rollout's PPO update (2 epochs x 2 mini-batches) under DDP or ZeRO-3 (fp32 wire); the weights after."""
-    lm, cfg, env = _setup(rank, world, stage)
-    critic_start = score_model_from(lm)
+def ppo_inputs(lm, cfg, env, rows: list[int]) -> dict:
+    """The actor, critic and reference of `lm`, one rollout of these rows, and its PPO experience
+    (2 epochs x 2 mini-batches)."""
+    critic_start = score_model_from(lm)  # before the actor's runtime shards lm
     actor = ModelRuntime("actor", (lm, None), cfg, env, lr=1e-3, steps=4)
     critic = ModelRuntime("critic", (critic_start, None), cfg, env, lr=1e-3, steps=4)
     reference = ModelRuntime("reference", (Transformer(lm.config), None), cfg, env, lr=None)
-    batch, scores = _my_rollouts(1, rows[rank])
+    batch, scores = _my_rollouts(1, rows)
     old_logp, ref_logp = logprobs(actor, batch), logprobs(reference, batch)
     with torch.no_grad():
         old_values = values_of(critic, batch)
     cfg.ppo.epochs, cfg.ppo.mini_batches = 2, 2
     exp, _ = make_experience(batch, scores, old_logp, ref_logp, old_values, 0.1, cfg.ppo)
-    stats, skipped = ppo_update(actor, critic, exp, cfg.ppo, 0)
+    return dict(actor=actor, critic=critic, reference=reference, batch=batch, scores=scores, old_logp=old_logp,
+                ref_logp=ref_logp, old_values=old_values, exp=exp)
+
+
+def _ppo_step(rank, world, rows, stage):
+    """One rollout's PPO update (2 epochs x 2 mini-batches) under DDP or ZeRO-3 (fp32 wire); the weights after."""
+    lm, cfg, env = _setup(rank, world, stage)
+    p = ppo_inputs(lm, cfg, env, rows[rank])
+    actor, critic, reference = p["actor"], p["critic"], p["reference"]
+    stats, skipped = ppo_update(actor, critic, p["exp"], cfg.ppo, 0)
     out = {"actor": actor.runtime.full_state_dict(), "critic": critic.runtime.full_state_dict(), "stats": stats}
     for m in (actor, critic, reference):
         m.close()
