@@ -41,7 +41,7 @@ from data.tokenizer import SP_FIXED_PIECES
 from models.config import PRESETS, ModelConfig
 from models.lora import DEFAULT_TARGETS
 from trainer.preemption import signal_number
-from zeropp.config import TensorParallelConfig, ZeroConfig
+from zeropp.config import DilocoConfig, TensorParallelConfig, ZeroConfig
 
 DEBUG_ENV = "ZEROPP_DEBUG"  # set to 1 (or pass --debug) to see the traceback of an error
 
@@ -252,6 +252,8 @@ class Config(ResumeConfig):
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     # Megatron-style tensor parallelism with AccTFM (docs/tensor_parallel.md).
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    # DiLoCo: the runtime inside sites, an outer optimizer across them (docs/diloco.md).
+    diloco: DilocoConfig = field(default_factory=DilocoConfig)
     finetune: FinetuneSection = field(default_factory=FinetuneSection)  # fine-tuning a Hugging Face model
 
 

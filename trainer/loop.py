@@ -52,6 +52,8 @@ from trainer.skeleton import Stage, run_stage
 from trainer.pretrain_data import DataError, PretrainData, prepare_pretraining
 from data.sources import MissingKeyError
 from zeropp import build_runtime
+from zeropp.diloco import DiLoCo
+from zeropp.topology import ranks_per_node_from_env
 from zeropp.config import ZeroConfigError
 from zeropp.engine import UnsupportedModelError
 from zeropp.topology import TopologyError
@@ -159,6 +161,10 @@ def _check(cfg: Config) -> None:
         if cfg.tensor_parallel.size > 1 and cfg.finetune.lora.r:
             raise ZeroConfigError("tensor_parallel.size > 1 does not slice LoRA adapters; use finetune.lora.r 0 or "
                                   "tensor_parallel.size 1")
+        cfg.diloco.validate()
+        if cfg.diloco.enabled and cfg.tensor_parallel.size > 1:
+            raise ZeroConfigError(f"diloco.enabled runs DDP or ZeRO-3 inside each site; tensor_parallel.size "
+                                  f"{cfg.tensor_parallel.size} is not supported with it yet: use 1")
     except ZeroConfigError as e:
         raise ConfigError(str(e)) from None
     _check_finetune(cfg)
@@ -201,7 +207,15 @@ class Trainer:
         self.model_cfg: ModelConfig = self.model.config
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.n_trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        self.runtime = build_runtime(self.model, cfg.zero_optimization, self.env.device, cfg.tensor_parallel, weights)
+        # DiLoCo: the runtime over its site's ranks only (zeropp.diloco); the default builder's keyword,
+        # so the benchmarks' builders see it only where DiLoCo is on.
+        sites = {"site_size": cfg.diloco.site_size or ranks_per_node_from_env(self.env.world_size)} \
+            if cfg.diloco.enabled else {}
+        self.runtime = build_runtime(self.model, cfg.zero_optimization, self.env.device, cfg.tensor_parallel, weights,
+                                     **sites)
+        mesh = getattr(self.runtime, "mesh", None)
+        self.site, self.sites = (mesh.site, mesh.sites) if mesh is not None else (0, 1)
+        self.diloco = DiLoCo(self.runtime, cfg.diloco) if cfg.diloco.enabled else None
         # Data-parallel replicas read different batches; the ranks of a tensor-parallel group read
         # the same one, so world-wide sums of per-batch counts hold each `copies` times.
         self.dp_rank, self.dp_size = self.runtime.data_parallel
@@ -293,7 +307,10 @@ class Trainer:
                 f"resume: checkpoint {path} is {fmt!r} but zero_optimization.stage {self.cfg.zero_optimization.stage} "
                 f"needs {want!r}; resume with the stage it was written with, or convert it with scripts/consolidate.py")
         self._keep_global_batch(path, saved)
-        state = load_checkpoint(path, self.optimizer, lambda d: self.runtime.load(d, self.optimizer), self.env.rank)
+        if saved.get("diloco") != self.diloco_layout():
+            raise ConfigError(f"resume: checkpoint {path} was written with DiLoCo sites {saved.get('diloco')}, this run "
+                              f"has {self.diloco_layout()} (diloco.enabled, diloco.site_size); resume with the same")
+        state = load_checkpoint(path, self.optimizer, lambda d: self.tensors.load(d, self.optimizer), self.env.rank)
         bad = self.nonfinite_tensors()
         if bad:
             raise CheckpointError(f"resume: checkpoint {path} holds non-finite values in {', '.join(bad[:5])}; "
@@ -326,6 +343,23 @@ class Trainer:
                           f"{want // per_accum} (micro-batch {t.micro_batch_size} x {self.dp_size} data-parallel ranks)")
         t.grad_accum = want // per_accum
 
+    @property
+    def tensors(self):
+        """What writes and reads the checkpoint's tensors: the runtime, or DiLoCo around it."""
+        return self.diloco or self.runtime
+
+    def diloco_layout(self) -> dict | None:
+        """The sites a checkpoint's files are laid out in (state.json "diloco"); None: no DiLoCo."""
+        if self.diloco is None:
+            return None
+        return {"sites": self.sites, "site_size": self.env.world_size // self.sites}
+
+    def predicted_step_bytes(self) -> dict[str, dict[str, int]]:
+        """The runtime's prediction for one step, with DiLoCo's outer exchange amortized over its H steps."""
+        predicted = self.runtime.predicted_step_bytes(self.cfg.train.grad_accum)
+        return predicted if self.diloco is None or not predicted else {**predicted,
+                                                                        **self.diloco.predicted_step_bytes()}
+
     def nonfinite_tensors(self) -> list[str]:
         """Names of weights and optimizer states that hold a NaN or an infinity, on any rank
         (every rank calls it: one gather)."""
@@ -344,6 +378,8 @@ class Trainer:
         split over ranks and micro-batches (fine-tuning examples differ in how many targets they
         have): each micro-batch's mean weighs by its share of the global target count, which one
         all-reduce at the start of the step provides; the stop flag and the token count ride on it.
+        With DiLoCo each site trains its own replica: "global" is the site's batch (one count per
+        site in the same all-reduce), and the loss logged is the mean over the sites.
         """
         cfg, accum, runtime = self.cfg, self.cfg.train.grad_accum, self.runtime
         lr = lr_at(self.step, cfg.train.steps, cfg.optim)
@@ -353,9 +389,11 @@ class Trainer:
         runtime.timings.clear()
         micro_batches = [self.data.batch(next(batches), self.env.device) for _ in range(accum)]
         targets = torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in micro_batches]).tolist()  # one sync
-        n_slots = sum(inputs["tokens"].numel() for inputs, _ in micro_batches)
-        counts = torch.tensor([float(stop), n_slots, sum(targets)], dtype=torch.float64, device=self.env.device)
-        stops, n_tokens, n_targets = all_reduce_sum(counts).tolist()
+        counts = torch.zeros(2 + self.sites, dtype=torch.float64, device=self.env.device)
+        counts[0], counts[1] = float(stop), sum(inputs["tokens"].numel() for inputs, _ in micro_batches)
+        counts[2 + self.site] = sum(targets)
+        summed = all_reduce_sum(counts).tolist()
+        stops, n_tokens, n_targets = summed[0], summed[1], summed[2 + self.site]
         anyone_stops, n_tokens, n_targets = stops > 0, round(n_tokens / self.copies), round(n_targets / self.copies)
         total = torch.zeros((), device=self.env.device)
         for micro, (inputs, labels) in enumerate(micro_batches):
@@ -366,7 +404,7 @@ class Trainer:
                 runtime.backward(loss)
             total += loss.detach()
         grad_norm = runtime.clip_grad_norm_(cfg.optim.clip_grad if cfg.optim.clip_grad > 0 else float("inf")).item()
-        loss = all_reduce_sum(total).item() / self.copies
+        loss = all_reduce_sum(total).item() / self.copies / self.sites
         # Both are global, so every rank takes the same decision: a non-finite one skips the update
         # (the batch is consumed, the weights and optimizer state stay as they were); the policy
         # logs it, and raises NonFiniteError at train.max_nonfinite_steps in a row.
@@ -374,6 +412,8 @@ class Trainer:
         if not self.last_step_skipped:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.diloco is not None:  # (a skipped step still counts as one of the cycle's H)
+            self.diloco.after_inner_step(self.step + 1)
         self.step_comm = runtime.ledger.totals()  # before any evaluation adds its gathers
         self.step_timings = dict(runtime.timings)
         self.step += 1
@@ -440,9 +480,10 @@ class Trainer:
             "world_size": self.env.world_size,
             "tokenizer": str(self.data.tokenizer.path),
             "lora": lora_state(self.cfg.finetune.lora),
+            "diloco": self.diloco_layout(),
         }
         self.saved = save_checkpoint(self.ckpt_root, self.step, state, self.optimizer,
-                                     lambda d: self.runtime.save(d, self.optimizer), self.env.rank)
+                                     lambda d: self.tensors.save(d, self.optimizer), self.env.rank)
         self.saved_step = self.step
         self.run_dir.first_checkpoint_written(self.env.is_main)
         return self.saved
@@ -543,12 +584,12 @@ class _TrainerStage(Stage):
                 f"{'at most ' if cfg.finetune.hf_checkpoint else ''}{cfg.data.seq_len} tokens | "
                 f"world size {tr.env.world_size} | global batch {tr.global_batch}"
             )
-            log.info(f"runtime: {tr.runtime.describe()}")
+            log.info(f"runtime: {tr.runtime.describe()}" + (f" | {tr.diloco.describe()}" if tr.diloco else ""))
             log.info(f"compute: {precision_line(t.precision, tr.env.device)}")
             if tr.checkpointed:
                 log.info(describe_checkpointing(t.activation_checkpointing, t.activation_checkpointing_every,
                                                 tr.checkpointed, len(tr.model.blocks)))
-            for line in traffic_and_memory_lines(tr.runtime.predicted_step_bytes(t.grad_accum),
+            for line in traffic_and_memory_lines(tr.predicted_step_bytes(),
                                                  tr.runtime.model_state_bytes(tr.optimizer)):
                 log.info(line)
             parts = ", ".join(f"{kind} {n / 2**20:.1f}" for kind, n in tr.predicted_memory.items())
@@ -625,7 +666,7 @@ class _TrainerStage(Stage):
             runtime = tr.cfg.zero_optimization.describe() if tp.size == 1 else \
                 f"{tp.describe()} x {tr.cfg.zero_optimization.describe()}"
             log.info(cross_node_report(tr.step_comm, tr.runtime.zero3_cross_node_bytes(t.grad_accum), runtime,
-                                       tr.runtime.predicted_step_bytes(t.grad_accum)))
+                                       tr.predicted_step_bytes()))
         self.result.peak_memory = tr.peak_memory_line(log)
 
     def export(self) -> None:

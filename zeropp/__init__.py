@@ -9,23 +9,27 @@ from zeropp.config import TensorParallelConfig, ZeroConfig
 from zeropp.ddp import DDPRuntime
 from zeropp.engine import Zero3Engine
 from zeropp.runtime import Runtime
+from zeropp.topology import mesh_from_config
 
 
 def build_runtime(model: nn.Module, config: ZeroConfig, device: torch.device,
-                  tensor_parallel: TensorParallelConfig | None = None, weights: WeightSource | None = None) -> Runtime:
+                  tensor_parallel: TensorParallelConfig | None = None, weights: WeightSource | None = None,
+                  site_size: int | None = None) -> Runtime:
     """The runtime `zero_optimization.stage` asks for, applied to `model` from outside; with
     tensor_parallel.size > 1, inside tensor-parallel groups (zeropp.tensor_parallel). A model built
     on the meta device gets its values from `weights`: ZeRO-3 reads only this rank's shards, the
-    replicated runtimes (DDP, tensor parallelism) materialize the model first, one parameter at a time."""
+    replicated runtimes (DDP, tensor parallelism) materialize the model first, one parameter at a time.
+    site_size: DiLoCo's sites (zeropp.diloco): the runtime runs over its site's ranks only."""
     sharded = config.stage == 3 and not (tensor_parallel is not None and tensor_parallel.size > 1)
     if weights is not None and not sharded:
         materialize(model, weights, device).to(device)  # (parameters made in memory, e.g. LoRA adapters, too)
     if tensor_parallel is not None and tensor_parallel.size > 1:
         from zeropp.tensor_parallel.runtime import TensorParallelRuntime
         return TensorParallelRuntime(model, config, tensor_parallel, device)
+    mesh = mesh_from_config(config, site_size=site_size) if site_size else None
     if config.stage == 3:
-        return Zero3Engine(model, config, device=device, weights=weights)
-    return DDPRuntime(model, config, device)
+        return Zero3Engine(model, config, mesh, device, weights)
+    return DDPRuntime(model, config, device, mesh)
 
 
 __all__ = ["DDPRuntime", "Runtime", "TensorParallelConfig", "Zero3Engine", "ZeroConfig", "build_runtime"]

@@ -371,3 +371,59 @@ class TensorParallelConfig:
                                   f"mean magnitude per row) or 2..8 (piecewise)")
         if self.topk_passes not in ("both", "forward", "backward"):
             raise ZeroConfigError(f"tensor_parallel.topk_passes={self.topk_passes!r}: use both, forward or backward")
+
+
+COMPRESSIONS = {"none": None, "int8": 8, "int4": 4}  # diloco.compression -> bits
+
+
+@dataclass
+class DilocoConfig:
+    """The `diloco` section: DiLoCo's outer loop (zeropp.diloco, docs/diloco.md). The world is cut
+    into sites of `site_size` consecutive ranks; the runtime (zero_optimization) runs inside each
+    site, and every `inner_steps` steps the sites average their pseudo-gradients (weights at the
+    last sync - current weights) and take one outer Nesterov SGD step."""
+
+    enabled: bool = False  # DiLoCo across sites (off: one runtime over the whole world)
+    # H, the inner steps between outer syncs. The paper's 500 is for 150M-400M models over 88k
+    # steps; at our scale (runs of hundreds to a few thousand steps) 50 keeps >= 10 outer steps
+    # per run while cutting the cross-site traffic 50x (docs/diloco.md).
+    inner_steps: int = 50
+    # Ranks per site (consecutive ranks, whole nodes or part of one); sites = world / site_size.
+    # 0: one site per node (the launcher's ranks per node: LOCAL_WORLD_SIZE, SLURM_NTASKS_PER_NODE).
+    site_size: int = 0
+    outer_lr: float = 0.7  # the outer SGD's learning rate (DiLoCo's 0.7)
+    outer_momentum: float = 0.9  # its momentum (DiLoCo's 0.9); 0: none
+    nesterov: bool = True  # Nesterov momentum (DiLoCo's)
+    # The pseudo-gradient on the wire between sites: none (fp32), int8 or int4 blockwise
+    # quantization (kernels) with error feedback (the residual stays on its rank for the next sync).
+    compression: Literal["none", "int8", "int4"] = "none"
+    compression_block_size: int = 256  # elements per quantization block (one fp32 scale each)
+
+    @property
+    def bits(self) -> int | None:
+        return COMPRESSIONS[self.compression]
+
+    def describe(self) -> str:
+        momentum = f", {'Nesterov ' if self.nesterov else ''}momentum {self.outer_momentum:g}" \
+            if self.outer_momentum else ""
+        wire = "fp32" if self.bits is None else \
+            f"int{self.bits} blocks of {self.compression_block_size} with error feedback"
+        return f"H {self.inner_steps}, outer SGD lr {self.outer_lr:g}{momentum}, pseudo-gradient as {wire}"
+
+    def validate(self) -> None:
+        """Raise ZeroConfigError naming the key, its value and what is expected."""
+        checks = [
+            ("inner_steps", self.inner_steps, "an integer >= 1", isinstance(self.inner_steps, int)
+             and self.inner_steps >= 1),
+            ("site_size", self.site_size, "an integer >= 0 (0: the launcher's ranks per node)",
+             isinstance(self.site_size, int) and self.site_size >= 0),
+            ("outer_lr", self.outer_lr, "a finite number > 0", math.isfinite(self.outer_lr) and self.outer_lr > 0),
+            ("outer_momentum", self.outer_momentum, "a number in [0, 1)", 0 <= self.outer_momentum < 1),
+            ("compression", self.compression, f"one of {', '.join(COMPRESSIONS)}", self.compression in COMPRESSIONS),
+            ("compression_block_size", self.compression_block_size, "an integer >= 8 and a multiple of 8",
+             isinstance(self.compression_block_size, int) and self.compression_block_size >= 8
+             and self.compression_block_size % 8 == 0),
+        ]
+        for key, value, expected, ok in checks:
+            if not ok:
+                raise ZeroConfigError(f"diloco.{key}: value {value!r} is out of range; expected {expected}")

@@ -111,10 +111,10 @@ class Runtime:
     @property
     def data_parallel(self) -> tuple[int, int]:
         """(rank, size) among the data-parallel replicas, the ranks that read different batches (the
-        ranks of one tensor-parallel group read the same ones)."""
+        ranks of one tensor-parallel group read the same ones; DiLoCo's sites read different ones too)."""
         mesh = getattr(self, "mesh", None)
         if mesh is not None:
-            return mesh.rank, mesh.world_size
+            return mesh.site * mesh.world_size + mesh.rank, mesh.sites * mesh.world_size
         return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
     def lm_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

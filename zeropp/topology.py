@@ -13,7 +13,10 @@ Groups, looked up by name (`mesh.group(name)`, `mesh.members(name)`):
               by default a node)
   tp          the tensor-parallel ranks of this rank (one rank when tp is 1)
   world       every rank (tp x dp)
-`tp` and `world` list global ranks, the others DP ranks (`mesh.global_rank(name, member)`).
+  cross_site  DiLoCo (site_size): the ranks at this rank's place in every site, one per site
+With DiLoCo the world is cut into sites of site_size consecutive ranks and every group but world
+and cross_site lives inside this rank's site: the runtime sees its site as its world.
+`tp`, `world` and `cross_site` list global ranks, the others DP ranks (`mesh.global_rank(name, member)`).
 A runtime's mesh comes from `mesh_from_config`; `world_mesh` is the world alone (dp = world, the
 default group), for the collectives outside a runtime (zeropp.comm.world_comm).
 On gloo, every group also has a twin (`mesh.group(name, thread=True)`) for the communication
@@ -31,8 +34,8 @@ import torch.distributed as dist
 
 from zeropp.config import ZeroConfig
 
-GROUPS = ("dp", "intra_node", "inter_node", "secondary", "tp", "world")
-GLOBAL_GROUPS = ("tp", "world")  # their members are global ranks
+GROUPS = ("dp", "intra_node", "inter_node", "secondary", "tp", "world", "cross_site")
+GLOBAL_GROUPS = ("tp", "world", "cross_site")  # their members are global ranks
 
 
 class TopologyError(ValueError):
@@ -74,6 +77,8 @@ class Mesh:
     tp_size: int
     global_ranks: list[int]  # the global rank of each DP rank of this rank's dp group
     secondary_requested: bool = False  # build_mesh was given a secondary size (hpZ)
+    site: int = 0  # DiLoCo: this rank's site (its dp group is the site's)
+    sites: int = 1
     _members: dict[str, list[int]] = field(default_factory=dict)  # name -> DP ranks (tp: global ranks)
     _groups: dict[tuple[str, bool], object] = field(default_factory=dict)  # (name, thread) -> process group
 
@@ -121,14 +126,16 @@ class Mesh:
         """How many members of group `name` sit on another node than this rank (the ledger's cross-node
         share). Global ranks are node-major too: a node holds ranks_per_node x tp_size of them."""
         per_node = self.ranks_per_node * self.tp_size
-        return sum(self.global_rank(name, m) // per_node != self.node for m in self._members[name])
+        node = self.global_ranks[self.rank] // per_node  # in the world, not the site
+        return sum(self.global_rank(name, m) // per_node != node for m in self._members[name])
 
     def describe(self) -> str:
         """The layout; the secondary partition only where one was asked for (hpZ), not the
         node-sized default plain ZeRO-3 never uses."""
         tp = f", tensor parallel {self.tp_size}" if self.tp_size > 1 else ""
         sec = f", secondary partition of {self.secondary_size}" if self.secondary_requested else ""
-        return f"{self.num_nodes} node(s) x {self.ranks_per_node} rank(s) per node{sec}{tp}"
+        sites = f"{self.sites} sites of " if self.sites > 1 else ""
+        return f"{sites}{self.num_nodes} node(s) x {self.ranks_per_node} rank(s) per node{sec}{tp}"
 
 
 def _blocks(name: str, world: int, rpn: int, sec: int) -> list[list[int]]:
@@ -144,17 +151,25 @@ def _blocks(name: str, world: int, rpn: int, sec: int) -> list[list[int]]:
 
 
 def build_mesh(ranks_per_node: int | None = None, secondary_size: int | None = None, tp: int = 1,
-               thread_groups: bool | None = None) -> Mesh:
+               thread_groups: bool | None = None, site_size: int | None = None) -> Mesh:
     """Create every process group; all ranks of the world must call this in the same order.
 
     ranks_per_node: DP ranks per node; None takes the launcher's (its ranks per node / tp).
     secondary_size: hpZ's group size in DP ranks; None means one node.
     thread_groups: twins for the communication thread; by default on gloo (see zeropp.comm).
+    site_size: DiLoCo's sites of that many consecutive ranks, each a world of its own to every
+    group but world and cross_site; None: one site, the world.
     """
     world, me = dist.get_world_size(), dist.get_rank()
-    if tp < 1 or world % tp:
-        raise TopologyError(f"tensor parallel size {tp} does not divide the world size {world}")
-    dp_world, tp_index = world // tp, me % tp
+    site_size = site_size or world
+    if world % site_size:
+        raise TopologyError(f"diloco.site_size={site_size} does not divide the world size {world}: every site "
+                            f"needs as many ranks; use a divisor of {world}")
+    sites, site = world // site_size, me // site_size
+    base = site * site_size  # the global rank of the site's first rank
+    if tp < 1 or site_size % tp:
+        raise TopologyError(f"tensor parallel size {tp} does not divide the world size {site_size}")
+    dp_world, tp_index = site_size // tp, me % tp
     rpn = ranks_per_node or max(1, ranks_per_node_from_env(world) // tp)
     rpn = min(rpn, dp_world)
     if dp_world % rpn:
@@ -165,27 +180,38 @@ def build_mesh(ranks_per_node: int | None = None, secondary_size: int | None = N
                             f"data-parallel world size {dp_world}")
     if thread_groups is None:
         thread_groups = dist.get_backend() == "gloo"
-    mesh = Mesh(me // tp, dp_world, rpn, sec, tp, [r * tp + tp_index for r in range(dp_world)],
-                secondary_requested=secondary_size is not None)
-    mesh._members["tp"] = [mesh.rank * tp + t for t in range(tp)]
-    # new_group is collective over the whole world: every rank creates every group of every tp index.
+    mesh = Mesh((me - base) // tp, dp_world, rpn, sec, tp, [base + r * tp + tp_index for r in range(dp_world)],
+                secondary_requested=secondary_size is not None, site=site, sites=sites)
+    mesh._members["tp"] = [base + mesh.rank * tp + t for t in range(tp)]
+    # new_group is collective over the whole world: every rank creates every group of every site and tp index.
     for thread in (False, True) if thread_groups else (False,):
-        if tp > 1:
-            for d in range(dp_world):
-                group = new_group([d * tp + t for t in range(tp)])
-                if d == mesh.rank:
-                    mesh._groups["tp", thread] = group
-        for name in GROUPS[:4]:
-            if name == "secondary" and sec == rpn:  # one node: the intra-node group itself
-                mesh._groups[name, thread], mesh._members[name] = mesh._groups["intra_node", thread], \
-                    mesh._members["intra_node"]
-                continue
-            for t in range(tp):
-                for block in _blocks(name, dp_world, rpn, sec):
-                    group = dist.group.WORLD if (tp == 1 and name == "dp" and not thread) else \
-                        new_group([d * tp + t for d in block])
-                    if t == tp_index and mesh.rank in block:
-                        mesh._groups[name, thread], mesh._members[name] = group, block
+        for s in range(sites):
+            first = s * site_size
+            if tp > 1:
+                for d in range(dp_world):
+                    group = new_group([first + d * tp + t for t in range(tp)])
+                    if s == site and d == mesh.rank:
+                        mesh._groups["tp", thread] = group
+            for name in GROUPS[:4]:
+                if name == "secondary" and sec == rpn:  # one node: the intra-node group itself
+                    if s == site:
+                        mesh._groups[name, thread], mesh._members[name] = mesh._groups["intra_node", thread], \
+                            mesh._members["intra_node"]
+                    continue
+                for t in range(tp):
+                    for block in _blocks(name, dp_world, rpn, sec):
+                        group = dist.group.WORLD if (sites == 1 and tp == 1 and name == "dp" and not thread) else \
+                            new_group([first + d * tp + t for d in block])
+                        if s == site and t == tp_index and mesh.rank in block:
+                            mesh._groups[name, thread], mesh._members[name] = group, block
+    if sites > 1:  # the outer exchange's groups: one per place in a site, across the sites
+        for place in range(site_size):
+            members = [s * site_size + place for s in range(sites)]
+            group = new_group(members)
+            if me in members:
+                mesh._groups["cross_site", False], mesh._members["cross_site"] = group, members
+    else:  # one site: nothing to exchange with
+        mesh._groups["cross_site", False], mesh._members["cross_site"] = None, [me]
     mesh._groups["world", False], mesh._members["world"] = dist.group.WORLD, list(range(world))
     return mesh
 
@@ -207,15 +233,16 @@ def world_mesh() -> Mesh:
     return mesh
 
 
-def mesh_from_config(zero: ZeroConfig, tp: int = 1) -> Mesh:
+def mesh_from_config(zero: ZeroConfig, tp: int = 1, site_size: int | None = None) -> Mesh:
     """The run's one layout, from `zero_optimization` (and `tensor_parallel.size`): its ranks per
     node (else the launcher's), hpZ's secondary group (`zero_hpz_partition_size`: 0 one node, n > 1
     n ranks, 1 off), tensor-parallel groups of `tp` consecutive ranks inside a node, and the
-    communication thread's twins where ZeRO-3 runs on gloo. Every runtime is built on it."""
+    communication thread's twins where ZeRO-3 runs on gloo; with DiLoCo, inside sites of `site_size`
+    ranks (build_mesh). Every runtime is built on it."""
     rpn = zero.ranks_per_node
     if rpn is not None and rpn % tp:
         raise TopologyError(f"tensor_parallel.size={tp} must divide zero_optimization.ranks_per_node={rpn}: "
                             f"a tensor-parallel group lives inside a node")
     return build_mesh(ranks_per_node=rpn // tp if rpn else None, tp=tp,
                       secondary_size=zero.zero_hpz_partition_size if zero.zero_hpz_partition_size > 1 else None,
-                      thread_groups=None if zero.stage == 3 else False)
+                      thread_groups=None if zero.stage == 3 else False, site_size=site_size)

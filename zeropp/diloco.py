@@ -1,0 +1,145 @@
+"""DiLoCo's outer loop (arXiv 2311.08105) over any of our runtimes: the runtime inside a site, an
+outer optimizer across sites.
+
+The runtime is built on its site's ranks only (`build_runtime(..., site_size=...)`: every group of
+its mesh lives inside the site), so each site trains its own replica and crosses no slow link.
+Every `inner_steps` (H) steps the outer step runs on the fp32 weights this rank's inner optimizer
+steps (ZeRO-3: its master shard; DDP: the whole replica):
+
+    delta    = anchor - weights             this site's pseudo-gradient (anchor: the last sync)
+    delta    = mean over sites (delta)      all-reduce over the `cross_site` group: the ranks at
+                                            this rank's place in every site, so with ZeRO-3 each
+                                            rank sends only its shard
+    momentum = mu * momentum + delta        outer SGD, Nesterov as torch.optim.SGD
+    anchor  -= lr * (delta + mu * momentum) (nesterov; else lr * momentum)
+    weights  = anchor
+
+The outer state (anchor, momentum, and the error feedback's residual) is flat fp32 over the same
+elements, so it is sharded exactly like the inner state; the inner optimizer's state is kept.
+Writing the weights in place bumps their version counter: the runtime's derived copies (ZeRO's
+wire, hpZ's secondary, qwZ's delta references) are re-encoded by the same refresh an optimizer
+step or a checkpoint load triggers. With `compression` the pseudo-gradient plus the residual is
+quantized blockwise (kernels), the residual keeps what the codes lost, and the sites all-gather
+the codes and scales; every site decodes them in the same order, so all end with equal weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from kernels import dequantize, num_blocks, packed_bytes, quantize
+from zeropp.checkpoint import CheckpointError, write_safetensors
+from zeropp.config import DilocoConfig
+from zeropp.runtime import Runtime
+
+OUTER_TAG = "diloco outer"  # the ledger's tag of the outer exchange
+
+
+def site_dir(directory: str | Path, site: int) -> Path:
+    """Where a site's runtime writes its checkpoint files (sites hold different weights mid-cycle)."""
+    return Path(directory) / f"site{site:03d}"
+
+
+def outer_file(directory: str | Path, rank: int) -> Path:
+    return Path(directory) / f"diloco_rank{rank:05d}.safetensors"
+
+
+class DiLoCo:
+    """The outer optimizer across sites, over the weights `runtime`'s inner optimizer steps."""
+
+    def __init__(self, runtime: Runtime, config: DilocoConfig):
+        self.runtime, self.config, self.comm = runtime, config, runtime.comm
+        self.mesh = runtime.mesh
+        self.params = [p for p in runtime.module.parameters() if p.requires_grad]
+        self.anchor = self._weights()  # the weights at the last sync
+        self.momentum = torch.zeros_like(self.anchor)
+        self.residual = torch.zeros_like(self.anchor) if config.bits else None  # what the codes lost
+
+    def _weights(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).float() for p in self.params])
+
+    def after_inner_step(self, step: int) -> bool:
+        """Called after inner step `step` (1-based, the trainer's count): the outer step when it
+        closes a cycle of H; returns whether it ran."""
+        if step % self.config.inner_steps:
+            return False
+        self.outer_step()
+        return True
+
+    @torch.no_grad()
+    def outer_step(self) -> None:
+        cfg = self.config
+        delta = self._average(self.anchor - self._weights())
+        if cfg.outer_momentum:
+            self.momentum.mul_(cfg.outer_momentum).add_(delta)
+            delta = delta.add_(self.momentum, alpha=cfg.outer_momentum) if cfg.nesterov else self.momentum
+        self.anchor.sub_(delta, alpha=cfg.outer_lr)
+        offset = 0
+        for p in self.params:  # in place: the runtime re-encodes what it derives from them
+            p.copy_(self.anchor[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    def _average(self, delta: torch.Tensor) -> torch.Tensor:
+        """The mean of `delta` over the sites, exact (fp32 all-reduce) or through the codes."""
+        n, bits, block = self.mesh.sites, self.config.bits, self.config.compression_block_size
+        if bits is None:
+            self.comm.all_reduce(delta, group="cross_site", tag=OUTER_TAG)
+            return delta.div_(n)
+        sent = delta.add_(self.residual)
+        codes = quantize(sent, bits, block)
+        self.residual.copy_(sent).sub_(codes.dequantize())
+        all_codes = torch.empty(n * codes.codes.numel(), dtype=torch.uint8, device=delta.device)
+        all_scales = torch.empty(n * codes.scales.numel(), dtype=codes.scales.dtype, device=delta.device)
+        self.comm.all_gather(all_codes, codes.codes, group="cross_site", tag=OUTER_TAG)
+        self.comm.all_gather(all_scales, codes.scales, group="cross_site", tag=OUTER_TAG)
+        total = torch.zeros_like(delta)
+        for c, s in zip(all_codes.view(n, -1), all_scales.view(n, -1)):  # site order: every site sums alike
+            dequantize(c, s, delta.numel(), bits, block, out=total, accumulate=True)
+        return total.div_(n)
+
+    def predicted_step_bytes(self) -> dict[str, dict[str, int]]:
+        """The outer exchange's bytes this rank sends, amortized over the H inner steps of a cycle."""
+        n, numel, bits = self.mesh.sites, self.anchor.numel(), self.config.bits
+        cross = self.mesh.remote_members("cross_site")
+        if bits is None:  # a ring all-reduce (zeropp.comm.Comm.record_all_reduce)
+            nbytes = 4 * numel
+            sent, cross_sent = 2 * (n - 1) * nbytes // n, 2 * cross * nbytes // n
+        else:
+            block = self.config.compression_block_size
+            chunk = packed_bytes(numel, bits, block) + 4 * num_blocks(numel, block)
+            sent, cross_sent = (n - 1) * chunk, cross * chunk
+        h = self.config.inner_steps
+        return {OUTER_TAG: {"sent": sent // h, "cross_node_sent": cross_sent // h}}
+
+    def describe(self) -> str:
+        m = self.mesh
+        return f"DiLoCo on: {m.sites} sites x {m.world_size * m.tp_size} ranks, {self.config.describe()}"
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        state = {"anchor": self.anchor, "momentum": self.momentum}
+        return state if self.residual is None else {**state, "residual": self.residual}
+
+    def save(self, directory: str | Path, optimizer: torch.optim.Optimizer) -> None:
+        """The site's runtime into its own subdirectory, and this rank's outer state beside it."""
+        inner = site_dir(directory, self.mesh.site)
+        inner.mkdir(exist_ok=True)
+        self.runtime.save(inner, optimizer)
+        write_safetensors({k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()},
+                          outer_file(directory, dist.get_rank()))
+
+    def load(self, directory: str | Path, optimizer: torch.optim.Optimizer) -> None:
+        self.runtime.load(site_dir(directory, self.mesh.site), optimizer)
+        path = outer_file(directory, dist.get_rank())
+        saved = load_file(str(path)) if path.is_file() else {}
+        for key, tensor in self.state_dict().items():
+            if key == "residual" and key not in saved:  # saved without compression: none yet
+                tensor.zero_()
+                continue
+            if key not in saved or saved[key].shape != tensor.shape:
+                raise CheckpointError(f"{path}: no DiLoCo {key} of {tensor.numel()} elements for this rank; "
+                                      f"resume with the sites, site_size and runtime it was saved with")
+            tensor.copy_(saved[key])
