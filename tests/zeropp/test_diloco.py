@@ -1,0 +1,233 @@
+"""DiLoCo's outer loop (zeropp.diloco) over ZeRO-3 and DDP inside sites, against one-process replays."""
+
+import pytest
+import torch
+
+from kernels import dequantize, quantize
+from models.transformer import lm_loss
+from tests.zeropp.test_engine import BATCH, batches, make_model
+from trainer.spawn import run_ranks
+from zeropp import build_runtime
+from zeropp.config import DilocoConfig, ZeroConfig
+from zeropp.diloco import OUTER_TAG, DiLoCo
+from zeropp.topology import TopologyError, build_mesh
+
+ZERO3 = ZeroConfig(stage=3, communication_data_type="fp32")
+DDP = ZeroConfig(stage=0)
+INNER_LR, INNER_MOMENTUM = 0.05, 0.9
+
+
+def _inner_optimizer(params, momentum: float):
+    return torch.optim.SGD(params, lr=INNER_LR, momentum=momentum, foreach=False)
+
+
+def _site_rows(sample, site: int, sites: int):
+    rows = BATCH // sites
+    return sample[site * rows:(site + 1) * rows]
+
+
+def _run(rank, world, site_size, zero, diloco, steps, momentum, save_at=None, directory=None, load=False):
+    """`steps` inner steps of DiLoCo on global batches; each rank reads its share of its site's rows.
+    save_at: save after that step (then go on); load: start from `directory` at step save_at.
+    Returns (the full weights, the ledger's outer bytes, the outer state)."""
+    runtime = build_runtime(make_model("gpt2-tiny"), zero, torch.device("cpu"), site_size=site_size)
+    optimizer = _inner_optimizer(runtime.module.parameters(), momentum)
+    outer = DiLoCo(runtime, diloco)
+    mesh, first = runtime.mesh, 0
+    if load:
+        outer.load(directory, optimizer)
+        first = save_at
+    per_rank = BATCH // (mesh.sites * mesh.world_size)
+    for step, sample in enumerate(batches(steps)[first:], start=first + 1):
+        rows = _site_rows(sample, mesh.site, mesh.sites)[mesh.rank * per_rank:(mesh.rank + 1) * per_rank]
+        runtime.backward(lm_loss(runtime(rows[:, :-1]), rows[:, 1:]))
+        optimizer.step()
+        optimizer.zero_grad()
+        outer.after_inner_step(step)
+        if step == save_at and not load:
+            if rank == 0:
+                directory.mkdir()
+            torch.distributed.barrier()
+            outer.save(directory, optimizer)
+            torch.distributed.barrier()
+    state = {k: v.clone() for k, v in outer.state_dict().items()}
+    weights = runtime.full_state_dict()
+    ledger = runtime.ledger.totals().get(OUTER_TAG)
+    runtime.close()
+    return weights, ledger, state
+
+
+def _replay(sites, steps, diloco, momentum):
+    """One process: each site a plain model trained by SGD on its rows' mean loss, and every H steps
+    the outer Nesterov SGD on the mean pseudo-gradient (with compression: each site's quantized
+    pseudo-gradient plus its residual, the whole model flat, as a 1-rank site sends it).
+    Returns (the weights, each site's residual)."""
+    models = [make_model("gpt2-tiny") for _ in range(sites)]
+    optimizers = [_inner_optimizer(m.parameters(), momentum) for m in models]
+    flat = lambda m: torch.cat([p.detach().reshape(-1) for p in m.parameters()])  # noqa: E731
+    anchor, buf = flat(models[0]).clone(), None
+    residuals = [torch.zeros_like(anchor) for _ in range(sites)]
+    for step, sample in enumerate(batches(steps), start=1):
+        for s, (model, opt) in enumerate(zip(models, optimizers)):
+            rows = _site_rows(sample, s, sites)
+            lm_loss(model(rows[:, :-1]), rows[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad()
+        if step % diloco.inner_steps:
+            continue
+        deltas = [anchor - flat(m) for m in models]
+        if diloco.bits:
+            for s in range(sites):
+                sent = deltas[s] + residuals[s]
+                q = quantize(sent, diloco.bits, diloco.compression_block_size)
+                deltas[s] = dequantize(q.codes, q.scales, sent.numel(), diloco.bits, diloco.compression_block_size)
+                residuals[s] = sent - deltas[s]
+        g = torch.stack(deltas).mean(0)
+        buf = g.clone() if buf is None else buf.mul(diloco.outer_momentum).add(g)
+        update = g + diloco.outer_momentum * buf if diloco.nesterov else buf
+        anchor = anchor - diloco.outer_lr * update
+        with torch.no_grad():
+            for m in models:
+                offset = 0
+                for p in m.parameters():
+                    p.copy_(anchor[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+    return dict(models[0].named_parameters()), residuals
+
+
+def _plain_data_parallel(steps):
+    """One process, the whole global batch: what data parallelism over every rank computes."""
+    model = make_model("gpt2-tiny")
+    opt = _inner_optimizer(model.parameters(), 0.0)
+    for sample in batches(steps):
+        lm_loss(model(sample[:, :-1]), sample[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+    return dict(model.named_parameters())
+
+
+def _max_diff(weights, reference) -> float:
+    return max((weights[k].reshape(-1) - reference[k].detach().reshape(-1)).abs().max().item() for k in reference)
+
+
+@pytest.mark.parametrize("world,site_size,zero", [(4, 2, ZERO3), (4, 1, DDP)])
+def test_h1_outer_lr1_no_momentum_is_data_parallelism_across_sites(world, site_size, zero):
+    """H = 1, outer lr 1, no momentum: the new weights are the mean of the sites' weights after one
+    inner step. That equals one data-parallel step over every rank exactly when the inner update
+    is linear in the gradient and has no state of its own: plain SGD (no momentum, no clipping, no
+    weight decay), each site's gradient the mean over its equal share of the global batch."""
+    diloco = DilocoConfig(enabled=True, inner_steps=1, outer_lr=1.0, outer_momentum=0.0)
+    weights, ledger, _ = run_ranks(_run, world, args=(site_size, zero, diloco, 3, 0.0))[0]
+    assert _max_diff(weights, _plain_data_parallel(3)) <= 1e-6
+    assert ledger["calls"] == 3 and ledger["cross_node_sent"] == ledger["sent"] > 0
+
+
+@pytest.mark.parametrize("world,site_size", [(4, 2), (6, 2)])
+def test_outer_nesterov_over_zero3_sites_matches_the_replay(world, site_size):
+    """H 3, two cycles, DiLoCo's outer lr 0.7 / Nesterov 0.9, inner SGD with momentum (kept
+    across the syncs): 2 x 2 and 3 x 2 ZeRO-3 sites against the one-process replay; every rank of
+    every site ends with the same weights."""
+    diloco = DilocoConfig(enabled=True, inner_steps=3)
+    outs = run_ranks(_run, world, args=(site_size, ZERO3, diloco, 6, INNER_MOMENTUM))
+    reference, _ = _replay(world // site_size, 6, diloco, INNER_MOMENTUM)
+    assert _max_diff(outs[0][0], reference) <= 1e-5
+    assert all(torch.equal(o[0][k], outs[0][0][k]) for o in outs for k in reference)
+    numel = outs[0][2]["anchor"].numel()  # this rank's shard: fp32, ring all-reduce over the sites
+    sites = world // site_size
+    assert outs[0][1]["sent"] == 2 * (2 * (sites - 1) * 4 * numel // sites)
+
+
+def _drift(rank: int, cycle: int, like: torch.Tensor) -> torch.Tensor:
+    """What site `rank`'s inner steps moved its weights by in `cycle` (known, so a replay can redo it)."""
+    g = torch.Generator().manual_seed(1000 * cycle + rank)
+    return 0.01 * torch.randn(like.shape, generator=g) * (1 + rank)
+
+
+def _exchange(rank, world, diloco, cycles):
+    """Sites of one DDP rank whose weights drift by _drift between syncs; the outer state after each."""
+    runtime = build_runtime(make_model("gpt2-tiny"), DDP, torch.device("cpu"), site_size=1)
+    outer = DiLoCo(runtime, diloco)
+    states = []
+    for cycle in range(cycles):
+        with torch.no_grad():
+            for i, p in enumerate(outer.params):
+                p.sub_(_drift(rank, cycle * 100 + i, p))
+        outer.outer_step()
+        states.append({k: v.clone() for k, v in outer.state_dict().items()})
+    ledger = runtime.ledger.totals()[OUTER_TAG]
+    runtime.close()
+    return states, ledger
+
+
+def _replay_exchange(sites, diloco, cycles):
+    """The compressed exchange in one process: each site quantizes its pseudo-gradient plus its
+    residual, keeps what the codes lost, and the sites' decoded codes are averaged in site order."""
+    model = make_model("gpt2-tiny")
+    params = list(model.parameters())
+    anchor = torch.cat([p.detach().reshape(-1) for p in params])
+    momentum, residuals, states = torch.zeros_like(anchor), [torch.zeros_like(anchor) for _ in range(sites)], []
+    bits, block, mu = diloco.bits, diloco.compression_block_size, diloco.outer_momentum
+    for cycle in range(cycles):
+        total = torch.zeros_like(anchor)
+        for s in range(sites):
+            drift = torch.cat([_drift(s, cycle * 100 + i, p).reshape(-1) for i, p in enumerate(params)])
+            sent = (anchor - (anchor - drift)) + residuals[s]
+            q = quantize(sent, bits, block)
+            decoded = dequantize(q.codes, q.scales, sent.numel(), bits, block)
+            residuals[s] = sent - decoded
+            total += decoded
+        g = total / sites
+        momentum = momentum.mul(mu).add(g)
+        anchor = anchor.sub(g.add(momentum, alpha=mu), alpha=diloco.outer_lr)
+        states.append([{"anchor": anchor, "momentum": momentum, "residual": r} for r in residuals])
+    return states
+
+
+@pytest.mark.parametrize("compression", ["int8", "int4"])
+def test_compressed_exchange_error_feedback_matches_the_replay(compression):
+    """4 sites of one DDP rank, int8 / int4 blocks with error feedback, Nesterov outer SGD over three
+    syncs: every rank's anchor, momentum and residual against the one-process replay, and the
+    ledger's outer bytes (codes + an fp32 scale per block, to each other site)."""
+    diloco = DilocoConfig(enabled=True, inner_steps=2, compression=compression, compression_block_size=64)
+    outs = run_ranks(_exchange, 4, args=(diloco, 3))
+    replay = _replay_exchange(4, diloco, 3)
+    for rank, (states, _) in enumerate(outs):
+        for cycle, state in enumerate(states):
+            want = replay[cycle][rank]
+            assert all((state[k] - want[k]).abs().max() <= 1e-6 for k in want), (rank, cycle)
+        assert states[-1]["residual"].abs().max() > 0  # the codes lost something, and it was kept
+    numel = outs[0][0][0]["anchor"].numel()
+    chunk = -(-numel // 64) * (64 * diloco.bits // 8 + 4)
+    assert outs[0][1]["sent"] == 3 * 3 * chunk  # 3 syncs x 3 other sites
+
+
+def test_resume_mid_cycle_is_bit_exact(tmp_path):
+    """2 x 2 ZeRO-3 sites with int8 exchange: saved at step 4 of cycles of 3 (the anchor, momentum and
+    residual beside the inner state), resumed, and the weights and outer state at step 7 (after the
+    sync at 6) are bit-identical to the uninterrupted run's."""
+    diloco = DilocoConfig(enabled=True, inner_steps=3, compression="int8")
+    ckpt = tmp_path / "ckpt"
+    full = run_ranks(_run, 4, args=(2, ZERO3, diloco, 7, INNER_MOMENTUM, 4, ckpt))
+    resumed = run_ranks(_run, 4, args=(2, ZERO3, diloco, 7, INNER_MOMENTUM, 4, ckpt, True))
+    for a, b in zip(full, resumed):
+        assert all(torch.equal(a[0][k], b[0][k]) for k in a[0])
+        assert all(torch.equal(a[2][k], b[2][k]) for k in a[2])
+    assert (ckpt / "site001" / "shards_rank00001.safetensors").is_file()
+
+
+def _mesh_of(rank, world, site_size):
+    try:
+        mesh = build_mesh(site_size=site_size)
+    except TopologyError as e:
+        return str(e)
+    return mesh.site, mesh.rank, mesh.members("dp"), mesh.members("cross_site")
+
+
+def test_sites_split_the_mesh_and_bad_values_are_named():
+    outs = run_ranks(_mesh_of, 4, args=(2,))
+    assert outs[3] == (1, 1, [0, 1], [1, 3])  # site 1, its rank 1; dp ranks of its site; cross-site: global
+    assert "diloco.site_size=3 does not divide the world size 4" in run_ranks(_mesh_of, 4, args=(3,))[0]
+    with pytest.raises(ValueError, match=r"diloco.outer_momentum: value 1.0 is out of range; expected a number"):
+        DilocoConfig(outer_momentum=1.0).validate()
+    with pytest.raises(ValueError, match=r"diloco.compression: value 'int2' .* one of none, int8, int4"):
+        DilocoConfig(compression="int2").validate()
