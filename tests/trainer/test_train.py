@@ -260,3 +260,24 @@ def test_zeropp_on_two_nodes_of_two_tracks_the_reference(corpus, tmp_path):
     assert rows.keys() == {"forward gather", "backward gather", "gradient reduce", "total"}, report
     assert all(measured == predicted for measured, predicted in rows.values()), report
     assert rows["backward gather"][0] == "0.000" and float(rows["forward gather"][0]) > 0  # hpZ: inside the node
+
+
+def test_diloco_sites_train_log_their_exchange_and_resume_mid_cycle_bit_identical(corpus, tmp_path):
+    """2 sites of one ZeRO-3 rank, H 2, int8 exchange: the log names DiLoCo and predicts the outer
+    bytes; resumed from step 3 (mid-cycle) the losses are bit-identical; a run without DiLoCo
+    is refused that checkpoint, naming both layouts."""
+    cache = tmp_path / "cache"
+    diloco = ("--diloco.enabled", "true", "--diloco.site_size", "1", "--diloco.inner_steps", "2",
+              "--diloco.compression", "int8")
+    argv = tiny_args(corpus, tmp_path / "a", cache, *ZERO3_FP32, *diloco, "--train.checkpoint_interval", "3")
+    losses, _, log = run_ranks(_train_on_ranks_with_log, 2, args=(argv,))[0]
+    assert "DiLoCo on: 2 sites x 1 ranks, H 2, outer SGD lr 0.7, Nesterov momentum 0.9, pseudo-gradient as " \
+           "int8 blocks of 256 with error feedback" in log, log
+    assert re.search(r"predicted traffic per step, this rank: .*diloco outer \d", log), log
+    ckpt = tmp_path / "a" / "checkpoints" / "step_00000003"
+    assert json.loads((ckpt / "state.json").read_text())["diloco"] == {"sites": 2, "site_size": 1}
+    resumed, _ = run_ranks(_train_on_ranks, 2, args=(tiny_args(
+        corpus, tmp_path / "b", cache, *ZERO3_FP32, *diloco, "--resume", str(ckpt)),))[0]
+    assert {s: resumed[s] for s in range(4, 9)} == {s: losses[s] for s in range(4, 9)}
+    with pytest.raises(ConfigError, match=r"DiLoCo sites \{'sites': 2, 'site_size': 1\}, this run has None"):
+        Trainer(parse_args(tiny_args(corpus, tmp_path / "c", cache, *ZERO3_FP32, "--resume", str(ckpt))))
