@@ -45,6 +45,7 @@ from models.streaming import LazyTensors, meta_like
 from models.transformer import Transformer
 from trainer.distributed import all_gather_objects, barrier
 from zeropp.checkpoint import FULL, SHARDED, CheckpointError, full_weights, sharded_weights
+from zeropp.diloco import site_dir
 from zeropp.tensor_parallel.runtime import PLAN_FILE
 
 LATEST = "latest"
@@ -434,8 +435,11 @@ def _tensor_parallel_tensors(directory: Path, read_slice) -> LazyTensors:
 
 def checkpoint_tensors(path: Path, state: dict | None = None) -> LazyTensors:
     """A checkpoint's weights as saved (either format, tensor-parallel or not), by the names of the
-    run's model (LoRA: `<layer>.base.weight`, `<layer>.lora_A`, ...), each read when looked up."""
+    run's model (LoRA: `<layer>.base.weight`, `<layer>.lora_A`, ...), each read when looked up.
+    DiLoCo's: site 0's replica (every site's at a sync step; zeropp.diloco)."""
     state = read_state(path) if state is None else state
+    if state.get("diloco"):
+        path = site_dir(path, 0)
     dp_format, tensor_parallel, _ = state.get("format", FULL).partition("+tp")
     read = sharded_weights if dp_format == SHARDED else full_weights
     return _tensor_parallel_tensors(path, read) if tensor_parallel else read(path)

@@ -264,13 +264,18 @@ def test_zeropp_on_two_nodes_of_two_tracks_the_reference(corpus, tmp_path):
 
 def test_diloco_sites_train_log_their_exchange_and_resume_mid_cycle_bit_identical(corpus, tmp_path):
     """2 sites of one ZeRO-3 rank, H 2, int8 exchange: the log names DiLoCo and predicts the outer
-    bytes; resumed from step 3 (mid-cycle) the losses are bit-identical; a run without DiLoCo
+    bytes; the export reads the checkpoint's site 0; resumed from step 3 (mid-cycle) the losses are bit-identical; a run without DiLoCo
     is refused that checkpoint, naming both layouts."""
     cache = tmp_path / "cache"
     diloco = ("--diloco.enabled", "true", "--diloco.site_size", "1", "--diloco.inner_steps", "2",
               "--diloco.compression", "int8")
-    argv = tiny_args(corpus, tmp_path / "a", cache, *ZERO3_FP32, *diloco, "--train.checkpoint_interval", "3")
+    argv = tiny_args(corpus, tmp_path / "a", cache, *ZERO3_FP32, *diloco, "--train.checkpoint_interval", "3",
+                     "--train.export_hf", "true")
     losses, _, log = run_ranks(_train_on_ranks_with_log, 2, args=(argv,))[0]
+    # The export reads site 0's files; step 8 closes a cycle, so it is every site's model.
+    final = dict(consolidated_model(tmp_path / "a" / "checkpoints" / "step_00000008").named_parameters())
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "hf")
+    assert sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in final.values())
     assert "DiLoCo on: 2 sites x 1 ranks, H 2, outer SGD lr 0.7, Nesterov momentum 0.9, pseudo-gradient as " \
            "int8 blocks of 256 with error feedback" in log, log
     assert re.search(r"predicted traffic per step, this rank: .*diloco outer \d", log), log
