@@ -210,8 +210,8 @@ def build_mesh(ranks_per_node: int | None = None, secondary_size: int | None = N
             group = new_group(members)
             if me in members:
                 mesh._groups["cross_site", False], mesh._members["cross_site"] = group, members
-    else:  # one site: nothing to exchange with
-        mesh._groups["cross_site", False], mesh._members["cross_site"] = None, [me]
+    else:  # one site: nothing to exchange with (Comm moves nothing over a group of one)
+        mesh._members["cross_site"] = [me]
     mesh._groups["world", False], mesh._members["world"] = dist.group.WORLD, list(range(world))
     return mesh
 
