@@ -53,10 +53,9 @@ from trainer.pretrain_data import DataError, PretrainData, prepare_pretraining
 from data.sources import MissingKeyError
 from zeropp import build_runtime
 from zeropp.diloco import DiLoCo
-from zeropp.topology import ranks_per_node_from_env
 from zeropp.config import ZeroConfigError
 from zeropp.engine import UnsupportedModelError
-from zeropp.topology import TopologyError
+from zeropp.topology import TopologyError, ranks_per_node_from_env
 
 
 @dataclass
