@@ -3,19 +3,19 @@ outer optimizer across sites.
 
 The runtime is built on its site's ranks only (`build_runtime(..., site_size=...)`: every group of
 its mesh lives inside the site), so each site trains its own replica and crosses no slow link.
-Every `inner_steps` (H) steps the outer step runs on the fp32 weights this rank's inner optimizer
-steps (ZeRO-3: its master shard; DDP: the whole replica):
+Every `inner_steps` (H) steps the outer step runs on this rank's share of the fp32 weights
+(ZeRO-3: its master shard; DDP, which replicates them: chunk `rank` of the site's ranks):
 
     delta    = anchor - weights             this site's pseudo-gradient (anchor: the last sync)
     delta    = mean over sites (delta)      all-reduce over the `cross_site` group: the ranks at
-                                            this rank's place in every site, so with ZeRO-3 each
-                                            rank sends only its shard
+                                            this rank's place in every site: each rank sends
+                                            only its share
     momentum = mu * momentum + delta        outer SGD, Nesterov as torch.optim.SGD
     anchor  -= lr * (delta + mu * momentum) (nesterov; else lr * momentum)
-    weights  = anchor
+    weights  = anchor                       (DDP: the chunks all-gathered inside the site)
 
 The outer state (anchor, momentum, and the error feedback's residual) is flat fp32 over the same
-elements, so it is sharded exactly like the inner state; the inner optimizer's state is kept.
+elements, so it is sharded like ZeRO-3's inner state; the inner optimizer's state is kept.
 Writing the weights in place bumps their version counter: the runtime's derived copies (ZeRO's
 wire, hpZ's secondary, qwZ's delta references) are re-encoded by the same refresh an optimizer
 step or a checkpoint load triggers. With `compression` the pseudo-gradient plus the residual is
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from kernels import dequantize, num_blocks, packed_bytes, quantize
-from zeropp.checkpoint import CheckpointError, write_safetensors
+from zeropp.checkpoint import FULL, CheckpointError, write_safetensors
 from zeropp.config import DilocoConfig
 from zeropp.runtime import Runtime
 
@@ -55,12 +55,24 @@ class DiLoCo:
         self.runtime, self.config, self.comm = runtime, config, runtime.comm
         self.mesh = runtime.mesh
         self.params = [p for p in runtime.module.parameters() if p.requires_grad]
-        self.anchor = self._weights()  # the weights at the last sync
+        numel = sum(p.numel() for p in self.params)
+        # A replicated runtime (DDP) holds the whole model on every rank of the site: the outer step
+        # is sharded over them anyway (the weights padded to equal chunks, chunk `rank` here), so the
+        # site sends each element across once and gathers the new weights inside the site.
+        self.parts = self.mesh.world_size if runtime.checkpoint_format == FULL else 1
+        self.chunk = -(-numel // self.parts)
+        self.anchor = self._mine(self._weights())  # the weights at the last sync
         self.momentum = torch.zeros_like(self.anchor)
         self.residual = torch.zeros_like(self.anchor) if config.bits else None  # what the codes lost
 
     def _weights(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1).float() for p in self.params])
+        """The weights flat and padded to `parts` equal chunks."""
+        flat = torch.cat([p.detach().reshape(-1).float() for p in self.params])
+        return torch.nn.functional.pad(flat, (0, self.chunk * self.parts - flat.numel()))
+
+    def _mine(self, weights: torch.Tensor) -> torch.Tensor:
+        return weights[self.mesh.rank * self.chunk:(self.mesh.rank + 1) * self.chunk].clone() \
+            if self.parts > 1 else weights
 
     def after_inner_step(self, step: int) -> bool:
         """Called after inner step `step` (1-based, the trainer's count): the outer step when it
@@ -73,14 +85,18 @@ class DiLoCo:
     @torch.no_grad()
     def outer_step(self) -> None:
         cfg = self.config
-        delta = self._average(self.anchor - self._weights())
+        delta = self._average(self.anchor - self._mine(self._weights()))
         if cfg.outer_momentum:
             self.momentum.mul_(cfg.outer_momentum).add_(delta)
             delta = delta.add_(self.momentum, alpha=cfg.outer_momentum) if cfg.nesterov else self.momentum
         self.anchor.sub_(delta, alpha=cfg.outer_lr)
+        weights = self.anchor
+        if self.parts > 1:  # every rank of the site gets every chunk
+            weights = torch.empty(self.parts * self.chunk, dtype=self.anchor.dtype, device=self.anchor.device)
+            self.comm.all_gather(weights, self.anchor, tag=OUTER_TAG)
         offset = 0
         for p in self.params:  # in place: the runtime re-encodes what it derives from them
-            p.copy_(self.anchor[offset:offset + p.numel()].view_as(p))
+            p.copy_(weights[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
 
     def _average(self, delta: torch.Tensor) -> torch.Tensor:
@@ -112,6 +128,9 @@ class DiLoCo:
             block = self.config.compression_block_size
             chunk = packed_bytes(numel, bits, block) + 4 * num_blocks(numel, block)
             sent, cross_sent = (n - 1) * chunk, cross * chunk
+        if self.parts > 1:  # the new weights gathered inside the site
+            inside, inside_cross = self.comm.volume(4 * numel)
+            sent, cross_sent = sent + inside, cross_sent + inside_cross
         h = self.config.inner_steps
         return {OUTER_TAG: {"sent": sent // h, "cross_node_sent": cross_sent // h}}
 
