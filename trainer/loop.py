@@ -225,7 +225,7 @@ class Trainer:
         self.predicted_memory = predicted_peak(
             self.runtime, self.optimizer, self.model_cfg, cfg.train.micro_batch_size, cfg.data.seq_len,
             compute_dtype(cfg.train.precision, self.env.device), set(self.checkpointed), self.baseline_memory,
-            self.env.device, self.runtime.param_dtype)
+            self.env.device, self.runtime.param_dtype, cfg.data.packing)
         # Only now, the config, data, model and topology all accepted, may train.overwrite move the old run.
         replaced = self.run_dir.take_over(self.env.is_main)
         if replaced and self.env.is_main:

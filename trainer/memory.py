@@ -90,10 +90,13 @@ class _FusedAttention(torch.autograd.Function):
     position, head, dim), so the o_proj input that the model reshapes it into is the same memory."""
 
     @staticmethod
-    def forward(ctx, q, k, v):
+    def forward(ctx, q, k, v, masked: bool):
         b, h, t, _ = q.shape
         out = q.new_empty(b, t, h, v.shape[-1]).transpose(1, 2)
-        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
+        kept = [q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32)]
+        if masked:  # a boolean mask becomes an additive one in q's dtype, kept by every block
+            kept.append(q.new_empty(b, 1, t, t))
+        ctx.save_for_backward(*kept)
         return out
 
 
@@ -127,7 +130,8 @@ def _counting(autocast: bool):
     """SDPA as the fused kernels keep it (after autocast's cast of q, k, v), and autocast emulated."""
     sdpa = F.scaled_dot_product_attention
     cast = (lambda t: _cast_fp32(t, torch.bfloat16)) if autocast else (lambda t: t)
-    F.scaled_dot_product_attention = lambda q, k, v, **_: _FusedAttention.apply(cast(q), cast(k), cast(v))
+    F.scaled_dot_product_attention = lambda q, k, v, attn_mask=None, **_: _FusedAttention.apply(
+        cast(q), cast(k), cast(v), attn_mask is not None)
     try:
         with _MetaAutocast() if autocast else contextlib.nullcontext():
             yield
@@ -137,13 +141,13 @@ def _counting(autocast: bool):
 
 def activation_bytes(config: ModelConfig, micro_batch: int, seq_len: int, dtype: torch.dtype = torch.float32,
                      checkpointed: set[int] | frozenset = frozenset(),
-                     param_dtype: torch.dtype = torch.float32) -> dict[str, int]:
+                     param_dtype: torch.dtype = torch.float32, masked: bool = False) -> dict[str, int]:
     """Activation memory of one micro-batch's forward, kept for its backward: {"blocks", "head and
     loss", "recompute"} bytes (the head's with the backward's fp32 gradients of the logits), counted
     on the meta device from one block and the model's tail built from `config` with weights in
     `param_dtype`, computing in `dtype` (bf16 over fp32 weights: autocast, emulated, whose weight
-    casts are kept too); attention as the fused kernels keep it. LoRA's small extra activations are
-    not counted."""
+    casts are kept too); attention as the fused kernels keep it, `masked` with an explicit mask
+    (packed sequences). LoRA's small extra activations are not counted."""
     autocast = dtype == torch.bfloat16 and param_dtype != dtype
     with torch.device("meta"):
         block = Block(config, 0).to(param_dtype)
@@ -165,7 +169,8 @@ def activation_bytes(config: ModelConfig, micro_batch: int, seq_len: int, dtype:
             lm_loss(tail["head"](h).float(), labels)
 
         with _counting(autocast):
-            per_block = _saved_bytes(block, lambda: block(x, rope))
+            mask = torch.empty(micro_batch, 1, seq_len, seq_len, dtype=torch.bool) if masked else None
+            per_block = _saved_bytes(block, lambda: block(x, rope, mask))
             head = _saved_bytes(tail, run_tail)
     block_input = x.numel() * x.element_size()
     kept = sum(block_input if i in checkpointed else per_block for i in range(config.n_layer))
@@ -175,7 +180,7 @@ def activation_bytes(config: ModelConfig, micro_batch: int, seq_len: int, dtype:
 
 def predicted_peak(runtime, optimizer, config: ModelConfig, micro_batch: int, seq_len: int, dtype: torch.dtype,
                    checkpointed: set[int] | frozenset, baseline: int, device: torch.device,
-                   param_dtype: torch.dtype = torch.float32) -> dict[str, int]:
+                   param_dtype: torch.dtype = torch.float32, masked: bool = False) -> dict[str, int]:
     """Each part of the predicted peak of this rank, in bytes (see the module docstring). On CUDA the
     states an optimizer offload keeps in host memory ("(host)") are not part of the device's peak."""
     states = runtime.model_state_bytes(optimizer)
@@ -187,4 +192,4 @@ def predicted_peak(runtime, optimizer, config: ModelConfig, micro_batch: int, se
         states = {k: v for k, v in states.items() if not k.endswith("(host)")}
     return {"baseline": baseline, "model states": sum(states.values()), "buffers": runtime.buffer_bytes(),
             **{f"activations ({k})": v for k, v in activation_bytes(config, micro_batch, seq_len, dtype,
-                                                                    checkpointed, param_dtype).items() if v}}
+                                                                    checkpointed, param_dtype, masked).items() if v}}
