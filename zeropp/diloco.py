@@ -21,6 +21,11 @@ wire, hpZ's secondary, qwZ's delta references) are re-encoded by the same refres
 step or a checkpoint load triggers. With `compression` the pseudo-gradient plus the residual is
 quantized blockwise (kernels), the residual keeps what the codes lost, and the sites all-gather
 the codes and scales; every site decodes them in the same order, so all end with equal weights.
+
+Streaming DiLoCo (arXiv 2501.18512, `fragments` F > 1): the outer state is cut into F contiguous
+equal ranges, and fragment f takes the step above alone (its slice of the anchor, momentum and
+residual; the other weights stay as the inner steps left them) after the steps where
+(step - f * H // F) % H == 0. Each element still syncs once per H steps; a sync sends 1/F of it.
 """
 
 from __future__ import annotations
@@ -48,6 +53,18 @@ def outer_file(directory: str | Path, rank: int) -> Path:
     return Path(directory) / f"diloco_rank{rank:05d}.safetensors"
 
 
+def fragment_schedule(inner_steps: int, fragments: int) -> dict[int, int]:
+    """step % H -> the fragment synced after that step: Streaming DiLoCo's offsets f * H // F, spread
+    evenly over the cycle (F = 1: every H steps, DiLoCo's)."""
+    return {f * inner_steps // fragments: f for f in range(fragments)}
+
+
+def fragment_size(numel: int, parts: int, fragments: int) -> int:
+    """Elements of one fragment of one rank's share: the `numel` weights padded to parts x fragments
+    equal pieces (an awkward size pads; it is never refused)."""
+    return -(-numel // (parts * fragments))
+
+
 class DiLoCo:
     """The outer optimizer across sites, over the weights `runtime`'s inner optimizer steps."""
 
@@ -60,8 +77,12 @@ class DiLoCo:
         # is sharded over them anyway (the weights padded to equal chunks, chunk `rank` here), so the
         # site sends each element across once and gathers the new weights inside the site.
         self.parts = self.mesh.world_size if runtime.checkpoint_format == FULL else 1
-        self.chunk = -(-numel // self.parts)
-        self.anchor = self._mine(self._weights())  # the weights at the last sync
+        # Streaming DiLoCo's fragments: contiguous equal ranges of this rank's share (padded to F of
+        # them), so every sync sends exactly 1/F of it (docs/diloco.md, "Streaming DiLoCo").
+        self.fragment = fragment_size(numel, self.parts, config.fragments)
+        self.chunk = self.fragment * config.fragments
+        self.syncs = fragment_schedule(config.inner_steps, config.fragments)
+        self.anchor = self._mine(self._weights()).clone()  # the weights at the last sync
         self.momentum = torch.zeros_like(self.anchor)
         self.residual = torch.zeros_like(self.anchor) if config.bits else None  # what the codes lost
 
@@ -71,43 +92,50 @@ class DiLoCo:
         return torch.nn.functional.pad(flat, (0, self.chunk * self.parts - flat.numel()))
 
     def _mine(self, weights: torch.Tensor) -> torch.Tensor:
-        return weights[self.mesh.rank * self.chunk:(self.mesh.rank + 1) * self.chunk].clone() \
-            if self.parts > 1 else weights
+        return weights.view(self.parts, self.chunk)[self.mesh.rank if self.parts > 1 else 0]
 
     def after_inner_step(self, step: int) -> bool:
-        """Called after inner step `step` (1-based, the trainer's count): the outer step when it
-        closes a cycle of H; returns whether it ran."""
-        if step % self.config.inner_steps:
+        """Called after inner step `step` (1-based, the trainer's count): the outer step of the
+        fragment whose turn it is, if any; returns whether one ran."""
+        fragment = self.syncs.get(step % self.config.inner_steps)
+        if fragment is None:
             return False
-        self.outer_step()
+        self.outer_step(fragment)
         return True
 
     @torch.no_grad()
-    def outer_step(self) -> None:
-        cfg = self.config
-        delta = self._average(self.anchor - self._mine(self._weights()))
+    def outer_step(self, fragment: int = 0) -> None:
+        """The outer step on one fragment's slice of the outer state; the other weights stay local."""
+        cfg, part = self.config, slice(fragment * self.fragment, (fragment + 1) * self.fragment)
+        weights = self._weights()
+        anchor, momentum = self.anchor[part], self.momentum[part]
+        delta = self._average(anchor - self._mine(weights)[part], part)
         if cfg.outer_momentum:
-            self.momentum.mul_(cfg.outer_momentum).add_(delta)
-            delta = delta.add_(self.momentum, alpha=cfg.outer_momentum) if cfg.nesterov else self.momentum
-        self.anchor.sub_(delta, alpha=cfg.outer_lr)
-        weights = self.anchor
-        if self.parts > 1:  # every rank of the site gets every chunk
-            weights = torch.empty(self.parts * self.chunk, dtype=self.anchor.dtype, device=self.anchor.device)
-            self.comm.all_gather(weights, self.anchor, tag=OUTER_TAG)
+            momentum.mul_(cfg.outer_momentum).add_(delta)
+            delta = delta.add_(momentum, alpha=cfg.outer_momentum) if cfg.nesterov else momentum
+        anchor.sub_(delta, alpha=cfg.outer_lr)
+        if self.parts > 1:  # every rank of the site gets every chunk's slice
+            gathered = torch.empty(self.parts, self.fragment, dtype=anchor.dtype, device=anchor.device)
+            self.comm.all_gather(gathered.view(-1), anchor, tag=OUTER_TAG)
+            weights.view(self.parts, self.chunk)[:, part] = gathered
+        else:
+            weights[part] = anchor
         offset = 0
         for p in self.params:  # in place: the runtime re-encodes what it derives from them
             p.copy_(weights[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
 
-    def _average(self, delta: torch.Tensor) -> torch.Tensor:
-        """The mean of `delta` over the sites, exact (fp32 all-reduce) or through the codes."""
+    def _average(self, delta: torch.Tensor, part: slice) -> torch.Tensor:
+        """The mean of `delta` (the outer state's `part`) over the sites, exact (fp32 all-reduce) or
+        through the codes."""
         n, bits, block = self.mesh.sites, self.config.bits, self.config.compression_block_size
         if bits is None:
             self.comm.all_reduce(delta, group="cross_site", tag=OUTER_TAG)
             return delta.div_(n)
-        sent = delta.add_(self.residual)
+        residual = self.residual[part]
+        sent = delta.add_(residual)
         codes = quantize(sent, bits, block)
-        self.residual.copy_(sent).sub_(codes.dequantize())
+        residual.copy_(sent).sub_(codes.dequantize())
         all_codes = torch.empty(n * codes.codes.numel(), dtype=torch.uint8, device=delta.device)
         all_scales = torch.empty(n * codes.scales.numel(), dtype=codes.scales.dtype, device=delta.device)
         self.comm.all_gather(all_codes, codes.codes, group="cross_site", tag=OUTER_TAG)
@@ -118,8 +146,9 @@ class DiLoCo:
         return total.div_(n)
 
     def predicted_step_bytes(self) -> dict[str, dict[str, int]]:
-        """The outer exchange's bytes this rank sends, amortized over the H inner steps of a cycle."""
-        n, numel, bits = self.mesh.sites, self.anchor.numel(), self.config.bits
+        """The outer exchange's bytes this rank sends, amortized over the H inner steps of a cycle (F
+        syncs of a fragment each)."""
+        n, numel, bits = self.mesh.sites, self.fragment, self.config.bits
         cross = self.mesh.remote_members("cross_site")
         if bits is None:  # a ring all-reduce (zeropp.comm.Comm.record_all_reduce)
             nbytes = 4 * numel
@@ -131,8 +160,8 @@ class DiLoCo:
         if self.parts > 1:  # the new weights gathered inside the site
             inside, inside_cross = self.comm.volume(4 * numel)
             sent, cross_sent = sent + inside, cross_sent + inside_cross
-        h = self.config.inner_steps
-        return {OUTER_TAG: {"sent": sent // h, "cross_node_sent": cross_sent // h}}
+        f, h = self.config.fragments, self.config.inner_steps
+        return {OUTER_TAG: {"sent": f * sent // h, "cross_node_sent": f * cross_sent // h}}
 
     def describe(self) -> str:
         m = self.mesh
@@ -160,5 +189,5 @@ class DiLoCo:
                 continue
             if key not in saved or saved[key].shape != tensor.shape:
                 raise CheckpointError(f"{path}: no DiLoCo {key} of {tensor.numel()} elements for this rank; "
-                                      f"resume with the sites, site_size and runtime it was saved with")
+                                      f"resume with the sites, site_size, fragments and runtime it was saved with")
             tensor.copy_(saved[key])

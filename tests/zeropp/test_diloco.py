@@ -9,7 +9,7 @@ from tests.zeropp.test_engine import BATCH, batches, make_model
 from trainer.spawn import run_ranks
 from zeropp import build_runtime
 from zeropp.config import DilocoConfig, ZeroConfig
-from zeropp.diloco import OUTER_TAG, DiLoCo
+from zeropp.diloco import OUTER_TAG, DiLoCo, fragment_schedule, fragment_size
 from zeropp.topology import TopologyError, build_mesh
 
 ZERO3 = ZeroConfig(stage=3, communication_data_type="fp32")
@@ -29,7 +29,8 @@ def _site_rows(sample, site: int, sites: int):
 def _run(rank, world, site_size, zero, diloco, steps, momentum, save_at=None, directory=None, load=False):
     """`steps` inner steps of DiLoCo on global batches; each rank reads its share of its site's rows.
     save_at: save after that step (then go on); load: start from `directory` at step save_at.
-    Returns (the full weights, the ledger's outer bytes, the outer state)."""
+    Returns (the full weights, the ledger's outer bytes, the outer state, this rank's layout: the
+    (name, offset in the parameter, numel) of each piece of its share in order)."""
     runtime = build_runtime(make_model("gpt2-tiny"), zero, torch.device("cpu"), site_size=site_size)
     optimizer = _inner_optimizer(runtime.module.parameters(), momentum)
     outer = DiLoCo(runtime, diloco)
@@ -51,47 +52,69 @@ def _run(rank, world, site_size, zero, diloco, steps, momentum, save_at=None, di
             outer.save(directory, optimizer)
             torch.distributed.barrier()
     state = {k: v.clone() for k, v in outer.state_dict().items()}
+    layout = [(name, getattr(p, "unsharded_offset", 0), p.numel()) for name, p in runtime.module.named_parameters()]
     weights = runtime.full_state_dict()
     ledger = runtime.ledger.totals().get(OUTER_TAG)
     runtime.close()
-    return weights, ledger, state
+    return weights, ledger, state, layout
 
 
-def _replay(sites, steps, diloco, momentum):
+def _fragment_masks(layouts, fragments):
+    """Which elements of the flat model (model order) each fragment holds, from the site's ranks'
+    layouts: each rank's share, its pieces in order, cut into F equal ranges (the last padded)."""
+    params = dict(make_model("gpt2-tiny").named_parameters())
+    starts = dict(zip(params, [0] + list(torch.cumsum(torch.tensor([p.numel() for p in params.values()]), 0))))
+    owner = torch.full((sum(p.numel() for p in params.values()),), -1)
+    for layout in layouts:
+        size, at = -(-sum(n for _, _, n in layout) // fragments), 0
+        for name, offset, n in layout:
+            lo = int(starts[name]) + offset
+            owner[lo:lo + n] = torch.arange(at, at + n) // size
+            at += n
+    assert (owner >= 0).all()  # the site's shares cover the model
+    return [owner == f for f in range(fragments)]
+
+
+def _replay(sites, steps, diloco, momentum, masks=None):
     """One process: each site a plain model trained by SGD on its rows' mean loss, and every H steps
     the outer Nesterov SGD on the mean pseudo-gradient (with compression: each site's quantized
-    pseudo-gradient plus its residual, the whole model flat, as a 1-rank site sends it).
+    pseudo-gradient plus its residual, the whole model flat, as a 1-rank site sends it). masks:
+    Streaming DiLoCo's fragments, fragment f's elements stepped alone after the steps where
+    (step - f * H // F) % H == 0 (None: one fragment, the whole model).
     Returns (the weights, each site's residual)."""
     models = [make_model("gpt2-tiny") for _ in range(sites)]
     optimizers = [_inner_optimizer(m.parameters(), momentum) for m in models]
     flat = lambda m: torch.cat([p.detach().reshape(-1) for p in m.parameters()])  # noqa: E731
-    anchor, buf = flat(models[0]).clone(), None
+    anchor = flat(models[0]).clone()
+    buf = torch.zeros_like(anchor)
     residuals = [torch.zeros_like(anchor) for _ in range(sites)]
+    masks = masks or [torch.ones_like(anchor, dtype=torch.bool)]
+    h, fragments = diloco.inner_steps, len(masks)
     for step, sample in enumerate(batches(steps), start=1):
         for s, (model, opt) in enumerate(zip(models, optimizers)):
             rows = _site_rows(sample, s, sites)
             lm_loss(model(rows[:, :-1]), rows[:, 1:]).backward()
             opt.step()
             opt.zero_grad()
-        if step % diloco.inner_steps:
-            continue
-        deltas = [anchor - flat(m) for m in models]
-        if diloco.bits:
-            for s in range(sites):
-                sent = deltas[s] + residuals[s]
-                q = quantize(sent, diloco.bits, diloco.compression_block_size)
-                deltas[s] = dequantize(q.codes, q.scales, sent.numel(), diloco.bits, diloco.compression_block_size)
-                residuals[s] = sent - deltas[s]
-        g = torch.stack(deltas).mean(0)
-        buf = g.clone() if buf is None else buf.mul(diloco.outer_momentum).add(g)
-        update = g + diloco.outer_momentum * buf if diloco.nesterov else buf
-        anchor = anchor - diloco.outer_lr * update
-        with torch.no_grad():
-            for m in models:
-                offset = 0
-                for p in m.parameters():
-                    p.copy_(anchor[offset:offset + p.numel()].view_as(p))
-                    offset += p.numel()
+        for mask in [masks[f] for f in range(fragments) if (step - f * h // fragments) % h == 0]:
+            deltas = [anchor - flat(m) for m in models]
+            if diloco.bits:
+                for s in range(sites):
+                    sent = deltas[s] + residuals[s]
+                    q = quantize(sent, diloco.bits, diloco.compression_block_size)
+                    deltas[s] = dequantize(q.codes, q.scales, sent.numel(), diloco.bits,
+                                           diloco.compression_block_size)
+                    residuals[s] = sent - deltas[s]
+            g = torch.stack(deltas).mean(0)
+            buf[mask] = buf[mask] * diloco.outer_momentum + g[mask]
+            update = g + diloco.outer_momentum * buf if diloco.nesterov else buf
+            anchor[mask] = anchor[mask] - diloco.outer_lr * update[mask]
+            with torch.no_grad():
+                for m in models:
+                    new, offset = torch.where(mask, anchor, flat(m)), 0
+                    for p in m.parameters():
+                        p.copy_(new[offset:offset + p.numel()].view_as(p))
+                        offset += p.numel()
     return dict(models[0].named_parameters()), residuals
 
 
@@ -117,7 +140,7 @@ def test_h1_outer_lr1_no_momentum_is_data_parallelism_across_sites(world, site_s
     is linear in the gradient and has no state of its own: plain SGD (no momentum, no clipping, no
     weight decay), each site's gradient the mean over its equal share of the global batch."""
     diloco = DilocoConfig(enabled=True, inner_steps=1, outer_lr=1.0, outer_momentum=0.0)
-    weights, ledger, state = run_ranks(_run, world, args=(site_size, zero, diloco, 3, 0.0))[0]
+    weights, ledger, state, _ = run_ranks(_run, world, args=(site_size, zero, diloco, 3, 0.0))[0]
     assert _max_diff(weights, _plain_data_parallel(3)) <= 1e-6
     # Across sites: this rank's share only (ZeRO-3's shard, DDP's chunk of the replica), fp32, ring all-reduce.
     sites = world // site_size
@@ -126,19 +149,43 @@ def test_h1_outer_lr1_no_momentum_is_data_parallelism_across_sites(world, site_s
         assert state["anchor"].numel() == -(-sum(p.numel() for p in make_model("gpt2-tiny").parameters()) // site_size)
 
 
-@pytest.mark.parametrize("world,site_size", [(4, 2), (6, 2)])
-def test_outer_nesterov_over_zero3_sites_matches_the_replay(world, site_size):
+@pytest.mark.parametrize("world,site_size,fragments", [(4, 2, 1), (6, 2, 1), (4, 2, 3)])
+def test_outer_nesterov_over_zero3_sites_matches_the_replay(world, site_size, fragments):
     """H 3, two cycles, DiLoCo's outer lr 0.7 / Nesterov 0.9, inner SGD with momentum (kept
     across the syncs): 2 x 2 and 3 x 2 ZeRO-3 sites against the one-process replay; every rank of
-    every site ends with the same weights."""
-    diloco = DilocoConfig(enabled=True, inner_steps=3)
+    every site ends with the same weights. With 3 fragments (Streaming DiLoCo) a fragment syncs
+    after every step, each at its own steps, with 1/3 of the bytes: the sites agree on the
+    fragment synced last and differ on the others."""
+    diloco = DilocoConfig(enabled=True, inner_steps=3, fragments=fragments)
     outs = run_ranks(_run, world, args=(site_size, ZERO3, diloco, 6, INNER_MOMENTUM))
-    reference, _ = _replay(world // site_size, 6, diloco, INNER_MOMENTUM)
+    masks = _fragment_masks([o[3] for o in outs[:site_size]], fragments) if fragments > 1 else None
+    reference, _ = _replay(world // site_size, 6, diloco, INNER_MOMENTUM, masks)
     assert _max_diff(outs[0][0], reference) <= 1e-5
-    assert all(torch.equal(o[0][k], outs[0][0][k]) for o in outs for k in reference)
+    flat = lambda weights: torch.cat([weights[k].reshape(-1) for k in reference])  # noqa: E731
+    synced = masks[0] if masks else slice(None)  # fragment 0 synced after step 6; the others earlier
+    assert all(torch.equal(flat(o[0])[synced], flat(outs[0][0])[synced]) for o in outs)
+    assert (fragments > 1) != torch.equal(flat(outs[-1][0]), flat(outs[0][0]))  # since, local steps
     numel = outs[0][2]["anchor"].numel()  # this rank's shard: fp32, ring all-reduce over the sites
-    sites = world // site_size
-    assert outs[0][1]["sent"] == 2 * (2 * (sites - 1) * 4 * numel // sites)
+    sites, syncs = world // site_size, 6 * fragments // 3
+    assert outs[0][1]["sent"] == syncs * (2 * (sites - 1) * 4 * (numel // fragments) // sites)
+
+
+@pytest.mark.parametrize("numel,parts,fragments,h", [(1001, 2, 3, 5), (10, 1, 4, 4), (7, 3, 2, 50), (64, 2, 1, 3)])
+def test_fragments_cover_every_element_once_per_cycle(numel, parts, fragments, h):
+    """Every window of H consecutive steps syncs each element of the (padded) model exactly once,
+    in each of `parts` ranks' shares, whatever the sizes; the syncs are spread evenly over H."""
+    size, syncs = fragment_size(numel, parts, fragments), fragment_schedule(h, fragments)
+    for first in range(1, 2 * h + 1):
+        seen = torch.zeros(numel, dtype=torch.int64)
+        for step in range(first, first + h):
+            if (f := syncs.get(step % h)) is not None:
+                for rank in range(parts):  # rank's share: chunk `rank`, fragment f a range of it
+                    lo = (rank * fragments + f) * size
+                    seen[lo:lo + size] += 1
+        assert torch.equal(seen, torch.ones_like(seen)), first
+    offsets = sorted(syncs)
+    gaps = [b - a for a, b in zip(offsets, offsets[1:] + [offsets[0] + h])]
+    assert len(offsets) == fragments and set(gaps) <= {h // fragments, -(-h // fragments)}
 
 
 def _drift(rank: int, cycle: int, like: torch.Tensor) -> torch.Tensor:
@@ -205,11 +252,13 @@ def test_compressed_exchange_error_feedback_matches_the_replay(compression):
     assert outs[0][1]["sent"] == 3 * 3 * chunk  # 3 syncs x 3 other sites
 
 
-def test_resume_mid_cycle_is_bit_exact(tmp_path):
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_resume_mid_cycle_is_bit_exact(tmp_path, fragments):
     """2 x 2 ZeRO-3 sites with int8 exchange: saved at step 4 of cycles of 3 (the anchor, momentum and
     residual beside the inner state), resumed, and the weights and outer state at step 7 (after the
-    sync at 6) are bit-identical to the uninterrupted run's."""
-    diloco = DilocoConfig(enabled=True, inner_steps=3, compression="int8")
+    sync at 6) are bit-identical to the uninterrupted run's; with 2 fragments (synced after steps
+    1, 3, 4, 6, 7) too."""
+    diloco = DilocoConfig(enabled=True, inner_steps=3, compression="int8", fragments=fragments)
     ckpt = tmp_path / "ckpt"
     full = run_ranks(_run, 4, args=(2, ZERO3, diloco, 7, INNER_MOMENTUM, 4, ckpt))
     resumed = run_ranks(_run, 4, args=(2, ZERO3, diloco, 7, INNER_MOMENTUM, 4, ckpt, True))
@@ -235,3 +284,6 @@ def test_sites_split_the_mesh_and_bad_values_are_named():
         DilocoConfig(outer_momentum=1.0).validate()
     with pytest.raises(ValueError, match=r"diloco.compression: value 'int2' .* one of none, int8, int4"):
         DilocoConfig(compression="int2").validate()
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match=rf"diloco.fragments: value {bad} .* in \[1, inner_steps = 3\]"):
+            DilocoConfig(inner_steps=3, fragments=bad).validate()
