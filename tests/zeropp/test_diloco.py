@@ -30,7 +30,8 @@ def _run(rank, world, site_size, zero, diloco, steps, momentum, save_at=None, di
     """`steps` inner steps of DiLoCo on global batches; each rank reads its share of its site's rows.
     save_at: save after that step (then go on); load: start from `directory` at step save_at.
     Returns (the full weights, the ledger's outer bytes, the outer state, this rank's layout: the
-    (name, offset in the parameter, numel) of each piece of its share in order)."""
+    (name, offset in the parameter, numel) of each piece of its share in order, the predicted
+    outer bytes per step)."""
     runtime = build_runtime(make_model("gpt2-tiny"), zero, torch.device("cpu"), site_size=site_size)
     optimizer = _inner_optimizer(runtime.module.parameters(), momentum)
     outer = DiLoCo(runtime, diloco)
@@ -55,8 +56,9 @@ def _run(rank, world, site_size, zero, diloco, steps, momentum, save_at=None, di
     layout = [(name, getattr(p, "unsharded_offset", 0), p.numel()) for name, p in runtime.module.named_parameters()]
     weights = runtime.full_state_dict()
     ledger = runtime.ledger.totals().get(OUTER_TAG)
+    predicted = outer.predicted_step_bytes()[OUTER_TAG]
     runtime.close()
-    return weights, ledger, state, layout
+    return weights, ledger, state, layout, predicted
 
 
 def _fragment_masks(layouts, fragments):
@@ -140,7 +142,7 @@ def test_h1_outer_lr1_no_momentum_is_data_parallelism_across_sites(world, site_s
     is linear in the gradient and has no state of its own: plain SGD (no momentum, no clipping, no
     weight decay), each site's gradient the mean over its equal share of the global batch."""
     diloco = DilocoConfig(enabled=True, inner_steps=1, outer_lr=1.0, outer_momentum=0.0)
-    weights, ledger, state, _ = run_ranks(_run, world, args=(site_size, zero, diloco, 3, 0.0))[0]
+    weights, ledger, state, *_ = run_ranks(_run, world, args=(site_size, zero, diloco, 3, 0.0))[0]
     assert _max_diff(weights, _plain_data_parallel(3)) <= 1e-6
     # Across sites: this rank's share only (ZeRO-3's shard, DDP's chunk of the replica), fp32, ring all-reduce.
     sites = world // site_size
@@ -155,7 +157,8 @@ def test_outer_nesterov_over_zero3_sites_matches_the_replay(world, site_size, fr
     across the syncs): 2 x 2 and 3 x 2 ZeRO-3 sites against the one-process replay; every rank of
     every site ends with the same weights. With 3 fragments (Streaming DiLoCo) a fragment syncs
     after every step, each at its own steps, with 1/3 of the bytes: the sites agree on the
-    fragment synced last and differ on the others."""
+    fragment synced last and differ on the others. The predicted outer bytes per step are the
+    ledger's, amortized."""
     diloco = DilocoConfig(enabled=True, inner_steps=3, fragments=fragments)
     outs = run_ranks(_run, world, args=(site_size, ZERO3, diloco, 6, INNER_MOMENTUM))
     masks = _fragment_masks([o[3] for o in outs[:site_size]], fragments) if fragments > 1 else None
@@ -168,6 +171,8 @@ def test_outer_nesterov_over_zero3_sites_matches_the_replay(world, site_size, fr
     numel = outs[0][2]["anchor"].numel()  # this rank's shard: fp32, ring all-reduce over the sites
     sites, syncs = world // site_size, 6 * fragments // 3
     assert outs[0][1]["sent"] == syncs * (2 * (sites - 1) * 4 * (numel // fragments) // sites)
+    # the prediction amortizes a cycle's F syncs over its H steps: the ledger's two cycles / 6
+    assert all(o[4][k] == o[1][k] // 2 // 3 for o in outs for k in ("sent", "cross_node_sent"))
 
 
 @pytest.mark.parametrize("numel,parts,fragments,h", [(1001, 2, 3, 5), (10, 1, 4, 4), (7, 3, 2, 50), (64, 2, 1, 3)])
