@@ -436,7 +436,7 @@ def _tensor_parallel_tensors(directory: Path, read_slice) -> LazyTensors:
 def checkpoint_tensors(path: Path, state: dict | None = None) -> LazyTensors:
     """A checkpoint's weights as saved (either format, tensor-parallel or not), by the names of the
     run's model (LoRA: `<layer>.base.weight`, `<layer>.lora_A`, ...), each read when looked up.
-    DiLoCo's: site 0's replica (every site's at a sync step; zeropp.diloco)."""
+    DiLoCo's: site 0's replica (every site's at a sync step without fragments; zeropp.diloco)."""
     state = read_state(path) if state is None else state
     if state.get("diloco"):
         path = site_dir(path, 0)
