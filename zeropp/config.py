@@ -402,6 +402,9 @@ class DilocoConfig:
     # at the steps where (step - f * H // F) % H == 0, so a sync sends 1/F of the model and the
     # peak cross-site bandwidth drops F x (the bytes per cycle are the same). 1: DiLoCo's one sync.
     fragments: int = 1
+    # Streaming DiLoCo's mixing factor alpha: after a sync the weights are alpha * local + (1 - alpha)
+    # * the outer result (the anchor stays the outer result). 0: replaced by it, as DiLoCo.
+    mixing: float = 0.0
 
     @property
     def bits(self) -> int | None:
@@ -412,7 +415,8 @@ class DilocoConfig:
             if self.outer_momentum else ""
         wire = "fp32" if self.bits is None else \
             f"int{self.bits} blocks of {self.compression_block_size} with error feedback"
-        streaming = f", {self.fragments} fragments staggered over H" if self.fragments > 1 else ""
+        streaming = (f", {self.fragments} fragments staggered over H" if self.fragments > 1 else "") + \
+            (f", mixing {self.mixing:g} of the local weights" if self.mixing else "")
         return (f"H {self.inner_steps}{streaming}, outer SGD lr {self.outer_lr:g}{momentum}, "
                 f"pseudo-gradient as {wire}")
 
@@ -431,6 +435,8 @@ class DilocoConfig:
              and self.compression_block_size % 8 == 0),
             ("fragments", self.fragments, f"an integer in [1, inner_steps = {self.inner_steps}] (one sync per step "
              f"at most)", isinstance(self.fragments, int) and 1 <= self.fragments <= self.inner_steps),
+            ("mixing", self.mixing, "a number in [0, 1) (0: the outer result replaces the weights)",
+             0 <= self.mixing < 1),
         ]
         for key, value, expected, ok in checks:
             if not ok:

@@ -26,6 +26,7 @@ Streaming DiLoCo (arXiv 2501.18512, `fragments` F > 1): the outer state is cut i
 equal ranges, and fragment f takes the step above alone (its slice of the anchor, momentum and
 residual; the other weights stay as the inner steps left them) after the steps where
 (step - f * H // F) % H == 0. Each element still syncs once per H steps; a sync sends 1/F of it.
+With `mixing` alpha > 0 (the same paper) the synced weights keep alpha of their local values.
 """
 
 from __future__ import annotations
@@ -114,12 +115,12 @@ class DiLoCo:
             momentum.mul_(cfg.outer_momentum).add_(delta)
             delta = delta.add_(momentum, alpha=cfg.outer_momentum) if cfg.nesterov else momentum
         anchor.sub_(delta, alpha=cfg.outer_lr)
+        new = anchor.view(1, -1)
         if self.parts > 1:  # every rank of the site gets every chunk's slice
-            gathered = torch.empty(self.parts, self.fragment, dtype=anchor.dtype, device=anchor.device)
-            self.comm.all_gather(gathered.view(-1), anchor, tag=OUTER_TAG)
-            weights.view(self.parts, self.chunk)[:, part] = gathered
-        else:
-            weights[part] = anchor
+            new = torch.empty(self.parts, self.fragment, dtype=anchor.dtype, device=anchor.device)
+            self.comm.all_gather(new.view(-1), anchor, tag=OUTER_TAG)
+        local = weights.view(self.parts, self.chunk)[:, part]
+        local.copy_(new.lerp(local, cfg.mixing) if cfg.mixing else new)  # mixing: alpha local + (1 - alpha) new
         offset = 0
         for p in self.params:  # in place: the runtime re-encodes what it derives from them
             p.copy_(weights[offset:offset + p.numel()].view_as(p))

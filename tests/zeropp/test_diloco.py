@@ -257,6 +257,38 @@ def test_compressed_exchange_error_feedback_matches_the_replay(compression):
     assert outs[0][1]["sent"] == 3 * 3 * chunk  # 3 syncs x 3 other sites
 
 
+def _mixed(rank, world, diloco):
+    """2-rank DDP sites whose replicas drift by _drift(site) before one outer step: (the weights
+    before it, after it, the anchor's chunk), flat."""
+    runtime = build_runtime(make_model("gpt2-tiny"), DDP, torch.device("cpu"), site_size=2)
+    outer = DiLoCo(runtime, diloco)
+    flat = lambda: torch.cat([p.detach().reshape(-1).clone() for p in outer.params])  # noqa: E731
+    with torch.no_grad():
+        for i, p in enumerate(outer.params):
+            p.sub_(_drift(runtime.mesh.site, i, p))
+    local = flat()
+    outer.outer_step()
+    out = local, flat(), outer.anchor.clone()
+    runtime.close()
+    return out
+
+
+def test_mixing_keeps_alpha_of_the_local_weights():
+    """Streaming DiLoCo's mixing alpha 0.25 over 2 sites x 2 DDP ranks: the global weights are the
+    outer Nesterov step on the mean pseudo-gradient (the anchor), each site's weights 0.25 of its
+    own + 0.75 of them."""
+    diloco = DilocoConfig(enabled=True, inner_steps=2, mixing=0.25)
+    outs = run_ranks(_mixed, 4, args=(diloco,))
+    start = torch.cat([p.detach().reshape(-1) for p in make_model("gpt2-tiny").parameters()])
+    g = torch.stack([start - outs[0][0], start - outs[2][0]]).mean(0)  # site 0, site 1
+    global_ = start - 0.7 * (g + 0.9 * g)  # first step: momentum = g
+    for rank, (local, weights, anchor) in enumerate(outs):
+        assert (weights - (0.25 * local + 0.75 * global_)).abs().max() <= 1e-6, rank
+        mine = global_[rank % 2 * anchor.numel():][:anchor.numel()]  # its chunk of the model (no padding)
+        assert (anchor[:mine.numel()] - mine).abs().max() <= 1e-6, rank
+    assert not torch.equal(outs[0][1], outs[2][1])  # the sites keep their own parts
+
+
 @pytest.mark.parametrize("fragments", [1, 2])
 def test_resume_mid_cycle_is_bit_exact(tmp_path, fragments):
     """2 x 2 ZeRO-3 sites with int8 exchange: saved at step 4 of cycles of 3 (the anchor, momentum and
@@ -292,3 +324,5 @@ def test_sites_split_the_mesh_and_bad_values_are_named():
     for bad in (0, 4):
         with pytest.raises(ValueError, match=rf"diloco.fragments: value {bad} .* in \[1, inner_steps = 3\]"):
             DilocoConfig(inner_steps=3, fragments=bad).validate()
+    with pytest.raises(ValueError, match=r"diloco.mixing: value 1.0 is out of range; expected a number in \[0, 1\)"):
+        DilocoConfig(mixing=1.0).validate()
