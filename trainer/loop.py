@@ -226,6 +226,8 @@ class Trainer:
             self.runtime, self.optimizer, self.model_cfg, cfg.train.micro_batch_size, cfg.data.seq_len,
             compute_dtype(cfg.train.precision, self.env.device), set(self.checkpointed), self.baseline_memory,
             self.env.device, self.runtime.param_dtype, cfg.data.packing)
+        if self.diloco is not None:
+            self.predicted_memory["diloco outer state"] = self.diloco.state_bytes()
         # Only now, the config, data, model and topology all accepted, may train.overwrite move the old run.
         replaced = self.run_dir.take_over(self.env.is_main)
         if replaced and self.env.is_main:
@@ -588,8 +590,10 @@ class _TrainerStage(Stage):
             if tr.checkpointed:
                 log.info(describe_checkpointing(t.activation_checkpointing, t.activation_checkpointing_every,
                                                 tr.checkpointed, len(tr.model.blocks)))
-            for line in traffic_and_memory_lines(tr.predicted_step_bytes(),
-                                                 tr.runtime.model_state_bytes(tr.optimizer)):
+            states = tr.runtime.model_state_bytes(tr.optimizer)
+            if tr.diloco is not None:
+                states["diloco outer state"] = tr.diloco.state_bytes()
+            for line in traffic_and_memory_lines(tr.predicted_step_bytes(), states):
                 log.info(line)
             parts = ", ".join(f"{kind} {n / 2**20:.1f}" for kind, n in tr.predicted_memory.items())
             log.info(f"predicted peak memory per rank: {sum(tr.predicted_memory.values()) / 2**20:.1f} MB "

@@ -168,6 +168,10 @@ class DiLoCo:
         m = self.mesh
         return f"DiLoCo on: {m.sites} sites x {m.world_size * m.tp_size} ranks, {self.config.describe()}"
 
+    def state_bytes(self) -> int:
+        """This rank's outer state: the anchor, the momentum and the residual of its share (fp32)."""
+        return sum(t.numel() * t.element_size() for t in self.state_dict().values())
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         state = {"anchor": self.anchor, "momentum": self.momentum}
         return state if self.residual is None else {**state, "residual": self.residual}

@@ -264,7 +264,7 @@ def test_zeropp_on_two_nodes_of_two_tracks_the_reference(corpus, tmp_path):
 
 def test_diloco_sites_train_log_their_exchange_and_resume_mid_cycle_bit_identical(corpus, tmp_path):
     """2 sites of one ZeRO-3 rank, H 2, int8 exchange: the log names DiLoCo and predicts the outer
-    bytes; the export reads the checkpoint's site 0; resumed from step 3 (mid-cycle) the losses are bit-identical; a run without DiLoCo
+    bytes and the outer state's memory; the export reads the checkpoint's site 0; resumed from step 3 (mid-cycle) the losses are bit-identical; a run without DiLoCo
     is refused that checkpoint, naming both layouts."""
     cache = tmp_path / "cache"
     diloco = ("--diloco.enabled", "true", "--diloco.site_size", "1", "--diloco.inner_steps", "2",
@@ -279,6 +279,11 @@ def test_diloco_sites_train_log_their_exchange_and_resume_mid_cycle_bit_identica
     assert "DiLoCo on: 2 sites x 1 ranks, H 2, outer SGD lr 0.7, Nesterov momentum 0.9, pseudo-gradient as " \
            "int8 blocks of 256 with error feedback" in log, log
     assert re.search(r"predicted traffic per step, this rank: .*diloco outer \d", log), log
+    # a site of one rank holds the whole fp32 master; the outer state is its anchor, momentum and residual
+    master = float(re.search(r"model state per rank: .*master ([0-9.]+) MB", log)[1])
+    outer = float(re.search(r"model state per rank: .*diloco outer state ([0-9.]+) MB", log)[1])
+    assert abs(outer - 3 * master) <= 0.02, (outer, master)
+    assert re.search(r"predicted peak memory per rank: .*diloco outer state [0-9.]+", log), log
     ckpt = tmp_path / "a" / "checkpoints" / "step_00000003"
     assert json.loads((ckpt / "state.json").read_text())["diloco"] == {"sites": 2, "site_size": 1}
     resumed, _ = run_ranks(_train_on_ranks, 2, args=(tiny_args(
