@@ -325,13 +325,8 @@ def packed_position_ids(document_ids: torch.Tensor) -> torch.Tensor:
 def packed_mask(document_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """Boolean [B, 1, T, T] block-diagonal causal mask: a token sees the earlier tokens of its own
     document only (and with `window`, those less than `window` slots back)."""
-    T = document_ids.shape[-1]
-    q_pos = torch.arange(T, device=document_ids.device)[:, None]
-    k_pos = torch.arange(T, device=document_ids.device)[None, :]
-    mask = k_pos <= q_pos
-    if window is not None:
-        mask = mask & (k_pos > q_pos - window)
-    return (mask & (document_ids[:, :, None] == document_ids[:, None, :]))[:, None]
+    causal = attention_mask_4d(None, document_ids.shape[-1], 0, document_ids.device, window)
+    return causal & (document_ids[:, :, None] == document_ids[:, None, :])[:, None]
 
 
 def attention_mask_4d(attention_mask, seq_len: int, past_len: int, device, window: int | None = None) -> torch.Tensor:

@@ -119,13 +119,13 @@ class ModelRuntime:
             if not self.packing or attention_mask is None:
                 return self.runtime(tokens, attention_mask=attention_mask)
             real = attention_mask.bool()
-            lengths = real.sum(-1).tolist()
-            rows = pack(lengths, tokens.shape[1])
-            packed = rows.scatter(list(tokens[real].cpu().split(lengths)), 0).to(tokens.device)
+            rows = pack(real.sum(-1).tolist(), tokens.shape[1])
+            slots = tuple(index.to(tokens.device) for index in rows.slots())  # the real tokens' order
+            packed = tokens.new_zeros(rows.shape)
+            packed[slots] = tokens[real]
             out = self.runtime(packed, document_ids=rows.document_ids().to(tokens.device))
             result = out.new_zeros(*tokens.shape, *out.shape[2:])
-            row, column = (index.to(out.device) for index in rows.slots())
-            result[real] = out[row, column]
+            result[real] = out[slots]
             return result
 
     def clip_gradients(self) -> float:
