@@ -295,17 +295,23 @@ class Zero3Engine(Runtime):
     # ------------------------------------------------------------------ the step hook, rollouts
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """The optimizer, with a step post-hook that sends the next forward's first gathers. An
+        """The optimizer, with a step post-hook that marks the masters changed and sends the next
+        forward's first gathers. An
         offloaded step runs torch's fused AdamW on the host: the for-loop one made a 361.6M-parameter
         step on an H100 node 9.9x slower than on the GPU (DeepSpeed ships its own CPU Adam for this)."""
         if self.config.offload_optimizer == "cpu":
             for group in optimizer.param_groups:
                 if "fused" in group:
                     group.update(fused=True, foreach=False)
-        if any(group.get("fused") for group in optimizer.param_groups):  # it leaves version counters alone
-            optimizer.register_step_post_hook(lambda *_: [u.master_stepped() for u in self.units.values()])
-        optimizer.register_step_post_hook(lambda *_: self._prefetch_next_forward())
+        optimizer.register_step_post_hook(lambda *_: self._after_step())
         return optimizer
+
+    def _after_step(self) -> None:
+        """The masters changed, whatever the kernel (fused ones leave version counters alone): mark
+        them for re-encoding, then prefetch."""
+        for u in self.units.values():
+            u.master_stepped()
+        self._prefetch_next_forward()
 
     def _prefetch_next_forward(self) -> None:
         """Right after an optimizer step: re-encode and issue the next forward's first gathers

@@ -330,8 +330,8 @@ class Unit:
         self.reference_at = node * self.shard_numel
 
     def master_stepped(self) -> None:
-        """An optimizer kernel that does not bump version counters (torch's fused AdamW) changed the
-        master: the next refresh() must re-encode."""
+        """An optimizer stepped the master (its kernel may not bump version counters: torch's fused
+        AdamW does not): the next refresh() re-encodes."""
         self._encoded_master_version = -1
 
     def references_current(self) -> bool:
@@ -387,8 +387,8 @@ class Unit:
     def decode(self, comm, phase: Phase, timings) -> None:
         """Wait for the gather, decode into the compute buffer (putting the shards of a node-aware
         gather in place); in a forward with autograd or a rollout (a training forward follows it),
-        keep this rank's part of the bytes as the hpZ secondary. The secondary slices of a group concatenate to the primary's gathered
-        bytes, so both sources decode in the primary's order."""
+        keep this rank's part of the bytes as the hpZ secondary. The secondary slices of a group
+        concatenate to the primary's gathered bytes, so both sources decode in the primary's order."""
         if self.state is not UnitState.GATHERING:
             raise RuntimeError(f"unit {self.name} asked to decode while {self.state.value}")
         timer = timings.timer
