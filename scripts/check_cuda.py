@@ -186,7 +186,7 @@ def engine_on_cuda() -> dict:
     return out
 
 
-MEMORY_LINE = re.compile(r"peak memory per rank \((?:max_memory_allocated|VmHWM)\): measured (\d+)-(\d+) MB, predicted (\d+)-(\d+) MB")
+MEMORY_LINE = re.compile(r"peak memory per rank \(max_memory_allocated\): measured (\d+)-(\d+) MB, predicted (\d+)-(\d+) MB")
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -223,11 +223,9 @@ class Trainer:
         self.runtime.set_gradient_divide_factor(1.0)
         self.optimizer = self.runtime.attach_optimizer(build_optimizer(self.runtime.module, cfg.optim))
         self.predicted_memory = predicted_peak(
-            self.runtime, self.optimizer, self.model_cfg, cfg.train.micro_batch_size, cfg.data.seq_len,
-            compute_dtype(cfg.train.precision, self.env.device), set(self.checkpointed), self.baseline_memory,
-            self.env.device, self.runtime.param_dtype, cfg.data.packing)
-        if self.diloco is not None:
-            self.predicted_memory["diloco outer state"] = self.diloco.state_bytes()
+            self.model_state_bytes(), self.runtime.buffer_bytes(), self.optimizer, self.model_cfg,
+            cfg.train.micro_batch_size, cfg.data.seq_len, compute_dtype(cfg.train.precision, self.env.device),
+            set(self.checkpointed), self.baseline_memory, self.env.device, self.runtime.param_dtype, cfg.data.packing)
         # Only now, the config, data, model and topology all accepted, may train.overwrite move the old run.
         replaced = self.run_dir.take_over(self.env.is_main)
         if replaced and self.env.is_main:
@@ -354,6 +352,11 @@ class Trainer:
         if self.diloco is None:
             return None
         return {"sites": self.sites, "site_size": self.env.world_size // self.sites}
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """This rank's model state by kind: the runtime's, and DiLoCo's outer state."""
+        states = self.runtime.model_state_bytes(self.optimizer)
+        return states if self.diloco is None else {**states, "diloco outer state": self.diloco.state_bytes()}
 
     def predicted_step_bytes(self) -> dict[str, dict[str, int]]:
         """The runtime's prediction for one step, with DiLoCo's outer exchange amortized over its H steps."""
@@ -590,10 +593,7 @@ class _TrainerStage(Stage):
             if tr.checkpointed:
                 log.info(describe_checkpointing(t.activation_checkpointing, t.activation_checkpointing_every,
                                                 tr.checkpointed, len(tr.model.blocks)))
-            states = tr.runtime.model_state_bytes(tr.optimizer)
-            if tr.diloco is not None:
-                states["diloco outer state"] = tr.diloco.state_bytes()
-            for line in traffic_and_memory_lines(tr.predicted_step_bytes(), states):
+            for line in traffic_and_memory_lines(tr.predicted_step_bytes(), tr.model_state_bytes()):
                 log.info(line)
             parts = ", ".join(f"{kind} {n / 2**20:.1f}" for kind, n in tr.predicted_memory.items())
             log.info(f"predicted peak memory per rank: {sum(tr.predicted_memory.values()) / 2**20:.1f} MB "

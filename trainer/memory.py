@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
 
 from models.config import ModelConfig
 from models.transformer import Block, Transformer, lm_loss, make_norm, rope_cos_sin
@@ -111,25 +112,20 @@ class _MetaAutocast(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _MATRIX_PRODUCTS:
-            args, kwargs = _cast_fp32((args, kwargs or {}), torch.bfloat16)
+            args, kwargs = _fp32_to_bf16((args, kwargs or {}))
         return func(*args, **(kwargs or {}))
 
 
-def _cast_fp32(tree, dtype):
-    if isinstance(tree, torch.Tensor):
-        return tree.to(dtype) if tree.dtype == torch.float32 else tree
-    if isinstance(tree, (tuple, list)):
-        return type(tree)(_cast_fp32(t, dtype) for t in tree)
-    if isinstance(tree, dict):
-        return {k: _cast_fp32(v, dtype) for k, v in tree.items()}
-    return tree
+def _fp32_to_bf16(tree):
+    return tree_map(lambda t: t.to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.dtype == torch.float32
+                    else t, tree)
 
 
 @contextlib.contextmanager
 def _counting(autocast: bool):
     """SDPA as the fused kernels keep it (after autocast's cast of q, k, v), and autocast emulated."""
     sdpa = F.scaled_dot_product_attention
-    cast = (lambda t: _cast_fp32(t, torch.bfloat16)) if autocast else (lambda t: t)
+    cast = _fp32_to_bf16 if autocast else (lambda t: t)
     F.scaled_dot_product_attention = lambda q, k, v, attn_mask=None, **_: _FusedAttention.apply(
         cast(q), cast(k), cast(v), attn_mask is not None)
     try:
@@ -178,18 +174,20 @@ def activation_bytes(config: ModelConfig, micro_batch: int, seq_len: int, dtype:
     return {"blocks": kept, "head and loss": head + logits_grad, "recompute": per_block if checkpointed else 0}
 
 
-def predicted_peak(runtime, optimizer, config: ModelConfig, micro_batch: int, seq_len: int, dtype: torch.dtype,
-                   checkpointed: set[int] | frozenset, baseline: int, device: torch.device,
-                   param_dtype: torch.dtype = torch.float32, masked: bool = False) -> dict[str, int]:
-    """Each part of the predicted peak of this rank, in bytes (see the module docstring). On CUDA the
-    states an optimizer offload keeps in host memory ("(host)") are not part of the device's peak."""
-    states = runtime.model_state_bytes(optimizer)
+def predicted_peak(states: dict[str, int], buffers: int, optimizer, config: ModelConfig, micro_batch: int,
+                   seq_len: int, dtype: torch.dtype, checkpointed: set[int] | frozenset, baseline: int,
+                   device: torch.device, param_dtype: torch.dtype = torch.float32,
+                   masked: bool = False) -> dict[str, int]:
+    """Each part of the predicted peak of this rank, in bytes (see the module docstring), from its model
+    states by kind and its preallocated buffers. On CUDA the states an optimizer offload keeps in host
+    memory ("(host)") are not part of the device's peak."""
+    states = dict(states)
     key = next((k for k in states if k.startswith("optimizer states")), "optimizer states")
     if not states.get(key):  # AdamW's moments come at the first step
         states[key] = 8 * sum(p.numel() for group in optimizer.param_groups for p in group["params"]
                                              if p.requires_grad)
     if device.type == "cuda":
         states = {k: v for k, v in states.items() if not k.endswith("(host)")}
-    return {"baseline": baseline, "model states": sum(states.values()), "buffers": runtime.buffer_bytes(),
+    return {"baseline": baseline, "model states": sum(states.values()), "buffers": buffers,
             **{f"activations ({k})": v for k, v in activation_bytes(config, micro_batch, seq_len, dtype,
                                                                     checkpointed, param_dtype, masked).items() if v}}
