@@ -12,14 +12,12 @@ machine's same load; tokens/s counts real (non-padding) tokens only, CPU s the p
 """
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import finetune
 from data.datasets import PreferenceDataset
@@ -31,6 +29,7 @@ from models.transformer import Transformer
 from rlhf.common import ModelRuntime
 from rlhf.config import RLHFConfig
 from rlhf.pairs import _pair_batch, _response_logprob_sums
+from scripts.bench.memory import write_bpe_tokenizer
 from trainer.config import parse_args
 from trainer.loop import Trainer
 
@@ -38,23 +37,14 @@ ROUND = 4  # steps timed on one path before the other's turn
 
 
 def hf_model(data: Path, seq_len: int, directory: Path) -> Path:
-    records = json.loads(data.read_text())
-    texts = [" ".join(r.get(k, "") for k in ("instruction", "input", "output")) for r in records]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(
-        vocab_size=8192, special_tokens=["<|endoftext|>", "<s>", "<pad>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
     tokenizer_dir = directory / "tokenizer"
     tokenizer_dir.mkdir()
-    tok.save(str(tokenizer_dir / "tokenizer.json"))
-    (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|endoftext|>", "bos_token": "<s>", "pad_token": "<pad>"}))
+    write_bpe_tokenizer(tokenizer_dir, data)
     torch.manual_seed(0)
-    config = ModelConfig.from_preset("gpt2-tiny", vocab_size=tok.get_vocab_size(), max_seq_len=seq_len)
+    vocab_size = load_tokenizer(tokenizer_dir).vocab_size
+    config = ModelConfig.from_preset("gpt2-tiny", vocab_size=vocab_size, max_seq_len=seq_len)
     save_hf_checkpoint(Transformer(config), directory / "model", tokenizer_dir=tokenizer_dir,
-                       token_ids={"bos_token_id": 1, "eos_token_id": 0, "pad_token_id": 2})
+                       token_ids={"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2})
     return directory / "model"
 
 
