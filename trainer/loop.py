@@ -523,6 +523,8 @@ class Trainer:
         if self.heartbeat is not None:
             self.heartbeat.stop()
         if not after_failure:
+            if self.diloco is not None:  # its exchanges still in flight finish before the groups go
+                self.diloco.settle()
             self.runtime.close()
 
     def run(self) -> TrainResult:

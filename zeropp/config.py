@@ -405,6 +405,11 @@ class DilocoConfig:
     # Streaming DiLoCo's mixing factor alpha: after a sync the weights are alpha * local + (1 - alpha)
     # * the outer result (the anchor stays the outer result). 0: replaced by it, as DiLoCo.
     mixing: float = 0.0
+    # Streaming DiLoCo's overlap tau: a fragment's exchange is sent after its sync step and applied
+    # `delay` inner steps later, the wire hidden behind them (the paper's tau; with tau > 0 it mixes
+    # the outer result into weights that moved on, so pair it with mixing, the paper's 0.5).
+    # 0: applied at once (a blocking exchange).
+    delay: int = 0
 
     @property
     def bits(self) -> int | None:
@@ -416,7 +421,9 @@ class DilocoConfig:
         wire = "fp32" if self.bits is None else \
             f"int{self.bits} blocks of {self.compression_block_size} with error feedback"
         streaming = (f", {self.fragments} fragments staggered over H" if self.fragments > 1 else "") + \
-            (f", mixing {self.mixing:g} of the local weights" if self.mixing else "")
+            (f", mixing {self.mixing:g} of the local weights" if self.mixing else "") + \
+            (f", each exchange overlapped with the next {self.delay} inner step{'s' * (self.delay > 1)}"
+             if self.delay else "")
         return (f"H {self.inner_steps}{streaming}, outer SGD lr {self.outer_lr:g}{momentum}, "
                 f"pseudo-gradient as {wire}")
 
@@ -437,6 +444,8 @@ class DilocoConfig:
              f"at most)", isinstance(self.fragments, int) and 1 <= self.fragments <= self.inner_steps),
             ("mixing", self.mixing, "a number in [0, 1) (0: the outer result replaces the weights)",
              0 <= self.mixing < 1),
+            ("delay", self.delay, f"an integer in [0, inner_steps = {self.inner_steps}) (an exchange lands before "
+             f"its fragment's next sync)", isinstance(self.delay, int) and 0 <= self.delay < self.inner_steps),
         ]
         for key, value, expected, ok in checks:
             if not ok:

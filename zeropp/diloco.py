@@ -27,10 +27,15 @@ equal ranges, and fragment f takes the step above alone (its slice of the anchor
 residual; the other weights stay as the inner steps left them) after the steps where
 (step - f * H // F) % H == 0. Each element still syncs once per H steps; a sync sends 1/F of it.
 With `mixing` alpha > 0 (the same paper) the synced weights keep alpha of their local values.
+With `delay` tau > 0 (the paper's overlap) a fragment's exchange is sent after its sync step and
+waited for only after step + tau: the collectives run while the next tau inner steps compute, and
+the outer result is mixed into the weights as those steps left them. A sync reads and writes only
+its fragment's range of the parameters (no flat copy of the model).
 """
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import torch
@@ -66,6 +71,23 @@ def fragment_size(numel: int, parts: int, fragments: int) -> int:
     return -(-numel // (parts * fragments))
 
 
+class _Exchange:
+    """One fragment's exchange in flight: its collectives' handles, and how their result becomes the
+    pseudo-gradient averaged over the sites."""
+
+    def __init__(self, fragment: int, due: int, works: list, finish):
+        self.fragment, self.due = fragment, due
+        self._works, self._finish, self._mean = works, finish, None
+
+    def result(self) -> torch.Tensor:
+        """The averaged pseudo-gradient (waits for the collectives the first time)."""
+        if self._mean is None:
+            for work in self._works:
+                work.wait()
+            self._mean = self._finish()
+        return self._mean
+
+
 class DiLoCo:
     """The outer optimizer across sites, over the weights `runtime`'s inner optimizer steps."""
 
@@ -83,34 +105,90 @@ class DiLoCo:
         self.fragment = fragment_size(numel, self.parts, config.fragments)
         self.chunk = self.fragment * config.fragments
         self.syncs = fragment_schedule(config.inner_steps, config.fragments)
-        self.anchor = self._mine(self._weights()).clone()  # the weights at the last sync
+        self.starts = [0, *itertools.accumulate(p.numel() for p in self.params)][:-1]
+        self.device = self.params[0].device
+        self.anchor = self._read(self._range(0), self._range(0) + self.chunk)  # the weights at the last sync
         self.momentum = torch.zeros_like(self.anchor)
         self.residual = torch.zeros_like(self.anchor) if config.bits else None  # what the codes lost
+        self.in_flight: list[_Exchange] = []  # sent, in order, applied when due
 
-    def _weights(self) -> torch.Tensor:
-        """The weights flat and padded to `parts` equal chunks."""
-        flat = torch.cat([p.detach().reshape(-1).float() for p in self.params])
-        return torch.nn.functional.pad(flat, (0, self.chunk * self.parts - flat.numel()))
+    def _pieces(self, lo: int, hi: int):
+        """(parameter, first, last, position) for each parameter overlapping the flat range [lo, hi):
+        its elements [first, last) are the range's [position, position + last - first)."""
+        for p, start in zip(self.params, self.starts):
+            first, last = max(lo, start), min(hi, start + p.numel())
+            if first < last:
+                yield p, first - start, last - start, first - lo
 
-    def _mine(self, weights: torch.Tensor) -> torch.Tensor:
-        return weights.view(self.parts, self.chunk)[self.mesh.rank if self.parts > 1 else 0]
+    def _read(self, lo: int, hi: int) -> torch.Tensor:
+        """The flat fp32 weights [lo, hi) (past the last parameter: the padding, zeros), only the
+        parameters the range touches."""
+        out = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
+        for p, first, last, at in self._pieces(lo, hi):
+            out[at:at + last - first] = p.detach().reshape(-1)[first:last]
+        return out
 
-    def after_inner_step(self, step: int) -> bool:
-        """Called after inner step `step` (1-based, the trainer's count): the outer step of the
-        fragment whose turn it is, if any; returns whether one ran."""
+    def _write(self, lo: int, values: torch.Tensor) -> None:
+        """Set the flat weights from `lo` on, in place (their version bumps: the runtime re-encodes
+        what it derives from them)."""
+        for p, first, last, at in self._pieces(lo, lo + values.numel()):
+            p.detach().view(-1)[first:last].copy_(values[at:at + last - first])
+
+    def _range(self, fragment: int, chunk: int | None = None) -> int:
+        """Where a fragment of chunk `chunk` (default: this rank's share) starts in the flat weights."""
+        chunk = (self.mesh.rank if self.parts > 1 else 0) if chunk is None else chunk
+        return chunk * self.chunk + fragment * self.fragment
+
+    def after_inner_step(self, step: int) -> None:
+        """Called after inner step `step` (1-based, the trainer's count): sends the exchange of the
+        fragment whose turn it is, if any, then applies every exchange due now (`delay` steps after
+        it was sent: at once when 0)."""
         fragment = self.syncs.get(step % self.config.inner_steps)
-        if fragment is None:
-            return False
-        self.outer_step(fragment)
-        return True
+        if fragment is not None:
+            self.in_flight.append(self._send(fragment, due=step + self.config.delay))
+        while self.in_flight and self.in_flight[0].due <= step:  # sent in order, due in order
+            self._apply(self.in_flight.pop(0))
 
     @torch.no_grad()
     def outer_step(self, fragment: int = 0) -> None:
-        """The outer step on one fragment's slice of the outer state; the other weights stay local."""
-        cfg, part = self.config, slice(fragment * self.fragment, (fragment + 1) * self.fragment)
-        weights = self._weights()
-        anchor, momentum = self.anchor[part], self.momentum[part]
-        delta = self._average(anchor - self._mine(weights)[part], part)
+        """The outer step on one fragment's slice of the outer state, at once; the other weights stay local."""
+        self._apply(self._send(fragment, due=0))
+
+    @torch.no_grad()
+    def _send(self, fragment: int, due: int) -> _Exchange:
+        """Start averaging this fragment's pseudo-gradient (anchor - weights) over the sites: an
+        all-reduce in fp32, or the codes' all-gather (error feedback: the residual keeps what the
+        codes lost)."""
+        part = slice(fragment * self.fragment, (fragment + 1) * self.fragment)
+        lo = self._range(fragment)
+        delta = self.anchor[part] - self._read(lo, lo + self.fragment)
+        n, bits, block = self.mesh.sites, self.config.bits, self.config.compression_block_size
+        if bits is None:
+            work = self.comm.all_reduce(delta, group="cross_site", tag=OUTER_TAG, async_op=True)
+            return _Exchange(fragment, due, [work], lambda: delta.div_(n))
+        residual = self.residual[part]
+        sent = delta.add_(residual)
+        codes = quantize(sent, bits, block)
+        residual.copy_(sent).sub_(codes.dequantize())
+        all_codes = torch.empty(n * codes.codes.numel(), dtype=torch.uint8, device=delta.device)
+        all_scales = torch.empty(n * codes.scales.numel(), dtype=codes.scales.dtype, device=delta.device)
+        works = [self.comm.all_gather(all_codes, codes.codes, group="cross_site", tag=OUTER_TAG, async_op=True),
+                 self.comm.all_gather(all_scales, codes.scales, group="cross_site", tag=OUTER_TAG, async_op=True)]
+
+        def mean() -> torch.Tensor:
+            total = torch.zeros_like(delta)
+            for c, s in zip(all_codes.view(n, -1), all_scales.view(n, -1)):  # site order: every site sums alike
+                dequantize(c, s, delta.numel(), bits, block, out=total, accumulate=True)
+            return total.div_(n)
+        return _Exchange(fragment, due, works, mean)
+
+    @torch.no_grad()
+    def _apply(self, exchange: _Exchange) -> None:
+        """The outer Nesterov step on the averaged pseudo-gradient, and the fragment's weights set to
+        the new anchor (mixing: keeping alpha of the local ones, which may have moved on since the send)."""
+        cfg, fragment = self.config, exchange.fragment
+        part = slice(fragment * self.fragment, (fragment + 1) * self.fragment)
+        delta, anchor, momentum = exchange.result(), self.anchor[part], self.momentum[part]
         if cfg.outer_momentum:
             momentum.mul_(cfg.outer_momentum).add_(delta)
             delta = delta.add_(momentum, alpha=cfg.outer_momentum) if cfg.nesterov else momentum
@@ -119,32 +197,16 @@ class DiLoCo:
         if self.parts > 1:  # every rank of the site gets every chunk's slice
             new = torch.empty(self.parts, self.fragment, dtype=anchor.dtype, device=anchor.device)
             self.comm.all_gather(new.view(-1), anchor, tag=OUTER_TAG)
-        local = weights.view(self.parts, self.chunk)[:, part]
-        local.copy_(new.lerp(local, cfg.mixing) if cfg.mixing else new)  # mixing: alpha local + (1 - alpha) new
-        offset = 0
-        for p in self.params:  # in place: the runtime re-encodes what it derives from them
-            p.copy_(weights[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        for chunk, values in enumerate(new):
+            lo = self._range(fragment, chunk if self.parts > 1 else None)
+            if cfg.mixing:  # alpha local + (1 - alpha) new
+                values = values.lerp(self._read(lo, lo + self.fragment), cfg.mixing)
+            self._write(lo, values)
 
-    def _average(self, delta: torch.Tensor, part: slice) -> torch.Tensor:
-        """The mean of `delta` (the outer state's `part`) over the sites, exact (fp32 all-reduce) or
-        through the codes."""
-        n, bits, block = self.mesh.sites, self.config.bits, self.config.compression_block_size
-        if bits is None:
-            self.comm.all_reduce(delta, group="cross_site", tag=OUTER_TAG)
-            return delta.div_(n)
-        residual = self.residual[part]
-        sent = delta.add_(residual)
-        codes = quantize(sent, bits, block)
-        residual.copy_(sent).sub_(codes.dequantize())
-        all_codes = torch.empty(n * codes.codes.numel(), dtype=torch.uint8, device=delta.device)
-        all_scales = torch.empty(n * codes.scales.numel(), dtype=codes.scales.dtype, device=delta.device)
-        self.comm.all_gather(all_codes, codes.codes, group="cross_site", tag=OUTER_TAG)
-        self.comm.all_gather(all_scales, codes.scales, group="cross_site", tag=OUTER_TAG)
-        total = torch.zeros_like(delta)
-        for c, s in zip(all_codes.view(n, -1), all_scales.view(n, -1)):  # site order: every site sums alike
-            dequantize(c, s, delta.numel(), bits, block, out=total, accumulate=True)
-        return total.div_(n)
+    def settle(self) -> None:
+        """Wait for the exchanges in flight; their results stay pending until they are due."""
+        for exchange in self.in_flight:
+            exchange.result()
 
     def predicted_step_bytes(self) -> dict[str, dict[str, int]]:
         """The outer exchange's bytes this rank sends, amortized over the H inner steps of a cycle (F
@@ -181,7 +243,12 @@ class DiLoCo:
         inner = site_dir(directory, self.mesh.site)
         inner.mkdir(exist_ok=True)
         self.runtime.save(inner, optimizer)
-        write_safetensors({k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()},
+        state = dict(self.state_dict())
+        if self.in_flight:  # their results (the collectives are waited for), applied when due after a resume
+            self.settle()
+            state["in_flight"] = torch.tensor([[e.fragment, e.due] for e in self.in_flight])
+            state["in_flight_mean"] = torch.stack([e.result() for e in self.in_flight])
+        write_safetensors({k: v.detach().cpu().contiguous() for k, v in state.items()},
                           outer_file(directory, dist.get_rank()))
 
     def load(self, directory: str | Path, optimizer: torch.optim.Optimizer) -> None:
@@ -196,3 +263,8 @@ class DiLoCo:
                 raise CheckpointError(f"{path}: no DiLoCo {key} of {tensor.numel()} elements for this rank; "
                                       f"resume with the sites, site_size, fragments and runtime it was saved with")
             tensor.copy_(saved[key])
+        if "in_flight" in saved and saved["in_flight_mean"].shape[1:] != (self.fragment,):
+            raise CheckpointError(f"{path}: its exchanges in flight hold {saved['in_flight_mean'].shape[1]} elements "
+                                  f"each, this run's fragments {self.fragment}; resume with the fragments it was saved with")
+        self.in_flight = [_Exchange(int(fragment), int(due), [], lambda mean=mean.to(self.device): mean)
+                          for (fragment, due), mean in zip(saved.get("in_flight", []), saved.get("in_flight_mean", []))]

@@ -263,21 +263,22 @@ def test_zeropp_on_two_nodes_of_two_tracks_the_reference(corpus, tmp_path):
 
 
 def test_diloco_sites_train_log_their_exchange_and_resume_mid_cycle_bit_identical(corpus, tmp_path):
-    """2 sites of one ZeRO-3 rank, H 2, int8 exchange: the log names DiLoCo and predicts the outer
-    bytes and the outer state's memory; the export reads the checkpoint's site 0; resumed from step 3 (mid-cycle) the losses are bit-identical; a run without DiLoCo
-    is refused that checkpoint, naming both layouts."""
+    """2 sites of one ZeRO-3 rank, H 2, int8 exchange, each applied one step after it is sent: the log
+    names DiLoCo and predicts the outer bytes and the outer state's memory; the export reads the
+    checkpoint's site 0; resumed from step 4 (its exchange in flight) the losses are bit-identical;
+    a run without DiLoCo is refused that checkpoint, naming both layouts."""
     cache = tmp_path / "cache"
     diloco = ("--diloco.enabled", "true", "--diloco.site_size", "1", "--diloco.inner_steps", "2",
-              "--diloco.compression", "int8")
-    argv = tiny_args(corpus, tmp_path / "a", cache, *ZERO3_FP32, *diloco, "--train.checkpoint_interval", "3",
+              "--diloco.compression", "int8", "--diloco.delay", "1")
+    argv = tiny_args(corpus, tmp_path / "a", cache, *ZERO3_FP32, *diloco, "--train.checkpoint_interval", "4",
                      "--train.export_hf", "true")
     losses, _, log = run_ranks(_train_on_ranks_with_log, 2, args=(argv,))[0]
-    # The export reads site 0's files; step 8 closes a cycle, so it is every site's model.
+    # The export reads site 0's files (at step 8 the sites differ: the exchange sent then is in flight).
     final = dict(consolidated_model(tmp_path / "a" / "checkpoints" / "step_00000008").named_parameters())
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "hf")
     assert sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in final.values())
-    assert "DiLoCo on: 2 sites x 1 ranks, H 2, outer SGD lr 0.7, Nesterov momentum 0.9, pseudo-gradient as " \
-           "int8 blocks of 256 with error feedback" in log, log
+    assert "DiLoCo on: 2 sites x 1 ranks, H 2, each exchange overlapped with the next 1 inner step, outer SGD " \
+           "lr 0.7, Nesterov momentum 0.9, pseudo-gradient as int8 blocks of 256 with error feedback" in log, log
     assert re.search(r"predicted traffic per step, this rank: .*diloco outer \d", log), log
     # a site of one rank holds the whole fp32 master; the outer state is its anchor, momentum and residual
     master = float(re.search(r"model state per rank: .*master ([0-9.]+) MB", log)[1])
@@ -287,10 +288,10 @@ def test_diloco_sites_train_log_their_exchange_and_resume_mid_cycle_bit_identica
     states = float(re.search(r"model state per rank: ([0-9.]+) MB", log)[1])
     predicted = float(re.search(r"predicted peak memory per rank: .*model states ([0-9.]+)", log)[1])
     assert abs(predicted - (states + 2 * master)) <= 0.1, (predicted, states, master)
-    ckpt = tmp_path / "a" / "checkpoints" / "step_00000003"
+    ckpt = tmp_path / "a" / "checkpoints" / "step_00000004"
     assert json.loads((ckpt / "state.json").read_text())["diloco"] == {"sites": 2, "site_size": 1}
     resumed, _ = run_ranks(_train_on_ranks, 2, args=(tiny_args(
         corpus, tmp_path / "b", cache, *ZERO3_FP32, *diloco, "--resume", str(ckpt)),))[0]
-    assert {s: resumed[s] for s in range(4, 9)} == {s: losses[s] for s in range(4, 9)}
+    assert {s: resumed[s] for s in range(5, 9)} == {s: losses[s] for s in range(5, 9)}
     with pytest.raises(ConfigError, match=r"DiLoCo sites \{'sites': 2, 'site_size': 1\}, this run has None"):
         Trainer(parse_args(tiny_args(corpus, tmp_path / "c", cache, *ZERO3_FP32, "--resume", str(ckpt))))

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from kernels import dequantize, quantize
 from models.transformer import lm_loss
@@ -9,7 +10,7 @@ from tests.zeropp.test_engine import BATCH, batches, make_model
 from trainer.spawn import run_ranks
 from zeropp import build_runtime
 from zeropp.config import DilocoConfig, ZeroConfig
-from zeropp.diloco import OUTER_TAG, DiLoCo, fragment_schedule, fragment_size
+from zeropp.diloco import OUTER_TAG, DiLoCo, fragment_schedule, fragment_size, outer_file
 from zeropp.topology import TopologyError, build_mesh
 
 ZERO3 = ZeroConfig(stage=3, communication_data_type="fp32")
@@ -81,8 +82,9 @@ def _replay(sites, steps, diloco, momentum, masks=None):
     """One process: each site a plain model trained by SGD on its rows' mean loss, and every H steps
     the outer Nesterov SGD on the mean pseudo-gradient (with compression: each site's quantized
     pseudo-gradient plus its residual, the whole model flat, as a 1-rank site sends it). masks:
-    Streaming DiLoCo's fragments, fragment f's elements stepped alone after the steps where
-    (step - f * H // F) % H == 0 (None: one fragment, the whole model).
+    Streaming DiLoCo's fragments, fragment f's pseudo-gradient taken after the steps where
+    (step - f * H // F) % H == 0 (None: one fragment, the whole model), and the outer step on it
+    applied `diloco.delay` steps later to the weights as they are then (mixing: alpha of them kept).
     Returns (the weights, each site's residual)."""
     models = [make_model("gpt2-tiny") for _ in range(sites)]
     optimizers = [_inner_optimizer(m.parameters(), momentum) for m in models]
@@ -91,7 +93,7 @@ def _replay(sites, steps, diloco, momentum, masks=None):
     buf = torch.zeros_like(anchor)
     residuals = [torch.zeros_like(anchor) for _ in range(sites)]
     masks = masks or [torch.ones_like(anchor, dtype=torch.bool)]
-    h, fragments = diloco.inner_steps, len(masks)
+    h, fragments, in_flight = diloco.inner_steps, len(masks), []
     for step, sample in enumerate(batches(steps), start=1):
         for s, (model, opt) in enumerate(zip(models, optimizers)):
             rows = _site_rows(sample, s, sites)
@@ -100,20 +102,20 @@ def _replay(sites, steps, diloco, momentum, masks=None):
             opt.zero_grad()
         for mask in [masks[f] for f in range(fragments) if (step - f * h // fragments) % h == 0]:
             deltas = [anchor - flat(m) for m in models]
-            if diloco.bits:
-                for s in range(sites):
-                    sent = deltas[s] + residuals[s]
-                    q = quantize(sent, diloco.bits, diloco.compression_block_size)
-                    deltas[s] = dequantize(q.codes, q.scales, sent.numel(), diloco.bits,
-                                           diloco.compression_block_size)
-                    residuals[s] = sent - deltas[s]
-            g = torch.stack(deltas).mean(0)
+            for s in range(sites) if diloco.bits else ():  # (one fragment: the blocks of the whole model)
+                sent = deltas[s] + residuals[s]
+                q = quantize(sent, diloco.bits, diloco.compression_block_size)
+                deltas[s] = dequantize(q.codes, q.scales, sent.numel(), diloco.bits, diloco.compression_block_size)
+                residuals[s] = sent - deltas[s]
+            in_flight.append((step + diloco.delay, mask, torch.stack(deltas).mean(0)))
+        while in_flight and in_flight[0][0] <= step:
+            _, mask, g = in_flight.pop(0)
             buf[mask] = buf[mask] * diloco.outer_momentum + g[mask]
             update = g + diloco.outer_momentum * buf if diloco.nesterov else buf
             anchor[mask] = anchor[mask] - diloco.outer_lr * update[mask]
             with torch.no_grad():
                 for m in models:
-                    new, offset = torch.where(mask, anchor, flat(m)), 0
+                    new, offset = torch.where(mask, anchor.lerp(flat(m), diloco.mixing), flat(m)), 0
                     for p in m.parameters():
                         p.copy_(new[offset:offset + p.numel()].view_as(p))
                         offset += p.numel()
@@ -173,6 +175,29 @@ def test_outer_nesterov_over_zero3_sites_matches_the_replay(world, site_size, fr
     assert outs[0][1]["sent"] == syncs * (2 * (sites - 1) * 4 * (numel // fragments) // sites)
     # the prediction amortizes a cycle's F syncs over its H steps: the ledger's two cycles / 6
     assert all(o[4][k] == o[1][k] // 2 // 3 for o in outs for k in ("sent", "cross_node_sent"))
+
+
+def _ddp_fragment_masks(numel, parts, fragments):
+    """Fragment f of a DDP site: range f of each of its `parts` ranks' equal chunks of the flat replica."""
+    size = fragment_size(numel, parts, fragments)
+    position = torch.arange(numel) % (size * fragments)  # where each element sits in its rank's chunk
+    return [position // size == f for f in range(fragments)]
+
+
+@pytest.mark.parametrize("zero", [ZERO3, DDP])
+def test_delayed_exchange_matches_the_replay(zero):
+    """Streaming DiLoCo's overlap: 2 x 2 sites, H 4, 2 fragments, each exchange applied one inner step
+    after it is sent (delay 1) and mixed half into the weights that moved on meanwhile, against the
+    one-process replay; 10 steps leave the exchange sent after step 10 in flight (not applied). ZeRO-3
+    (fragments: ranges of each rank's shard) and DDP (ranges of each rank's chunk of the replica)."""
+    diloco = DilocoConfig(enabled=True, inner_steps=4, fragments=2, delay=1, mixing=0.5)
+    outs = run_ranks(_run, 4, args=(2, zero, diloco, 10, INNER_MOMENTUM))
+    numel = sum(p.numel() for p in make_model("gpt2-tiny").parameters())
+    masks = _ddp_fragment_masks(numel, 2, 2) if zero is DDP else _fragment_masks([o[3] for o in outs[:2]], 2)
+    reference, _ = _replay(2, 10, diloco, INNER_MOMENTUM, masks)
+    assert all(_max_diff(o[0], reference) <= 1e-5 for o in outs[:2])
+    # ledgered when sent: after steps 2, 4, 6, 8 and 10; DDP: + the site's gathers of the 4 applied ones' weights
+    assert outs[0][1]["calls"] == 5 + 4 * (zero is DDP)
 
 
 @pytest.mark.parametrize("numel,parts,fragments,h", [(1001, 2, 3, 5), (10, 1, 4, 4), (7, 3, 2, 50), (64, 2, 1, 3)])
@@ -289,13 +314,14 @@ def test_mixing_keeps_alpha_of_the_local_weights():
     assert not torch.equal(outs[0][1], outs[2][1])  # the sites keep their own parts
 
 
-@pytest.mark.parametrize("fragments", [1, 2])
-def test_resume_mid_cycle_is_bit_exact(tmp_path, fragments):
+@pytest.mark.parametrize("fragments,delay", [(1, 0), (2, 0), (2, 1)])
+def test_resume_mid_cycle_is_bit_exact(tmp_path, fragments, delay):
     """2 x 2 ZeRO-3 sites with int8 exchange: saved at step 4 of cycles of 3 (the anchor, momentum and
     residual beside the inner state), resumed, and the weights and outer state at step 7 (after the
     sync at 6) are bit-identical to the uninterrupted run's; with 2 fragments (synced after steps
-    1, 3, 4, 6, 7) too."""
-    diloco = DilocoConfig(enabled=True, inner_steps=3, compression="int8", fragments=fragments)
+    1, 3, 4, 6, 7) too, and with delay 1 the exchange sent after step 4 is in flight at the save
+    (its result saved, applied after step 5 of the resumed run)."""
+    diloco = DilocoConfig(enabled=True, inner_steps=3, compression="int8", fragments=fragments, delay=delay)
     ckpt = tmp_path / "ckpt"
     full = run_ranks(_run, 4, args=(2, ZERO3, diloco, 7, INNER_MOMENTUM, 4, ckpt))
     resumed = run_ranks(_run, 4, args=(2, ZERO3, diloco, 7, INNER_MOMENTUM, 4, ckpt, True))
@@ -303,6 +329,8 @@ def test_resume_mid_cycle_is_bit_exact(tmp_path, fragments):
         assert all(torch.equal(a[0][k], b[0][k]) for k in a[0])
         assert all(torch.equal(a[2][k], b[2][k]) for k in a[2])
     assert (ckpt / "site001" / "shards_rank00001.safetensors").is_file()
+    in_flight = load_file(str(outer_file(ckpt, 3))).get("in_flight")
+    assert (in_flight.tolist() == [[1, 5]]) if delay else in_flight is None  # fragment 1, due after step 5
 
 
 def _mesh_of(rank, world, site_size):
@@ -326,3 +354,5 @@ def test_sites_split_the_mesh_and_bad_values_are_named():
             DilocoConfig(inner_steps=3, fragments=bad).validate()
     with pytest.raises(ValueError, match=r"diloco.mixing: value 1.0 is out of range; expected a number in \[0, 1\)"):
         DilocoConfig(mixing=1.0).validate()
+    with pytest.raises(ValueError, match=r"diloco.delay: value 3 .* in \[0, inner_steps = 3\)"):
+        DilocoConfig(inner_steps=3, delay=3).validate()
