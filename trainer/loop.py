@@ -52,7 +52,7 @@ from trainer.skeleton import Stage, run_stage
 from trainer.pretrain_data import DataError, PretrainData, prepare_pretraining
 from data.sources import MissingKeyError
 from zeropp import build_runtime
-from zeropp.diloco import DiLoCo
+from zeropp.diloco import OUTER_TAG, DiLoCo
 from zeropp.config import ZeroConfigError
 from zeropp.engine import UnsupportedModelError
 from zeropp.topology import TopologyError, ranks_per_node_from_env
@@ -231,6 +231,7 @@ class Trainer:
         if replaced and self.env.is_main:
             self.notes.append(replaced)
         self.step_comm: dict[str, dict] = {}  # the runtime ledger's totals of the last training step
+        self.outer_cross_sent = [0, 0]  # DiLoCo's exchange: cross-node bytes this run sent, over how many steps
         self.step_timings: dict[str, float] = {}  # and the seconds it spent outside compute, by kind
         self.step = 0
         self.consumed_samples = 0
@@ -419,6 +420,9 @@ class Trainer:
         if self.diloco is not None:  # (a skipped step still counts as one of the cycle's H)
             self.diloco.after_inner_step(self.step + 1)
         self.step_comm = runtime.ledger.totals()  # before any evaluation adds its gathers
+        if self.diloco is not None:  # sent every H / F steps: the end-of-run table shows its mean per step
+            self.outer_cross_sent[0] += self.step_comm.get(OUTER_TAG, {}).get("cross_node_sent", 0)
+            self.outer_cross_sent[1] += 1
         self.step_timings = dict(runtime.timings)
         self.step += 1
         self.consumed_samples += self.global_batch
@@ -670,8 +674,9 @@ class _TrainerStage(Stage):
             tp = tr.cfg.tensor_parallel
             runtime = tr.cfg.zero_optimization.describe() if tp.size == 1 else \
                 f"{tp.describe()} x {tr.cfg.zero_optimization.describe()}"
+            sent, steps = tr.outer_cross_sent
             log.info(cross_node_report(tr.step_comm, tr.runtime.zero3_cross_node_bytes(t.grad_accum), runtime,
-                                       tr.predicted_step_bytes()))
+                                       tr.predicted_step_bytes(), {OUTER_TAG: sent // steps} if steps else None))
         self.result.peak_memory = tr.peak_memory_line(log)
 
     def export(self) -> None:
@@ -683,25 +688,29 @@ class _TrainerStage(Stage):
 
 
 def cross_node_report(step: dict[str, dict], zero3: dict[str, int], runtime: str,
-                      predicted: dict[str, dict] | None = None) -> str:
+                      predicted: dict[str, dict] | None = None, amortized: dict[str, int] | None = None) -> str:
     """The last step's cross-node bytes of this rank by collective, next to what the runtime
     predicted from sizes alone and what plain ZeRO-3 sends for the same model and layout: the
-    table the README's main job ends with. On one node there is nothing to compare (no
+    table the README's main job ends with. `amortized`: collectives not run every step (DiLoCo's
+    exchange), their bytes per step over the run. On one node there is nothing to compare (no
     collective crosses a node): one line says so."""
-    if not any(zero3.values()) and not any(e.get("cross_node_sent", 0) for e in step.values()):
+    amortized = amortized or {}
+    if not any(zero3.values()) and not any(e.get("cross_node_sent", 0) for e in step.values()) \
+            and not any(amortized.values()):
         return f"cross-node bytes ({runtime}): single node: no cross-node traffic"
     predicted = predicted or {}
     cross = lambda table, tag: table.get(tag, {}).get("cross_node_sent")  # noqa: E731
     rows = [(tag, cross(step, tag) or 0, cross(predicted, tag), base) for tag, base in zero3.items()]
+    rows += [(f"{tag} (mean)", sent, cross(predicted, tag), 0) for tag, sent in amortized.items()]
     known = all(r[2] is not None for r in rows)
     rows.append(("total", sum(r[1] for r in rows), sum(r[2] for r in rows) if known else None,
                  sum(r[3] for r in rows)))
     mb = lambda v: f"{v / 2**20:.3f}" if v is not None else "-"  # noqa: E731
     lines = [f"cross-node bytes sent by this rank in one training step (communication ledger): {runtime} "
              f"vs ZeRO-3 (bf16) on the same model and nodes",
-             f"  {'collective':<16} {'this run (MB)':>14} {'predicted (MB)':>15} {'ZeRO-3 (MB)':>12} {'ratio':>6}"]
+             f"  {'collective':<20} {'this run (MB)':>14} {'predicted (MB)':>15} {'ZeRO-3 (MB)':>12} {'ratio':>6}"]
     for tag, ours, expected, base in rows:
-        lines.append(f"  {tag:<16} {mb(ours):>14} {mb(expected):>15} {mb(base):>12} "
+        lines.append(f"  {tag:<20} {mb(ours):>14} {mb(expected):>15} {mb(base):>12} "
                      f"{f'{ours / base:.2f}' if base else '-':>6}")
     return "\n".join(lines)
 

@@ -263,13 +263,14 @@ def test_zeropp_on_two_nodes_of_two_tracks_the_reference(corpus, tmp_path):
 
 
 def test_diloco_sites_train_log_their_exchange_and_resume_mid_cycle_bit_identical(corpus, tmp_path):
-    """2 sites of one ZeRO-3 rank, H 2, int8 exchange, each applied one step after it is sent: the log
-    names DiLoCo and predicts the outer bytes and the outer state's memory; the export reads the
+    """2 sites of one ZeRO-3 rank (a node each), H 2, int8 exchange, each applied one step after it is
+    sent: the log names DiLoCo, predicts the outer bytes and the outer state's memory, and ends with
+    the exchange's measured cross-node bytes per step equal to the prediction; the export reads the
     checkpoint's site 0; resumed from step 4 (its exchange in flight) the losses are bit-identical;
     a run without DiLoCo is refused that checkpoint, naming both layouts."""
     cache = tmp_path / "cache"
     diloco = ("--diloco.enabled", "true", "--diloco.site_size", "1", "--diloco.inner_steps", "2",
-              "--diloco.compression", "int8", "--diloco.delay", "1")
+              "--diloco.compression", "int8", "--diloco.delay", "1", "--zero_optimization.ranks_per_node", "1")
     argv = tiny_args(corpus, tmp_path / "a", cache, *ZERO3_FP32, *diloco, "--train.checkpoint_interval", "4",
                      "--train.export_hf", "true")
     losses, _, log = run_ranks(_train_on_ranks_with_log, 2, args=(argv,))[0]
@@ -280,6 +281,9 @@ def test_diloco_sites_train_log_their_exchange_and_resume_mid_cycle_bit_identica
     assert "DiLoCo on: 2 sites x 1 ranks, H 2, each exchange overlapped with the next 1 inner step, outer SGD " \
            "lr 0.7, Nesterov momentum 0.9, pseudo-gradient as int8 blocks of 256 with error feedback" in log, log
     assert re.search(r"predicted traffic per step, this rank: .*diloco outer \d", log), log
+    # a site per node: the end-of-run table has the exchange's cross-node bytes per step, the run's mean
+    outer_row = re.search(r"^\s+diloco outer \(mean\)\s+(\S+)\s+(\S+)\s+0\.000", log, re.M)
+    assert outer_row and outer_row[1] == outer_row[2] and float(outer_row[1]) > 0, log
     # a site of one rank holds the whole fp32 master; the outer state is its anchor, momentum and residual
     master = float(re.search(r"model state per rank: .*master ([0-9.]+) MB", log)[1])
     outer = float(re.search(r"model state per rank: .*diloco outer state ([0-9.]+) MB", log)[1])
