@@ -198,7 +198,7 @@ class DiLoCo:
             new = torch.empty(self.parts, self.fragment, dtype=anchor.dtype, device=anchor.device)
             self.comm.all_gather(new.view(-1), anchor, tag=OUTER_TAG)
         for chunk, values in enumerate(new):
-            lo = self._range(fragment, chunk if self.parts > 1 else None)
+            lo = self._range(fragment, chunk)
             if cfg.mixing:  # alpha local + (1 - alpha) new
                 values = values.lerp(self._read(lo, lo + self.fragment), cfg.mixing)
             self._write(lo, values)
