@@ -1,0 +1,460 @@
+"""A plan chosen from the machine (`plan.auto`): probe the links, the compute and the memory,
+price every candidate runtime configuration, pick the fastest that fits (docs/autoplan.md).
+
+Probes (`probe`): every rank runs the same timed all-gathers on the runtime's own groups
+(intra_node, inter_node) at two message sizes (bandwidth from the slope, latency from the
+intercept), times one block's forward + backward, and reads its free memory; the numbers are
+all-reduced with MAX (times; memory as its negative), so every rank holds the same `Probes` and
+`choose`, a pure function of them, picks the same plan everywhere: no rank decides alone.
+
+Cost model (`price`): a candidate's bytes per step are `zeropp.plan.predicted_step_bytes` of
+its units, built on the meta device on a mesh on paper (no process group, no memory), so they
+are exactly what its runtime would predict. Step time = compute + codec work + communication,
+where communication = 'sent' minus 'cross_node_sent' at the intra-node bandwidth +
+'cross_node_sent' at the inter-node bandwidth + one latency per collective and link level; with
+overlap_comm the communication hides behind compute and codec work (max of the two), without
+it they add up. Memory is the trainer's predicted peak (passed in as `memory`) of the
+candidate's model states and buffers.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from kernels import dequantize, quantize
+from zeropp.buffers import BufferPool
+from zeropp.comm import Comm, uses_node_aware
+from zeropp.config import ZeroConfig, ZeroConfigError
+from zeropp.engine import Zero3Engine
+from zeropp.plan import build_units, predicted_step_bytes, rotating_buffer_count, schedule_groups, unit_gathers
+from zeropp.plan import model_state_bytes as unit_state_bytes
+from zeropp.quantized import QuantizedCodec
+from zeropp.runtime import Timings
+from zeropp.topology import Mesh, _blocks
+
+LEVELS = ("intra_node", "inter_node")
+PROBE_BYTES = (2**12, 2**18)  # the two all-gather chunk sizes per rank: latency from the first, slope between
+DELTA_BITS = 8  # qwZ deltas' forward weights: closer to the masters than int8 qwZ's (docs/zeropp.md)
+
+
+class PlanError(ValueError):
+    """No candidate satisfies the constraints; the message names them and the closest miss."""
+
+
+@dataclass
+class Probes:
+    """What the machine measured, identical on every rank. Bandwidths are bytes a rank sends per
+    second in an all-gather over the level's group (the ledger's 'sent'); inf where the level is
+    a group of one (nothing crosses it)."""
+
+    world_size: int
+    ranks_per_node: int
+    device: str  # "cpu" or the GPU's name
+    backend: str  # gloo / nccl: whether the dp collectives go node-aware (zeropp.comm)
+    bandwidth: dict[str, float]  # level -> bytes/s
+    latency: dict[str, float]  # level -> seconds per collective
+    block_seconds: float  # one block's forward + backward at the run's micro-batch and precision
+    codec_seconds: float  # quantizing + dequantizing one element (int8, blocks of 256)
+    memory_bytes: int  # available to this rank
+
+    def fingerprint(self) -> dict:
+        """What must match for a stored plan to be reused (a resume on the same machine)."""
+        return {"world_size": self.world_size, "ranks_per_node": self.ranks_per_node, "device": self.device}
+
+
+@dataclass
+class Cost:
+    """One candidate, priced: seconds per step by term, bytes per step by ledger tag, memory."""
+
+    name: str
+    config: ZeroConfig
+    step_bytes: dict[str, dict[str, int]]
+    collectives: dict[str, int]  # level -> collectives per step that touch it
+    weight_bits: int  # of the weights the forward computes with
+    memory_bytes: int
+    terms: dict[str, float]  # compute, codec, intra_node, inter_node, latency (seconds per step)
+    step_seconds: float
+    excluded: str = ""  # why the constraints rule it out ("" where it is eligible)
+
+
+@dataclass
+class Plan:
+    chosen: Cost
+    runner_up: Cost | None
+    reason: str  # the term that decided between them
+    costs: list[Cost] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        """The plan for the log: each candidate's predicted step time and memory, the choice and why."""
+        out = []
+        for c in sorted(self.costs, key=_rank):
+            terms = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in c.terms.items())
+            mark = "-> " if c is self.chosen else "   "
+            why = f" [excluded: {c.excluded}]" if c.excluded else ""
+            out.append(f"{mark}{c.name}: {c.step_seconds * 1e3:.1f} ms/step ({terms} ms), "
+                       f"{c.memory_bytes / 2**20:.1f} MB{why}")
+        beat = f"; runner-up {self.runner_up.name}: {self.reason}" if self.runner_up else ""
+        return [f"plan: {self.chosen.name} = {self.chosen.config.describe()}{beat}"] + out
+
+
+def candidates(base: ZeroConfig) -> dict[str, ZeroConfig]:
+    """The configurations the planner prices: the user's keys kept (communication and compute
+    dtypes, ranks per node, block size, offload, frozen weights), the planned ones set."""
+    planned = dict(stage=3, stage3_max_reuse_distance=0, zero_quantized_weights=False, zero_quantized_weights_bits=8,
+                   zero_quantized_weights_delta=False, zero_hpz_partition_size=1, zero_quantized_gradients=False,
+                   zero_quantized_gradients_bits=4, zero_quantized_gradients_error_feedback=False)
+    variants = {
+        "ZeRO-3": {},
+        "ZeRO-3 + keep-gathered": dict(stage3_max_reuse_distance=10**9),  # DeepSpeed's default distance
+        "ZeRO-3 + qwZ int8": dict(zero_quantized_weights=True),
+        "ZeRO-3 + hpZ": dict(zero_hpz_partition_size=0),
+        "ZeRO-3 + qgZ int4": dict(zero_quantized_gradients=True),
+        "ZeRO++ (qwZ int8, hpZ, qgZ int4)": dict(zero_quantized_weights=True, zero_hpz_partition_size=0,
+                                                 zero_quantized_gradients=True),
+        "ZeRO++ with int4 deltas": dict(zero_quantized_weights=True, zero_quantized_weights_bits=4,
+                                        zero_quantized_weights_delta=True, zero_hpz_partition_size=0,
+                                        zero_quantized_gradients=True),
+        "ZeRO++ int4 weights": dict(zero_quantized_weights=True, zero_quantized_weights_bits=4,
+                                    zero_hpz_partition_size=0, zero_quantized_gradients=True),
+    }
+    out = {name: dataclasses.replace(base, **{**planned, **v}) for name, v in variants.items()}
+    out["DDP"] = ZeroConfig(stage=0, ranks_per_node=base.ranks_per_node)
+    for cfg in out.values():
+        cfg.validate()
+    return out
+
+
+def weight_bits(cfg: ZeroConfig, has_frozen: bool) -> int:
+    """Bits of the weights the forward computes with: qwZ's, frozen weights stored as codes, qwZ
+    deltas counted as int8 (measured: half int8 qwZ's error), else the communication dtype's."""
+    bits = cfg.comm_dtype.itemsize * 8 if cfg.stage else 32
+    if cfg.zero_quantized_weights:
+        bits = min(bits, DELTA_BITS if cfg.zero_quantized_weights_delta else cfg.zero_quantized_weights_bits)
+    if has_frozen and (cfg.zero_quantized_nontrainable_weights or
+                       (cfg.zero_quantized_weights and cfg.zero_quantized_weights_delta)):
+        bits = min(bits, cfg.zero_quantized_weights_bits)  # frozen units keep plain qwZ
+    return bits
+
+
+# ----------------------------------------------------------------------------- bytes on paper
+
+def paper_mesh(world_size: int, ranks_per_node: int) -> Mesh:
+    """Rank 0's mesh of this layout without process groups: what Comm.volume reads."""
+    mesh = Mesh(0, world_size, ranks_per_node, ranks_per_node, 1, list(range(world_size)))
+    for name in ("dp", "intra_node", "inter_node", "secondary"):
+        mesh._members[name] = _blocks(name, world_size, ranks_per_node, ranks_per_node)[0]
+    return mesh
+
+
+class _PaperComm:
+    """Comm's arithmetic over a paper mesh: its own volume(), no transport."""
+
+    volume = Comm.volume
+
+    def __init__(self, mesh: Mesh, node_aware: bool, backend: str):
+        self.mesh = mesh
+        self.node_aware = node_aware and uses_node_aware(mesh, backend)
+        self.gather_order = None if not self.node_aware else \
+            [n * mesh.ranks_per_node + local for local in range(mesh.ranks_per_node) for n in range(mesh.num_nodes)]
+
+
+class _CountingComm(_PaperComm):
+    """volume() as (1 if the collective has peers inside the node, 1 if across): fed to the same
+    predicted_step_bytes, it counts collectives per link level instead of bytes."""
+
+    def volume(self, chunk_bytes: int, group: str = "dp", node_aware: bool = False) -> tuple[int, int]:
+        sent, cross = _PaperComm.volume(self, 1, group, node_aware)
+        return int(sent > cross), int(cross > 0)
+
+
+@contextmanager
+def _values_skipped():
+    """Units built on paper: qwZ's encode writes values only (never sizes) and cannot run on meta
+    tensors (its kernels branch on them), so it is skipped meanwhile."""
+    encode = QuantizedCodec.encode
+    QuantizedCodec.encode = lambda self, master, wire: None
+    try:
+        yield
+    finally:
+        QuantizedCodec.encode = encode
+
+
+class _MetaWeights:
+    def read(self, name: str, start: int, end: int) -> torch.Tensor:
+        return torch.empty(end - start, device="meta")
+
+
+def _zero3_on_paper(model: nn.Module, cfg: ZeroConfig, probes: Probes):
+    """The units, reducer, schedule and buffers a Zero3Engine of `cfg` would build on rank 0,
+    on the meta device over a paper mesh (a copy of the model: building units re-registers its
+    parameters)."""
+    meta = torch.device("meta")
+    copy_ = copy.deepcopy(model).to(meta)
+    mesh = paper_mesh(probes.world_size, probes.ranks_per_node)
+    comm = _PaperComm(mesh, cfg.node_aware_collectives, probes.backend)
+    with _values_skipped():
+        units = build_units(copy_, cfg, mesh, meta, _MetaWeights())
+    reducer = _reducer(cfg, comm)
+    groups, resident = schedule_groups(units, len(copy_.blocks))
+    held = rotating_buffer_count([[u.padded_numel for u in g] for g in groups], cfg)
+    pool = BufferPool(groups, resident, held, 2 if cfg.overlap_comm else 1, cfg.compute_dtype, meta, comm)
+    return units, reducer, groups, held, pool, mesh
+
+
+def _reducer(cfg: ZeroConfig, comm):
+    """The reducer the engine would build over `comm` (Zero3Engine._build_reducer itself)."""
+    engine = SimpleNamespace(config=cfg, comm=comm, mesh=comm.mesh, device=torch.device("meta"),
+                             comm_dtype=cfg.comm_dtype, timings=Timings())
+    return Zero3Engine._build_reducer(engine)
+
+
+def _collectives(units, groups, held, mesh, cfg, backend, micro_batches) -> dict[str, int]:
+    counting = _CountingComm(mesh, cfg.node_aware_collectives, backend)
+    counted = predicted_step_bytes(units, groups, held, counting, _reducer(cfg, counting), micro_batches)
+    return {"intra_node": sum(v["sent"] for v in counted.values()),
+            "inter_node": sum(v["cross_node_sent"] for v in counted.values())}
+
+
+def _codec_elements(units, groups, held, cfg: ZeroConfig, micro_batches: int, nodes: int) -> int:
+    """Elements quantized or dequantized per step (approximate): qwZ encodes each trainable shard
+    once and decodes every gather; deltas decode the change of the node's shards once; qgZ
+    quantizes and requantizes each micro-batch's gradient (about twice its elements)."""
+    position = {id(u): i for i, g in enumerate(groups) for u in g}
+    total = 0
+    for u in units.values():
+        quantized = u.codec.dtype == torch.uint8 or u.delta_codec is not None
+        if quantized and u.trainable:
+            total += u.shard_numel
+        if u.delta_codec is not None:
+            total += nodes * u.shard_numel
+        elif quantized:
+            forward, backward = unit_gathers(position.get(id(u)), len(groups), held, micro_batches, not u.trainable)
+            total += (forward + (backward if id(u) in position else 0)) * u.padded_numel
+        if cfg.zero_quantized_gradients and u.trainable:
+            total += 2 * u.padded_numel * micro_batches
+    return total
+
+
+def _ddp_on_paper(model: nn.Module, probes: Probes) -> tuple[dict, dict, dict[str, int]]:
+    """DDP's step bytes (one fp32 all-reduce of the gradients, Comm.record_all_reduce's ring
+    volume; its buckets' rounding left out), collectives (25 MB buckets) and model states."""
+    params = list(model.parameters())
+    n_all, trainable = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+    mesh = paper_mesh(probes.world_size, probes.ranks_per_node)
+    n, remote = mesh.world_size, mesh.remote_members("dp")
+    grads = 4 * trainable
+    step = {"gradient reduce": {"sent": 2 * (n - 1) * grads // n, "cross_node_sent": 2 * remote * grads // n}} \
+        if n > 1 else {}
+    buckets = -(-grads // (25 * 2**20)) if n > 1 else 0
+    collectives = {"intra_node": buckets * (mesh.ranks_per_node > 1), "inter_node": buckets * (remote > 0)}
+    states = {"weights": 4 * n_all, "gradients": grads, "optimizer states": 2 * grads}
+    if n > 1:
+        states["gradient buckets"] = grads
+    return step, collectives, states
+
+
+def price(model: nn.Module, probes: Probes, micro_batches: int = 1, memory=None,
+          base: ZeroConfig | None = None) -> list[Cost]:
+    """Every candidate of `base`, priced on `probes` for steps of `micro_batches` passes.
+    memory(states: dict, buffers: int) -> bytes: the predicted peak of a rank holding these
+    model states (the trainer passes trainer.memory.predicted_peak's sum); by default their sum."""
+    memory = memory or (lambda states, buffers: sum(states.values()) + buffers)
+    has_frozen = any(not p.requires_grad for p in model.parameters())
+    compute = probes.block_seconds * len(model.blocks) * micro_batches
+    out = []
+    for name, cfg in candidates(base or ZeroConfig(stage=3)).items():
+        if cfg.stage == 0:
+            step, collectives, states = _ddp_on_paper(model, probes)
+            buffers, codec = 0, 0
+        else:
+            units, reducer, groups, held, pool, mesh = _zero3_on_paper(model, cfg, probes)
+            step = predicted_step_bytes(units, groups, held, reducer.comm, reducer, micro_batches)
+            states = unit_state_bytes(units.values(), reducer, offloaded=cfg.offload_optimizer != "none")
+            stepped = sum(piece.numel() for u in units.values() if u.trainable for _, piece, _ in u.params)
+            states["optimizer states" + (" (host)" if cfg.offload_optimizer != "none" else "")] = 8 * stepped
+            # BufferPool.nbytes, by storage identity: meta storages have no address
+            buffers = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in pool.preallocated()}
+                          .values())
+            codec = _codec_elements(units, groups, held, cfg, micro_batches, mesh.num_nodes) * probes.codec_seconds
+            collectives = _collectives(units, groups, held, mesh, cfg, probes.backend, micro_batches)
+        cross = sum(v["cross_node_sent"] for v in step.values())
+        intra = sum(v["sent"] for v in step.values()) - cross
+        terms = {"compute": compute, "codec": codec,
+                 "intra_node": intra / probes.bandwidth["intra_node"],
+                 "inter_node": cross / probes.bandwidth["inter_node"],
+                 "latency": sum(collectives[level] * probes.latency[level] for level in LEVELS)}
+        comm = terms["intra_node"] + terms["inter_node"] + terms["latency"]
+        seconds = max(compute + codec, comm) if cfg.overlap_comm else compute + codec + comm
+        out.append(Cost(name, cfg, step, collectives, weight_bits(cfg, has_frozen), memory(states, buffers), terms,
+                        seconds))
+    return out
+
+
+# ----------------------------------------------------------------------------- the choice
+
+def _comm_seconds(c: Cost) -> float:
+    return c.terms["intra_node"] + c.terms["inter_node"] + c.terms["latency"]
+
+
+def _rank(c: Cost) -> tuple:
+    """Eligible first, then the predicted step time; ties (communication hidden behind compute):
+    the leaner plan, then the one with the least communication."""
+    return bool(c.excluded), round(c.step_seconds, 9), c.memory_bytes, _comm_seconds(c)
+
+
+def choose(costs: list[Cost], min_weight_bits: int = 0, memory_cap_bytes: int | None = None) -> Plan:
+    """The fastest candidate whose forward weights have at least `min_weight_bits` bits and whose
+    predicted memory fits `memory_cap_bytes`; the runner-up is the next eligible one, and the
+    reason names the term that separates them most."""
+    for c in costs:
+        why = []
+        if c.weight_bits < min_weight_bits:
+            why.append(f"weights at {c.weight_bits} bits, below the floor of {min_weight_bits}")
+        if memory_cap_bytes is not None and c.memory_bytes > memory_cap_bytes:
+            why.append(f"{c.memory_bytes / 2**20:.1f} MB over the cap of {memory_cap_bytes / 2**20:.1f} MB")
+        c.excluded = "; ".join(why)
+    ranked = sorted(costs, key=_rank)
+    if ranked[0].excluded:
+        lean = min((c for c in costs if c.weight_bits >= min_weight_bits), key=lambda c: c.memory_bytes, default=None)
+        closest = f"; the leanest allowed, {lean.name}, needs {lean.memory_bytes / 2**20:.1f} MB" if lean else ""
+        raise PlanError(f"plan.auto: no candidate fits plan.memory_cap_gb / the probed memory "
+                        f"({memory_cap_bytes / 2**20:.1f} MB) with plan.min_weight_bits {min_weight_bits}{closest}")
+    chosen = ranked[0]
+    runner_up = ranked[1] if len(ranked) > 1 and not ranked[1].excluded else None
+    return Plan(chosen, runner_up, _reason(chosen, runner_up) if runner_up else "the only eligible candidate", costs)
+
+
+def _reason(a: Cost, b: Cost) -> str:
+    if round(a.step_seconds, 9) == round(b.step_seconds, 9):
+        tie = f"the same predicted step time ({a.step_seconds * 1e3:.1f} ms, communication hidden), "
+        if a.memory_bytes < b.memory_bytes:
+            return tie + f"less memory ({a.memory_bytes / 2**20:.1f} vs {b.memory_bytes / 2**20:.1f} MB)"
+        if _comm_seconds(a) < _comm_seconds(b):
+            return tie + f"less communication ({_comm_seconds(a) * 1e3:.1f} vs {_comm_seconds(b) * 1e3:.1f} ms)"
+        return tie + "the same memory and communication: the simpler one (listed first)"
+    term = max(a.terms, key=lambda k: abs(b.terms[k] - a.terms[k]))
+    return (f"{b.step_seconds * 1e3:.1f} vs {a.step_seconds * 1e3:.1f} ms/step, decided by {term} "
+            f"({b.terms[term] * 1e3:.1f} vs {a.terms[term] * 1e3:.1f} ms)")
+
+
+# ----------------------------------------------------------------------------- probes
+
+def _timed(fn, reps: int) -> float:
+    fn()  # warm-up: first-call setup (gloo's connections, kernels' code)
+    best = math.inf
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _link(comm: Comm, level: str, device: torch.device, reps: int) -> tuple[float, float]:
+    """(bytes/s sent, seconds per collective) of an all-gather over `level`'s group, from the
+    times at two chunk sizes. Every rank is in one group of each level: all call this alike."""
+    n = comm.mesh.size(level)
+    if n == 1:
+        return math.inf, 0.0
+    times = []
+    for chunk in PROBE_BYTES:
+        shard = torch.zeros(chunk, dtype=torch.uint8, device=device)
+        out = torch.empty(n * chunk, dtype=torch.uint8, device=device)
+        times.append(_timed(lambda: comm.all_gather(out, shard, group=level, tag="plan probe"), reps))
+    sent = [(n - 1) * c for c in PROBE_BYTES]
+    slope = max(times[1] - times[0], 1e-9) / (sent[1] - sent[0])
+    return 1 / slope, max(0.0, times[0] - sent[0] * slope)
+
+
+def _codec_seconds(device: torch.device, numel: int = 2**18) -> float:
+    x = torch.randn(numel, device=device)
+
+    def roundtrip():
+        q = quantize(x, 8, 256)
+        dequantize(q.codes, q.scales, numel, 8, 256)
+    return _timed(roundtrip, 2) / numel
+
+
+def available_memory(device: torch.device, ranks_per_node: int) -> int:
+    """Free device memory (CUDA), or the host's available memory shared by the node's ranks."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    info = Path("/proc/meminfo").read_text()
+    kib = next(int(line.split()[1]) for line in info.splitlines() if line.startswith("MemAvailable:"))
+    return kib * 1024 // ranks_per_node
+
+
+def probe(mesh: Mesh, device: torch.device, block_step, reps: int = 3) -> Probes:
+    """Measure this machine (every rank calls it, in the same order): the links per level on
+    `mesh`'s groups, `block_step()` (one block's forward + backward), the codec and the memory;
+    reduced over the world (MAX of times, MIN of bandwidth and memory) so all ranks agree."""
+    comm = Comm(mesh)
+    try:
+        links = [_link(comm, level, comm.device, reps) for level in LEVELS]
+        local = torch.tensor([v for bw, lat in links for v in (1 / bw, lat)]
+                             + [_timed(block_step, reps), _codec_seconds(device),
+                                -available_memory(device, mesh.ranks_per_node)], dtype=torch.float64,
+                             device=comm.device)
+        comm.all_reduce(local, group="world", tag="plan probe", op=dist.ReduceOp.MAX)
+    finally:
+        comm.close()
+    v = local.tolist()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return Probes(mesh.world_size, mesh.ranks_per_node, name, comm.backend,
+                  {level: 1 / v[2 * i] if v[2 * i] else math.inf for i, level in enumerate(LEVELS)},
+                  {level: v[2 * i + 1] for i, level in enumerate(LEVELS)}, v[4], v[5], int(-v[6]))
+
+
+def block_step(model: nn.Module, micro_batch: int, seq_len: int, device: torch.device, dtype: torch.dtype):
+    """A function running one forward + backward of a fresh block of `model`'s config on `device`
+    at (micro_batch, seq_len) under autocast to `dtype` (fp32: none): the compute probe."""
+    from models.transformer import Block, rope_cos_sin
+
+    config = model.config
+    block = Block(config, 0).to(device)
+    x = torch.randn(micro_batch, seq_len, config.d_model, device=device, requires_grad=True)
+    rope = None
+    if config.positions == "rope":
+        positions = torch.arange(seq_len, device=device).expand(micro_batch, seq_len)
+        rope = rope_cos_sin(positions, config.head_dim, config.rope_theta, config.rope_scaling, config.max_seq_len)
+
+    def run():
+        with torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
+            out = block(x, rope, None)
+        out.float().sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return run
+
+
+# ----------------------------------------------------------------------------- the checkpoint
+
+def plan_state(plan: Plan, probes: Probes) -> dict:
+    """What state.json keeps of a plan: the choice, its prediction and the machine it was made on."""
+    return {"chosen": plan.chosen.name, "config": dataclasses.asdict(plan.chosen.config),
+            "step_seconds": plan.chosen.step_seconds, "memory_bytes": plan.chosen.memory_bytes,
+            "machine": probes.fingerprint()}
+
+
+def stored_config(state: dict) -> ZeroConfig:
+    """The ZeroConfig a stored plan chose."""
+    values = dict(state["config"])
+    compression = values.pop("gradient_compression")
+    cfg = ZeroConfig(**values)
+    cfg.gradient_compression = dataclasses.replace(cfg.gradient_compression, **compression)
+    try:
+        cfg.validate()
+    except ZeroConfigError as e:
+        raise PlanError(f"the checkpoint's stored plan is not a valid zero_optimization: {e}") from None
+    return cfg
+
