@@ -41,7 +41,7 @@ from data.tokenizer import SP_FIXED_PIECES
 from models.config import PRESETS, ModelConfig
 from models.lora import DEFAULT_TARGETS
 from trainer.preemption import signal_number
-from zeropp.config import DilocoConfig, TensorParallelConfig, ZeroConfig
+from zeropp.config import DilocoConfig, PlanConfig, TensorParallelConfig, ZeroConfig
 
 DEBUG_ENV = "ZEROPP_DEBUG"  # set to 1 (or pass --debug) to see the traceback of an error
 
@@ -254,6 +254,8 @@ class Config(ResumeConfig):
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     # DiLoCo: the runtime inside sites, an outer optimizer across them (docs/diloco.md).
     diloco: DilocoConfig = field(default_factory=DilocoConfig)
+    # zero_optimization chosen from the machine: probes, a cost model, constraints (docs/autoplan.md).
+    plan: PlanConfig = field(default_factory=PlanConfig)
     finetune: FinetuneSection = field(default_factory=FinetuneSection)  # fine-tuning a Hugging Face model
 
 

@@ -200,7 +200,9 @@ def _zero3_on_paper(model: nn.Module, cfg: ZeroConfig, probes: Probes):
     on the meta device over a paper mesh (a copy of the model: building units re-registers its
     parameters)."""
     meta = torch.device("meta")
-    copy_ = copy.deepcopy(model).to(meta)
+    # a copy whose parameters are meta tensors, shared ones still shared (Module.to would untie them)
+    copy_ = copy.deepcopy(model, {id(p): nn.Parameter(torch.empty_like(p, device=meta), p.requires_grad)
+                                  for p in model.parameters()})
     mesh = paper_mesh(probes.world_size, probes.ranks_per_node)
     comm = _PaperComm(mesh, cfg.node_aware_collectives, probes.backend)
     with _values_skipped():
@@ -267,9 +269,10 @@ def _ddp_on_paper(model: nn.Module, probes: Probes) -> tuple[dict, dict, dict[st
 def price(model: nn.Module, probes: Probes, micro_batches: int = 1, memory=None,
           base: ZeroConfig | None = None) -> list[Cost]:
     """Every candidate of `base`, priced on `probes` for steps of `micro_batches` passes.
-    memory(states: dict, buffers: int) -> bytes: the predicted peak of a rank holding these
-    model states (the trainer passes trainer.memory.predicted_peak's sum); by default their sum."""
-    memory = memory or (lambda states, buffers: sum(states.values()) + buffers)
+    memory(config, states: dict, buffers: int) -> bytes: the predicted peak of a rank holding
+    these model states and buffers under `config` (the trainer passes trainer.memory.predicted_peak's
+    sum); by default their sum."""
+    memory = memory or (lambda config, states, buffers: sum(states.values()) + buffers)
     has_frozen = any(not p.requires_grad for p in model.parameters())
     compute = probes.block_seconds * len(model.blocks) * micro_batches
     out = []
@@ -296,7 +299,7 @@ def price(model: nn.Module, probes: Probes, micro_batches: int = 1, memory=None,
                  "latency": sum(collectives[level] * probes.latency[level] for level in LEVELS)}
         comm = terms["intra_node"] + terms["inter_node"] + terms["latency"]
         seconds = max(compute + codec, comm) if cfg.overlap_comm else compute + codec + comm
-        out.append(Cost(name, cfg, step, collectives, weight_bits(cfg, has_frozen), memory(states, buffers), terms,
+        out.append(Cost(name, cfg, step, collectives, weight_bits(cfg, has_frozen), memory(cfg, states, buffers), terms,
                         seconds))
     return out
 
@@ -313,12 +316,14 @@ def _rank(c: Cost) -> tuple:
     return bool(c.excluded), round(c.step_seconds, 9), c.memory_bytes, _comm_seconds(c)
 
 
-def choose(costs: list[Cost], min_weight_bits: int = 0, memory_cap_bytes: int | None = None) -> Plan:
+def choose(costs: list[Cost], min_weight_bits: int = 0, memory_cap_bytes: int | None = None,
+           stage: int | None = None) -> Plan:
     """The fastest candidate whose forward weights have at least `min_weight_bits` bits and whose
-    predicted memory fits `memory_cap_bytes`; the runner-up is the next eligible one, and the
-    reason names the term that separates them most."""
+    predicted memory fits `memory_cap_bytes` (and of `stage`, where a checkpoint to resume fixes
+    its format); the runner-up is the next eligible one, and the reason names the term that
+    separates them most."""
     for c in costs:
-        why = []
+        why = [] if stage is None or c.config.stage == stage else [f"the checkpoint to resume is stage {stage}"]
         if c.weight_bits < min_weight_bits:
             why.append(f"weights at {c.weight_bits} bits, below the floor of {min_weight_bits}")
         if memory_cap_bytes is not None and c.memory_bytes > memory_cap_bytes:
@@ -328,8 +333,9 @@ def choose(costs: list[Cost], min_weight_bits: int = 0, memory_cap_bytes: int | 
     if ranked[0].excluded:
         lean = min((c for c in costs if c.weight_bits >= min_weight_bits), key=lambda c: c.memory_bytes, default=None)
         closest = f"; the leanest allowed, {lean.name}, needs {lean.memory_bytes / 2**20:.1f} MB" if lean else ""
-        raise PlanError(f"plan.auto: no candidate fits plan.memory_cap_gb / the probed memory "
-                        f"({memory_cap_bytes / 2**20:.1f} MB) with plan.min_weight_bits {min_weight_bits}{closest}")
+        cap = "no cap" if memory_cap_bytes is None else f"{memory_cap_bytes / 2**20:.1f} MB"
+        raise PlanError(f"plan.auto: no candidate fits plan.memory_cap_gb (or the probed memory: {cap}) with "
+                        f"plan.min_weight_bits {min_weight_bits}{closest}")
     chosen = ranked[0]
     runner_up = ranked[1] if len(ranked) > 1 and not ranked[1].excluded else None
     return Plan(chosen, runner_up, _reason(chosen, runner_up) if runner_up else "the only eligible candidate", costs)
@@ -444,6 +450,40 @@ def plan_state(plan: Plan, probes: Probes) -> dict:
     return {"chosen": plan.chosen.name, "config": dataclasses.asdict(plan.chosen.config),
             "step_seconds": plan.chosen.step_seconds, "memory_bytes": plan.chosen.memory_bytes,
             "machine": probes.fingerprint()}
+
+
+def reuse(saved: dict | None, probes: Probes) -> tuple[ZeroConfig | None, str]:
+    """(the stored plan's config, what to log) where a checkpoint's plan was made on this machine
+    (the same fingerprint); (None, why) where it must be planned anew."""
+    if saved is None:
+        return None, ""
+    if saved["machine"] == probes.fingerprint():
+        return stored_config(saved), (f"plan: {saved['chosen']} reused from the checkpoint (same machine: "
+                                      f"{saved['machine']})")
+    return None, f"plan: the machine changed ({saved['machine']} -> {probes.fingerprint()}): re-planned"
+
+
+class StepTimeCheck:
+    """After `after` steps (the first, warm-up step not counted) the measured mean step time against
+    the plan's prediction: a line to log, a warning when off by more than `tolerance`."""
+
+    def __init__(self, predicted_seconds: float, after: int, tolerance: float = 0.25):
+        self.predicted, self.after, self.tolerance = predicted_seconds, after, tolerance
+        self.times: list[float] = []
+
+    def tick(self) -> str | None:
+        """Call once per finished step; returns the line to log once, after `after` + 1 steps."""
+        if not self.after or len(self.times) > self.after:
+            return None
+        self.times.append(time.perf_counter())
+        if len(self.times) <= self.after:
+            return None
+        measured = (self.times[-1] - self.times[0]) / self.after
+        ratio = measured / self.predicted
+        verdict = f"WARNING: off by more than {self.tolerance:.0%}" if abs(ratio - 1) > self.tolerance \
+            else f"within {self.tolerance:.0%}"
+        return (f"plan check: measured {measured * 1e3:.1f} ms/step over {self.after} steps, predicted "
+                f"{self.predicted * 1e3:.1f} ms (x{ratio:.2f}): {verdict}")
 
 
 def stored_config(state: dict) -> ZeroConfig:

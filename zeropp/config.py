@@ -450,3 +450,34 @@ class DilocoConfig:
         for key, value, expected, ok in checks:
             if not ok:
                 raise ZeroConfigError(f"diloco.{key}: value {value!r} is out of range; expected {expected}")
+
+
+@dataclass
+class PlanConfig:
+    """The `plan` section: `auto` lets the machine choose zero_optimization's stage and ZeRO++
+    settings (zeropp.autoplan, docs/autoplan.md): probed links, compute and memory price every
+    candidate; the fastest that meets the constraints below replaces the section's planned keys."""
+
+    auto: bool = False  # probe and plan at start-up (a resume on the same machine reuses the stored plan)
+    # Fidelity floor: no candidate whose forward computes with weights of fewer bits (qwZ int4: 4;
+    # qwZ deltas count as 8: closer to the masters than int8 qwZ, docs/zeropp.md). 0: no floor.
+    min_weight_bits: int = 8
+    # Predicted peak memory per rank allowed, in GiB; 0: the memory the probe found available.
+    memory_cap_gb: float = 0.0
+    # After this many steps (the first not counted) the measured mean step time is compared with the
+    # plan's prediction; a miss beyond 25% is logged as a warning. 0: no check.
+    check_after_steps: int = 5
+
+    def validate(self) -> None:
+        """Raise ZeroConfigError naming the key, its value and what is expected."""
+        checks = [
+            ("min_weight_bits", self.min_weight_bits, "an integer in [0, 32]",
+             isinstance(self.min_weight_bits, int) and 0 <= self.min_weight_bits <= 32),
+            ("memory_cap_gb", self.memory_cap_gb, "a finite number >= 0 (0: the probed memory)",
+             math.isfinite(self.memory_cap_gb) and self.memory_cap_gb >= 0),
+            ("check_after_steps", self.check_after_steps, "an integer >= 0 (0: no check)",
+             isinstance(self.check_after_steps, int) and self.check_after_steps >= 0),
+        ]
+        for key, value, expected, ok in checks:
+            if not ok:
+                raise ZeroConfigError(f"plan.{key}: value {value!r} is out of range; expected {expected}")

@@ -1,0 +1,170 @@
+"""plan.auto (zeropp.autoplan): choices from fake probes, the cost model's bytes and memory against
+built runtimes, collective-safe probes, the stored plan on resume."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from models.config import ModelConfig
+from models.transformer import Transformer, lm_loss
+from tests.zeropp.test_engine import batches, deeper_model
+from trainer.spawn import run_ranks
+from zeropp import build_runtime
+from zeropp.autoplan import (PlanError, Probes, StepTimeCheck, block_step, candidates, choose, plan_state, price,
+                             probe, reuse)
+from zeropp.config import ZeroConfig
+from zeropp.topology import build_mesh
+
+BASE = ZeroConfig(stage=3, ranks_per_node=2, zero_quantization_block_size=64)
+MBIT = 1e6 / 8  # bytes per second
+
+
+def _model() -> Transformer:
+    with torch.device("meta"):
+        return Transformer(ModelConfig.from_preset("llama-tiny", n_layer=4))
+
+
+def _probes(inter_bandwidth: float, memory: int = 2**40, world: int = 4, device: str = "cpu") -> Probes:
+    """2 nodes x 2 ranks, a 10 Gbit/s node inside, `inter_bandwidth` across; 2 ms a block."""
+    return Probes(world, 2, device, "gloo", {"intra_node": 10_000 * MBIT, "inter_node": inter_bandwidth},
+                  {"intra_node": 20e-6, "inter_node": 100e-6}, 2e-3, 2e-9, memory)
+
+
+def _plan(inter_bandwidth, min_weight_bits=8, **constraints):
+    """The plan under plan.min_weight_bits' default floor unless told."""
+    return choose(price(_model(), _probes(inter_bandwidth), base=BASE), min_weight_bits, **constraints)
+
+
+def test_candidates_are_valid_and_keep_the_users_keys():
+    found = candidates(dataclasses.replace(BASE, communication_data_type="fp16"))
+    assert len(found) >= 8
+    for name, cfg in found.items():
+        if cfg.stage == 3:
+            assert cfg.communication_data_type == "fp16" and cfg.zero_quantization_block_size == 64, name
+    assert found["DDP"] == ZeroConfig(stage=0, ranks_per_node=2)
+
+
+def test_a_fast_link_keeps_the_weights_and_gradients_unquantized():
+    """Communication hides behind compute: quantizing only adds codec work."""
+    plan = _plan(100_000 * MBIT, min_weight_bits=0)
+    cfg = plan.chosen.config
+    assert not cfg.zero_quantized_weights and not cfg.zero_quantized_gradients
+    assert plan.chosen.terms["codec"] == 0
+
+
+def test_a_slow_link_picks_int4_deltas():
+    """100 Mbit/s across nodes: the fewest cross-node bytes at 8-bit fidelity or better."""
+    plan = _plan(100 * MBIT)
+    assert plan.chosen.name == "ZeRO++ with int4 deltas"
+    assert plan.runner_up is not None and "inter_node" in plan.reason
+    cross = {c.name: sum(v["cross_node_sent"] for v in c.step_bytes.values()) for c in plan.costs}
+    assert cross["ZeRO++ with int4 deltas"] == min(v for k, v in cross.items() if k != "ZeRO++ int4 weights")
+
+
+def test_the_fidelity_floor_rules_out_fewer_weight_bits():
+    free = _plan(100 * MBIT, min_weight_bits=0)
+    assert free.chosen.config.zero_quantized_weights_bits == 4  # int4 weights or deltas: fewest bytes
+    floor8 = _plan(100 * MBIT, min_weight_bits=8)
+    for c in floor8.costs:
+        quantized = c.config.zero_quantized_weights and not c.config.zero_quantized_weights_delta
+        assert bool(c.excluded) == (quantized and c.config.zero_quantized_weights_bits < 8), c.name
+    floor16 = _plan(100 * MBIT, min_weight_bits=16)
+    assert not floor16.chosen.config.zero_quantized_weights
+
+
+def test_a_tight_memory_cap_picks_what_fits_or_names_the_cap():
+    unconstrained = _plan(100 * MBIT)
+    cap = unconstrained.chosen.memory_bytes - 1
+    capped = _plan(100 * MBIT, memory_cap_bytes=cap)
+    assert capped.chosen.memory_bytes <= cap and capped.chosen.name != unconstrained.chosen.name
+    leanest = min(c.memory_bytes for c in capped.costs if c.weight_bits >= 8)
+    with pytest.raises(PlanError, match="plan.memory_cap_gb") as e:
+        _plan(100 * MBIT, memory_cap_bytes=leanest - 1)
+    assert f"{leanest / 2**20:.1f} MB" in str(e.value)
+
+
+def test_a_resume_keeps_its_stage():
+    plan = _plan(100_000 * MBIT, min_weight_bits=0, stage=0)
+    assert plan.chosen.name == "DDP"
+
+
+def _built(rank, world, names, micro_batches):
+    """Each named candidate's runtime, really built on this rank: its predicted bytes and memory,
+    and (DDP, which predicts none) the ledger of a step."""
+    out = {}
+    for name in names:
+        cfg = candidates(BASE)[name]
+        model = deeper_model(5)
+        runtime = build_runtime(model, cfg, torch.device("cpu"))
+        trainable = [p for p in runtime.module.parameters() if p.requires_grad]
+        states = {**runtime.model_state_bytes(), "optimizer states": 8 * sum(p.numel() for p in trainable)}
+        if cfg.stage == 0:
+            mine = batches(1)[0][rank * 2:(rank + 1) * 2]
+            lm_loss(runtime(mine[:, :-1]), mine[:, 1:]).backward()
+            step = {tag: {k: e[k] for k in ("sent", "cross_node_sent")} for tag, e in runtime.ledger.totals().items()}
+        else:
+            step = runtime.predicted_step_bytes(micro_batches)
+        out[name] = step, sum(states.values()) + runtime.buffer_bytes()
+        runtime.close()
+    return out
+
+
+def test_cost_model_bytes_and_memory_equal_built_runtimes():
+    names = ["ZeRO-3 + keep-gathered", "ZeRO++ with int4 deltas", "ZeRO-3 + qwZ int8", "ZeRO++ int4 weights", "DDP"]
+    built = run_ranks(_built, 4, args=(names, 2), ranks_per_node=2)[0]  # rank 0's: what the plan prices
+    priced = {c.name: c for c in price(deeper_model(5), _probes(100 * MBIT), micro_batches=2, base=BASE)}
+    for name in names:
+        step, memory = built[name]
+        assert priced[name].step_bytes == step, name
+        assert priced[name].memory_bytes == memory, name
+
+
+def _probe_on_ranks(rank, world):
+    torch.manual_seed(rank)  # the ranks time different work: only the reduction makes them agree
+    mesh = build_mesh(ranks_per_node=2, thread_groups=False)
+    model = Transformer(ModelConfig.from_preset("llama-tiny"))
+    probes = probe(mesh, torch.device("cpu"), block_step(model, 1, 16, torch.device("cpu"), torch.float32))
+    plan = choose(price(model, probes, base=BASE), memory_cap_bytes=probes.memory_bytes)
+    return dataclasses.asdict(probes), plan.chosen.name
+
+
+def test_probes_are_the_same_on_every_rank():
+    """Every rank takes part in the timed collectives and the MAX reduction, so every rank holds
+    the same numbers and chooses the same plan."""
+    results = run_ranks(_probe_on_ranks, 4, ranks_per_node=2)
+    assert all(r == results[0] for r in results)
+    probes = results[0][0]
+    for level in ("intra_node", "inter_node"):
+        assert 0 < probes["bandwidth"][level] < math.inf and probes["latency"][level] >= 0
+    assert probes["block_seconds"] > 0 and probes["codec_seconds"] > 0 and probes["memory_bytes"] > 0
+    assert (probes["world_size"], probes["ranks_per_node"], probes["device"]) == (4, 2, "cpu")
+
+
+def test_a_resume_on_the_same_machine_keeps_its_plan():
+    """The stored plan survives state.json's JSON round trip; on the same machine it is reused even
+    where new probes would choose otherwise; on another one the run re-plans and says so."""
+    slow = _probes(100 * MBIT)
+    plan = choose(price(_model(), slow, base=BASE), min_weight_bits=8)
+    saved = json.loads(json.dumps(plan_state(plan, slow)))
+    fast = _probes(100_000 * MBIT)
+    assert choose(price(_model(), fast, base=BASE), min_weight_bits=8).chosen.name != plan.chosen.name
+    kept, note = reuse(saved, fast)
+    assert kept == plan.chosen.config and "reused" in note
+    replanned, note = reuse(saved, _probes(100 * MBIT, world=8))
+    assert replanned is None and "machine changed" in note and "'world_size': 8" in note
+    assert reuse(None, fast) == (None, "")
+
+
+def test_step_time_check_warns_on_a_large_miss(monkeypatch):
+    clock = iter([0.0, 1.0, 2.0, 3.0, 4.0])
+    monkeypatch.setattr("zeropp.autoplan.time.perf_counter", lambda: next(clock))
+    check = StepTimeCheck(predicted_seconds=0.5, after=2)
+    lines = [check.tick() for _ in range(4)]
+    assert lines[:2] == [None, None] and lines[3] is None  # the warm-up step, one step, then once only
+    assert "measured 1000.0 ms/step over 2 steps" in lines[2] and "WARNING" in lines[2]
+    near = StepTimeCheck(predicted_seconds=1.1, after=1)
+    clock = iter([0.0, 1.0])
+    assert "WARNING" not in [near.tick(), near.tick()][1]
