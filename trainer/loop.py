@@ -52,10 +52,11 @@ from trainer.skeleton import Stage, run_stage
 from trainer.pretrain_data import DataError, PretrainData, prepare_pretraining
 from data.sources import MissingKeyError
 from zeropp import build_runtime
+from zeropp.autoplan import PlanError, StepTimeCheck, block_step, choose, plan_state, price, probe, reuse
 from zeropp.diloco import OUTER_TAG, DiLoCo
 from zeropp.config import ZeroConfigError
 from zeropp.engine import UnsupportedModelError
-from zeropp.topology import TopologyError, ranks_per_node_from_env
+from zeropp.topology import TopologyError, build_mesh, ranks_per_node_from_env
 
 
 @dataclass
@@ -152,6 +153,10 @@ def _check(cfg: Config) -> None:
     check_held_out(cfg.data)
     try:
         cfg.zero_optimization.validate()
+        cfg.plan.validate()
+        if cfg.plan.auto and (cfg.tensor_parallel.size > 1 or cfg.diloco.enabled):
+            raise ZeroConfigError("plan.auto plans zero_optimization alone, not tensor_parallel.size > 1 or "
+                                  "diloco.enabled yet; set plan.auto false or drop those")
         cfg.tensor_parallel.validate()
         if cfg.data.packing and cfg.tensor_parallel.size > 1 and cfg.tensor_parallel.topk_keep_ratio < 1.0:
             raise ZeroConfigError(f"data.packing: value True cannot go with tensor_parallel.topk_keep_ratio "
@@ -210,6 +215,10 @@ class Trainer:
         # so the benchmarks' builders see it only where DiLoCo is on.
         sites = {"site_size": cfg.diloco.site_size or ranks_per_node_from_env(self.env.world_size)} \
             if cfg.diloco.enabled else {}
+        self.plan: dict | None = None  # plan.auto's choice (state.json "plan") and its step-time check
+        self.plan_check: StepTimeCheck | None = None
+        if cfg.plan.auto:
+            self._auto_plan()
         self.runtime = build_runtime(self.model, cfg.zero_optimization, self.env.device, cfg.tensor_parallel, weights,
                                      **sites)
         mesh = getattr(self.runtime, "mesh", None)
@@ -253,6 +262,40 @@ class Trainer:
             except BaseException:
                 self.runtime.close()  # nobody else will: the caller gets no Trainer
                 raise
+
+    def _auto_plan(self) -> None:
+        """plan.auto: probe this machine (every rank alike, zeropp.autoplan.probe), reuse the resumed
+        checkpoint's plan when it was made on the same machine, else price the candidates with this
+        run's predicted peak memory and choose; zero_optimization becomes the choice, the plan's
+        lines go to the log before the first step."""
+        cfg, device = self.cfg, self.env.device
+        dtype = compute_dtype(cfg.train.precision, device)
+        mesh = build_mesh(ranks_per_node=cfg.zero_optimization.ranks_per_node, thread_groups=False) \
+            if dist.is_initialized() else None
+        step = block_step(self.model, cfg.train.micro_batch_size, cfg.data.seq_len, device, dtype)
+        probes = probe(mesh, device, step)
+        path = resolve_checkpoint(cfg.resume, cfg.train.out_dir, say=lambda _: None) if cfg.resume else None
+        saved = read_state(path) if path is not None else None
+        config, note = reuse(saved and saved.get("plan"), probes)
+        if config is None:
+            def memory(zero, states, buffers):
+                return sum(predicted_peak(states, buffers, None, self.model.config, cfg.train.micro_batch_size,
+                                          cfg.data.seq_len, dtype, set(self.checkpointed), self.baseline_memory,
+                                          device, zero.compute_dtype, cfg.data.packing).values())
+            stage = saved["config"]["zero_optimization"]["stage"] if saved else None  # its checkpoint format
+            try:
+                plan = choose(price(self.model, probes, cfg.train.grad_accum, memory, cfg.zero_optimization),
+                              cfg.plan.min_weight_bits, int(cfg.plan.memory_cap_gb * 2**30) or probes.memory_bytes,
+                              stage)
+            except PlanError as e:
+                raise ConfigError(str(e)) from None
+            self.plan, config = plan_state(plan, probes), plan.chosen.config
+            self.notes += plan.lines()
+        else:
+            self.plan = saved["plan"]
+        self.notes += [note] if note else []
+        self.plan_check = StepTimeCheck(self.plan["step_seconds"], cfg.plan.check_after_steps)
+        cfg.zero_optimization = config
 
     def _build_model(self) -> tuple[Transformer, WeightSource]:
         """A fresh model of model.preset, or finetune.hf_checkpoint's, with LoRA adapters when
@@ -488,6 +531,7 @@ class Trainer:
             "world_size": self.env.world_size,
             "tokenizer": str(self.data.tokenizer.path),
             "lora": lora_state(self.cfg.finetune.lora),
+            "plan": self.plan,
             "diloco": self.diloco_layout(),
         }
         self.saved = save_checkpoint(self.ckpt_root, self.step, state, self.optimizer,
@@ -622,6 +666,9 @@ class _TrainerStage(Stage):
         tr.nonfinite = nonfinite  # the skeleton's policy (from the resumed count): train_step decides through it
         tr.phase = f"training step {tr.step + 1}"
         loss, grad_norm, self.stop, n_tokens = tr.train_step(batches, stop_requested)
+        checked = tr.plan_check.tick() if tr.plan_check is not None else None
+        if checked:
+            self.log.info(checked)
         self.result.losses[tr.step] = loss
         for note in tr.runtime.take_notes():
             self.log.info(note)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from kernels import dequantize, quantize
+from models.transformer import Block, rope_cos_sin
 from zeropp.buffers import BufferPool
 from zeropp.comm import Comm, uses_node_aware
 from zeropp.config import ZeroConfig, ZeroConfigError
@@ -400,23 +401,33 @@ def available_memory(device: torch.device, ranks_per_node: int) -> int:
     return kib * 1024 // ranks_per_node
 
 
-def probe(mesh: Mesh, device: torch.device, block_step, reps: int = 3) -> Probes:
+def _rng_kept(device: torch.device):
+    """The run's random streams as they were: the probes draw inputs and run dropout."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
+
+def probe(mesh: Mesh | None, device: torch.device, block_step, reps: int = 3) -> Probes:
     """Measure this machine (every rank calls it, in the same order): the links per level on
     `mesh`'s groups, `block_step()` (one block's forward + backward), the codec and the memory;
-    reduced over the world (MAX of times, MIN of bandwidth and memory) so all ranks agree."""
-    comm = Comm(mesh)
+    reduced over the world (MAX of times, MIN of bandwidth and memory) so all ranks agree.
+    mesh None: one process without a process group, no link to measure."""
+    comm = Comm(mesh) if mesh is not None else None
     try:
-        links = [_link(comm, level, comm.device, reps) for level in LEVELS]
-        local = torch.tensor([v for bw, lat in links for v in (1 / bw, lat)]
-                             + [_timed(block_step, reps), _codec_seconds(device),
-                                -available_memory(device, mesh.ranks_per_node)], dtype=torch.float64,
-                             device=comm.device)
-        comm.all_reduce(local, group="world", tag="plan probe", op=dist.ReduceOp.MAX)
+        with _rng_kept(device):
+            links = [_link(comm, level, comm.device, reps) if comm else (math.inf, 0.0) for level in LEVELS]
+            local = torch.tensor([v for bw, lat in links for v in (1 / bw, lat)]
+                                 + [_timed(block_step, reps), _codec_seconds(device),
+                                    -available_memory(device, mesh.ranks_per_node if mesh else 1)],
+                                 dtype=torch.float64, device=comm.device if comm else "cpu")
+        if comm:
+            comm.all_reduce(local, group="world", tag="plan probe", op=dist.ReduceOp.MAX)
     finally:
-        comm.close()
+        if comm:
+            comm.close()
     v = local.tolist()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    return Probes(mesh.world_size, mesh.ranks_per_node, name, comm.backend,
+    backend = comm.backend if comm else "nccl" if device.type == "cuda" else "gloo"
+    return Probes(mesh.world_size if mesh else 1, mesh.ranks_per_node if mesh else 1, name, backend,
                   {level: 1 / v[2 * i] if v[2 * i] else math.inf for i, level in enumerate(LEVELS)},
                   {level: v[2 * i + 1] for i, level in enumerate(LEVELS)}, v[4], v[5], int(-v[6]))
 
@@ -424,11 +435,10 @@ def probe(mesh: Mesh, device: torch.device, block_step, reps: int = 3) -> Probes
 def block_step(model: nn.Module, micro_batch: int, seq_len: int, device: torch.device, dtype: torch.dtype):
     """A function running one forward + backward of a fresh block of `model`'s config on `device`
     at (micro_batch, seq_len) under autocast to `dtype` (fp32: none): the compute probe."""
-    from models.transformer import Block, rope_cos_sin
-
     config = model.config
-    block = Block(config, 0).to(device)
-    x = torch.randn(micro_batch, seq_len, config.d_model, device=device, requires_grad=True)
+    with _rng_kept(device):
+        block = Block(config, 0).to(device)
+        x = torch.randn(micro_batch, seq_len, config.d_model, device=device, requires_grad=True)
     rope = None
     if config.positions == "rope":
         positions = torch.arange(seq_len, device=device).expand(micro_batch, seq_len)
