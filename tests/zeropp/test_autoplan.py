@@ -1,7 +1,9 @@
 """plan.auto (zeropp.autoplan): choices from fake probes, the cost model's bytes and memory against
 built runtimes, collective-safe probes, the stored plan on resume."""
 
+import contextlib
 import dataclasses
+import io
 import json
 import math
 
@@ -10,7 +12,10 @@ import torch
 
 from models.config import ModelConfig
 from models.transformer import Transformer, lm_loss
+from tests.trainer.test_train import corpus, tiny_args  # noqa: F401  (the module-scoped corpus fixture)
 from tests.zeropp.test_engine import batches, deeper_model
+from trainer.config import parse_args
+from trainer.loop import train
 from trainer.spawn import run_ranks
 from zeropp import build_runtime
 from zeropp.autoplan import (PlanError, Probes, StepTimeCheck, block_step, candidates, choose, plan_state, price,
@@ -168,3 +173,39 @@ def test_step_time_check_warns_on_a_large_miss(monkeypatch):
     near = StepTimeCheck(predicted_seconds=1.1, after=1)
     clock = iter([0.0, 1.0])
     assert "WARNING" not in [near.tick(), near.tick()][1]
+
+
+def _train_with_log(rank, world, argv):
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        result = train(parse_args(argv))
+    return result.losses, out.getvalue()
+
+
+@pytest.mark.slow
+def test_the_trainer_plans_logs_stores_and_reuses_its_plan(corpus, tmp_path):  # noqa: F811
+    """2 nodes x 1 rank: the plan is logged before the first step and stored; a resume on the same
+    layout reuses it and repeats the run; on one process the run re-plans, keeping the
+    checkpoint's stage (its format)."""
+    cache, auto = tmp_path / "cache", ("--plan.auto", "true", "--plan.check_after_steps", "2",
+                                       "--zero_optimization.ranks_per_node", "1", "--train.micro_batch_size", "2",
+                                       "--train.steps", "4", "--train.eval_interval", "4", "--train.eval_batches", "1")
+    argv = tiny_args(corpus, tmp_path / "a", cache, *auto, "--train.checkpoint_interval", "2")
+    losses, log = run_ranks(_train_with_log, 2, args=(argv,), ranks_per_node=1)[0]
+    assert log.index("plan: ") < log.index("iteration") and "runner-up" in log and "plan check: measured" in log
+    step2 = tmp_path / "a" / "checkpoints" / "step_00000002"
+    state = json.loads((step2 / "state.json").read_text())
+    assert state["plan"]["machine"] == {"world_size": 2, "ranks_per_node": 1, "device": "cpu"}
+    assert state["config"]["zero_optimization"] == state["plan"]["config"]  # what the run was built with
+    assert ("runtime: DDP" in log) == (state["plan"]["config"]["stage"] == 0)
+
+    argv = tiny_args(corpus, tmp_path / "b", cache, *auto, "--resume", str(step2))
+    resumed, log = run_ranks(_train_with_log, 2, args=(argv,), ranks_per_node=1)[0]
+    assert f"plan: {state['plan']['chosen']} reused from the checkpoint" in log
+    assert {s: resumed[s] for s in (3, 4)} == {s: losses[s] for s in (3, 4)}
+
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        train(parse_args(tiny_args(corpus, tmp_path / "c", cache, *auto, "--train.micro_batch_size", "4",
+                                   "--resume", str(step2))))
+    log = out.getvalue()
+    assert "plan: the machine changed" in log and "re-planned" in log
+    assert "excluded: the checkpoint to resume is stage" in log
