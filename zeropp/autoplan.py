@@ -351,8 +351,8 @@ def _reason(a: Cost, b: Cost) -> str:
             return tie + f"less communication ({_comm_seconds(a) * 1e3:.1f} vs {_comm_seconds(b) * 1e3:.1f} ms)"
         return tie + "the same memory and communication: the simpler one (listed first)"
     term = max(a.terms, key=lambda k: abs(b.terms[k] - a.terms[k]))
-    return (f"{b.step_seconds * 1e3:.1f} vs {a.step_seconds * 1e3:.1f} ms/step, decided by {term} "
-            f"({b.terms[term] * 1e3:.1f} vs {a.terms[term] * 1e3:.1f} ms)")
+    return (f"{b.step_seconds * 1e3:.1f} ms/step against {a.step_seconds * 1e3:.1f}, decided by {term} "
+            f"({b.terms[term] * 1e3:.1f} ms against {a.terms[term] * 1e3:.1f})")
 
 
 # ----------------------------------------------------------------------------- probes
