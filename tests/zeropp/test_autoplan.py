@@ -6,6 +6,7 @@ import dataclasses
 import io
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from trainer.spawn import run_ranks
 from zeropp import build_runtime
 from zeropp.autoplan import (PlanError, Probes, StepTimeCheck, block_step, candidates, choose, plan_state, price,
                              probe, reuse)
-from zeropp.config import ZeroConfig
+from zeropp.config import ZeroConfig, ZeroConfigError
 from zeropp.topology import build_mesh
 
 BASE = ZeroConfig(stage=3, ranks_per_node=2, zero_quantization_block_size=64)
@@ -50,6 +51,15 @@ def test_candidates_are_valid_and_keep_the_users_keys():
         if cfg.stage == 3:
             assert cfg.communication_data_type == "fp16" and cfg.zero_quantization_block_size == 64, name
     assert found["DDP"] == ZeroConfig(stage=0, ranks_per_node=2)
+
+
+@pytest.mark.parametrize("key,value,expected", [("min_weight_bits", "40", "an integer in [0, 32]"),
+                                                ("memory_cap_gb", "-1", "a finite number >= 0"),
+                                                ("check_after_steps", "-2", "an integer >= 0")])
+def test_bad_plan_values_name_key_value_and_expected(key, value, expected):
+    cfg = parse_args([f"--plan.{key}", value])
+    with pytest.raises(ZeroConfigError, match=rf"plan.{key}: value {value}.*expected {re.escape(expected)}"):
+        cfg.plan.validate()
 
 
 def test_a_fast_link_keeps_the_weights_and_gradients_unquantized():
