@@ -159,15 +159,18 @@ def paper_mesh(world_size: int, ranks_per_node: int) -> Mesh:
 
 
 class _PaperComm:
-    """Comm's arithmetic over a paper mesh: its own volume(), no transport."""
+    """Comm's arithmetic over a paper mesh: its own volume(), no transport; the shard orders the
+    units and buffers read, as Comm.__init__ sets them."""
 
     volume = Comm.volume
 
     def __init__(self, mesh: Mesh, node_aware: bool, backend: str):
         self.mesh = mesh
         self.node_aware = node_aware and uses_node_aware(mesh, backend)
-        self.gather_order = None if not self.node_aware else \
-            [n * mesh.ranks_per_node + local for local in range(mesh.ranks_per_node) for n in range(mesh.num_nodes)]
+        self.local_major_order = [n * mesh.ranks_per_node + local for local in range(mesh.ranks_per_node)
+                                  for n in range(mesh.num_nodes)] \
+            if mesh.num_nodes > 1 and mesh.ranks_per_node > 1 else None
+        self.gather_order = self.local_major_order if self.node_aware else None
 
 
 class _CountingComm(_PaperComm):
