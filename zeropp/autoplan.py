@@ -185,7 +185,8 @@ class _CountingComm(_PaperComm):
 @contextmanager
 def _values_skipped():
     """Units built on paper: qwZ's encode writes values only (never sizes) and cannot run on meta
-    tensors (its kernels branch on them), so it is skipped meanwhile."""
+    tensors (its kernels branch on them), so it is skipped meanwhile. The planner runs before the
+    run's runtime exists: no other thread encodes then."""
     encode = QuantizedCodec.encode
     QuantizedCodec.encode = lambda self, master, wire: None
     try:

@@ -106,14 +106,21 @@ def test_a_resume_keeps_its_stage():
     assert plan.chosen.name == "DDP"
 
 
-def _built(rank, world, base, names, micro_batches):
+def _model_for(frozen: bool) -> Transformer:
+    """5 gpt2-tiny blocks; `frozen`: their MLPs frozen (a fine-tuning's base weights)."""
+    model = deeper_model(5)
+    for block in model.blocks if frozen else ():
+        block.mlp.requires_grad_(False)
+    return model
+
+
+def _built(rank, world, base, frozen, names, micro_batches):
     """Each named candidate's runtime, really built on this rank: its predicted bytes and memory,
     and (DDP, which predicts none) the ledger of a step."""
     out = {}
     for name in names:
         cfg = candidates(base)[name]
-        model = deeper_model(5)
-        runtime = build_runtime(model, cfg, torch.device("cpu"))
+        runtime = build_runtime(_model_for(frozen), cfg, torch.device("cpu"))
         trainable = [p for p in runtime.module.parameters() if p.requires_grad]
         states = {**runtime.model_state_bytes(), "optimizer states": 8 * sum(p.numel() for p in trainable)}
         if cfg.stage == 0:
@@ -127,11 +134,15 @@ def _built(rank, world, base, names, micro_batches):
     return out
 
 
-def test_cost_model_bytes_and_memory_equal_built_runtimes():
-    names = ["ZeRO-3 + keep-gathered", "ZeRO++ with int4 deltas", "ZeRO-3 + qwZ int8", "ZeRO++ int4 weights", "DDP"]
-    base = dataclasses.replace(BASE, param_dtype="bf16")  # bf16 weights: buffers that may decode in place
-    built = run_ranks(_built, 4, args=(base, names, 2), ranks_per_node=2)[0]  # rank 0's: what the plan prices
-    priced = {c.name: c for c in price(deeper_model(5), _probes(100 * MBIT), micro_batches=2, base=base)}
+@pytest.mark.parametrize("frozen,names", [
+    (False, ["ZeRO-3 + keep-gathered", "ZeRO++ with int4 deltas", "ZeRO-3 + qwZ int8", "ZeRO++ int4 weights", "DDP"]),
+    (True, ["ZeRO-3", "ZeRO++ with int4 deltas", "DDP"]),  # frozen units stored as int8 codes
+])
+def test_cost_model_bytes_and_memory_equal_built_runtimes(frozen, names):
+    # bf16 weights: buffers that may decode in place
+    base = dataclasses.replace(BASE, param_dtype="bf16", zero_quantized_nontrainable_weights=frozen)
+    built = run_ranks(_built, 4, args=(base, frozen, names, 2), ranks_per_node=2)[0]  # rank 0's: what is priced
+    priced = {c.name: c for c in price(_model_for(frozen), _probes(100 * MBIT), micro_batches=2, base=base)}
     for name in names:
         step, memory = built[name]
         assert priced[name].step_bytes == step, name
