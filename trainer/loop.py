@@ -211,14 +211,14 @@ class Trainer:
         self.model_cfg: ModelConfig = self.model.config
         self.n_params = sum(p.numel() for p in self.model.parameters())
         self.n_trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        # DiLoCo: the runtime over its site's ranks only (zeropp.diloco); the default builder's keyword,
-        # so the benchmarks' builders see it only where DiLoCo is on.
-        sites = {"site_size": cfg.diloco.site_size or ranks_per_node_from_env(self.env.world_size)} \
-            if cfg.diloco.enabled else {}
         self.plan: dict | None = None  # plan.auto's choice (state.json "plan") and its step-time check
         self.plan_check: StepTimeCheck | None = None
         if cfg.plan.auto:
             self._auto_plan()
+        # DiLoCo: the runtime over its site's ranks only (zeropp.diloco); the default builder's keyword,
+        # so the benchmarks' builders see it only where DiLoCo is on.
+        sites = {"site_size": cfg.diloco.site_size or ranks_per_node_from_env(self.env.world_size)} \
+            if cfg.diloco.enabled else {}
         self.runtime = build_runtime(self.model, cfg.zero_optimization, self.env.device, cfg.tensor_parallel, weights,
                                      **sites)
         mesh = getattr(self.runtime, "mesh", None)
@@ -269,6 +269,7 @@ class Trainer:
         run's predicted peak memory and choose; zero_optimization becomes the choice, the plan's
         lines go to the log before the first step."""
         cfg, device = self.cfg, self.env.device
+        self.phase = "plan.auto probes"
         dtype = compute_dtype(cfg.train.precision, device)
         mesh = build_mesh(ranks_per_node=cfg.zero_optimization.ranks_per_node, thread_groups=False) \
             if dist.is_initialized() else None
@@ -277,6 +278,7 @@ class Trainer:
         path = resolve_checkpoint(cfg.resume, cfg.train.out_dir, say=lambda _: None) if cfg.resume else None
         saved = read_state(path) if path is not None else None
         config, note = reuse(saved and saved.get("plan"), probes)
+        lines = [note] if note else []  # (reused or re-planned, first)
         if config is None:
             def memory(zero, states, buffers):
                 return sum(predicted_peak(states, buffers, None, self.model.config, cfg.train.micro_batch_size,
@@ -290,12 +292,13 @@ class Trainer:
             except PlanError as e:
                 raise ConfigError(str(e)) from None
             self.plan, config = plan_state(plan, probes), plan.chosen.config
-            self.notes += plan.lines()
+            lines += plan.lines()
         else:
             self.plan = saved["plan"]
-        self.notes += [note] if note else []
+        self.notes += lines
         self.plan_check = StepTimeCheck(self.plan["step_seconds"], cfg.plan.check_after_steps)
         cfg.zero_optimization = config
+        self.phase = "startup"
 
     def _build_model(self) -> tuple[Transformer, WeightSource]:
         """A fresh model of model.preset, or finetune.hf_checkpoint's, with LoRA adapters when
