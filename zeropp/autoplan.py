@@ -23,7 +23,6 @@ import copy
 import dataclasses
 import math
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -40,7 +39,6 @@ from zeropp.config import ZeroConfig, ZeroConfigError
 from zeropp.engine import Zero3Engine
 from zeropp.plan import build_units, predicted_step_bytes, rotating_buffer_count, schedule_groups, unit_gathers
 from zeropp.plan import model_state_bytes as unit_state_bytes
-from zeropp.quantized import QuantizedCodec
 from zeropp.runtime import Timings
 from zeropp.topology import Mesh, _blocks
 
@@ -182,19 +180,6 @@ class _CountingComm(_PaperComm):
         return int(sent > cross), int(cross > 0)
 
 
-@contextmanager
-def _values_skipped():
-    """Units built on paper: qwZ's encode writes values only (never sizes) and cannot run on meta
-    tensors (its kernels branch on them), so it is skipped meanwhile. The planner runs before the
-    run's runtime exists: no other thread encodes then."""
-    encode = QuantizedCodec.encode
-    QuantizedCodec.encode = lambda self, master, wire: None
-    try:
-        yield
-    finally:
-        QuantizedCodec.encode = encode
-
-
 class _MetaWeights:
     def read(self, name: str, start: int, end: int) -> torch.Tensor:
         return torch.empty(end - start, device="meta")
@@ -210,8 +195,7 @@ def _zero3_on_paper(model: nn.Module, cfg: ZeroConfig, probes: Probes):
                                   for p in model.parameters()})
     mesh = paper_mesh(probes.world_size, probes.ranks_per_node)
     comm = _PaperComm(mesh, cfg.node_aware_collectives, probes.backend)
-    with _values_skipped():
-        units = build_units(copy_, cfg, mesh, meta, _MetaWeights())
+    units = build_units(copy_, cfg, mesh, meta, _MetaWeights())
     reducer = _reducer(cfg, comm)
     groups, resident = schedule_groups(units, len(copy_.blocks))
     held = rotating_buffer_count([[u.padded_numel for u in g] for g in groups], cfg)
