@@ -2,10 +2,11 @@
 ZeRO-3, ZeRO++, ZeRO++ with qwZ deltas, DeepSpeed ZeRO-3 and DDP, the inter-site link shaped to 100 and
 10 Mbit/s: time to a target validation loss, tokens/s, cross-site bytes per step, the loss at equal tokens.
 
-    python scripts/bench/diloco.py --quick     # 50 steps; timed at 10mbit and unshaped (~9 min on 2 busy cores)
+    python scripts/bench/diloco.py --quick     # 50 steps; timed at 10mbit and unshaped: 15 min at load 9
     python scripts/bench/diloco.py --out runs/bench/diloco --update-docs     # 500 steps; 100mbit, 10mbit and
-                                               # unshaped (estimate: ~35 min on 2 quiet cores)
+                              # unshaped: ~35 min on 2 quiet cores, ~1 h at load 9 (estimated from the quick run)
     python scripts/bench/diloco.py --inner-steps 50 --fragments 4 --delay 2  # --delay: diloco.delay (tau)
+    python scripts/bench/diloco.py --diloco-set outer_lr=1 outer_momentum=0  # any other diloco.* key
 
 Two parts, because a whole run at 10 Mbit/s would take DeepSpeed hours on this machine. (1) Every runtime's
 loss trajectory, once, on 4 unshaped loopback ranks laid out as 2 nodes x 2, evaluating as it goes: the
@@ -31,7 +32,7 @@ from scripts.bench.separate import draw, time_to
 from scripts.bench.suite import Quick, main_one, options
 from scripts.cluster import parse_rate
 
-TITLE = "## DiLoCo across sites: time to a target loss on slow inter-site links (issue 33, D1-D5)"
+TITLE = "## 8. DiLoCo across sites: time to a target loss over slow links (issue 33, D1-D5)"
 ZPP = CONFIGS["zeropp"][1]  # qwZ int8, hpZ over the node, qgZ int4 (the ablation's and peers' ZeRO++)
 DELTAS = {**ZPP, "zero_quantized_weights_bits": 4, "zero_quantized_weights_delta": True}  # peers' zeropp-delta
 RUNTIMES = {  # key -> (label, zero_optimization keys; None: DeepSpeed through peers.py --worker)
@@ -43,6 +44,7 @@ RUNTIMES = {  # key -> (label, zero_optimization keys; None: DeepSpeed through p
     "diloco": ("DiLoCo over ZeRO++", ZPP),
 }
 NO_CURVE = {"ddp"}  # timed only: D1's denominator (its trajectory is ZeRO-3's)
+LEDGER = "cross-node sent (MB)"  # logged per step, in MiB
 BASELINES = ("zero3", "zeropp", "zeropp-delta", "deepspeed")  # what the target must be reachable by
 
 
@@ -54,6 +56,8 @@ def add_args(p) -> None:
     p.add_argument("--fragments", type=int, default=1, help="Streaming DiLoCo's F (default %(default)s)")
     p.add_argument("--delay", type=int, default=0, help="diloco.delay: a fragment's exchange applied this many inner "
                    "steps later (Streaming DiLoCo's tau; default %(default)s: not passed)")
+    p.add_argument("--diloco-set", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="more diloco keys of the DiLoCo run, e.g. outer_lr=0.5 outer_momentum=0")
     p.add_argument("--compression", choices=["none", "int8", "int4"], default="int4",
                    help="DiLoCo's pseudo-gradient on the wire (default %(default)s)")
     p.add_argument("--links", nargs="+", default=Quick(["100mbit", "10mbit"], ["10mbit"]),
@@ -95,11 +99,13 @@ def job(key: str, plan: dict) -> tuple[str, list[str], list[str]]:
     if key == "diloco":
         label = (f"{label} (H {plan['inner_steps']}, {plan['compression']} exchange"
                  + f", {plan['fragments']} fragments" * (plan["fragments"] > 1)
-                 + f", delay {plan['delay']}" * bool(plan["delay"]) + ")")
+                 + f", delay {plan['delay']}" * bool(plan["delay"]) + "".join(f", {kv}" for kv in plan["diloco_set"])
+                 + ")")
         args += ["--diloco.enabled", "true", "--diloco.site_size", str(runner.RANKS_PER_NODE),
                  "--diloco.inner_steps", str(plan["inner_steps"]), "--diloco.compression", plan["compression"],
                  "--diloco.fragments", str(plan["fragments"])]
         args += ["--diloco.delay", str(plan["delay"])] if plan["delay"] else []
+        args += [a for kv in plan["diloco_set"] for a in (f"--diloco.{kv.partition('=')[0]}", kv.partition("=")[2])]
     return label, [str(runner.ROOT / "train.py")], args
 
 
@@ -136,10 +142,11 @@ def timed_run(key: str, plan: dict, setting: str, work: Path, cluster=None) -> d
     metrics = row.pop("metrics")
     stats, timed = runner.step_stats(metrics, plan["warmup"]), metrics[plan["warmup"]:]
     step_ms = stats["step_ms_mean"] if key == "diloco" else stats["step_ms"]
+    ledger = [m[LEDGER] for m in timed if LEDGER in m]  # none: a peer runtime (its ledger is empty)
     row.update(stats, step_ms=step_ms, step_ms_how="mean over whole cycles" if key == "diloco" else "median",
                tokens_per_s=plan["micro_batch"] * plan["seq"] * runner.NODES * runner.RANKS_PER_NODE / step_ms * 1e3,
                # the mean, not step_stats' median: DiLoCo's outer exchange crosses at one step in H
-               ledger_cross_mb_rank=statistics.mean(m.get("cross-node sent (MB)", 0.0) for m in timed) * 2**20 / 1e6,
+               ledger_cross_mb_rank=statistics.mean(ledger) * 2**20 / 1e6 if ledger else None,
                losses=[m["lm loss"] for m in metrics])
     return row
 
@@ -162,7 +169,8 @@ def run(args, progress=print) -> dict:
     def done(row):
         result["rows"].append(row)
         progress(f"  diloco {row['part']} {row['label']} @ {row['setting']}: " + (
-            f"{row['step_ms']:.0f} ms/step ({row['step_ms_how']}), {row.get('phys_tx_mb_node', 0):.3f} MB/node/step"
+            f"{row['step_ms']:.0f} ms/step ({row['step_ms_how']})" + (
+                f", {row['phys_tx_mb_node']:.4f} MB/node/step on the link" if "phys_tx_mb_node" in row else "")
             if row["ok"] and row["part"] == "timed" else f"final validation loss {row['final_val_loss']:.4f}"
             if row["ok"] else row["error"]) + f" ({row['wall_s']:.0f} s)")
 
@@ -211,8 +219,8 @@ def d_targets(plan: dict, curves: dict, timed: dict) -> list[dict]:
     the target: a miss)."""
     slow, out = plan["slow"], []
 
-    def add(tid, what, goal, value, source):
-        met = None if value is None else value <= float(goal[2:]) if goal.startswith("<=") else (
+    def add(tid, what, goal, value, source, missed=False):
+        met = (False if missed else None) if value is None else value <= float(goal[2:]) if goal.startswith("<=") else (
             abs(value - 1) <= float(goal.split()[1].rstrip("%")) / 100 if goal.startswith("within")
             else value >= float(goal[2:]))
         out.append({"id": tid, "what": what, "goal": goal, "value": value, "met": met, "from": source})
@@ -221,6 +229,8 @@ def d_targets(plan: dict, curves: dict, timed: dict) -> list[dict]:
         return a[field] / (b[field] * scale) if a and b and a.get(field) is not None and b.get(field) else None
 
     dl, ddp = timed.get(("diloco", slow)), timed.get(("ddp", slow))
+    z3, dc = curves.get("zero3"), curves.get("diloco")
+    never = dc is not None and dc["step_to_target"] is None  # DiLoCo never reached the target: D2, D3 missed
     for field, how in (("phys_tx_mb_node", "physical link bytes sent per node"),
                        ("ledger_cross_mb_rank", "ledger's cross-node bytes sent per rank")):
         add("D1", f"cross-site bytes per inner step / bf16 DDP's per step ({how}; bf16 DDP = half of DDP fp32's)",
@@ -233,8 +243,7 @@ def d_targets(plan: dict, curves: dict, timed: dict) -> list[dict]:
         add(tid, f"time to the target at {slow}, {base['label'] if base else RUNTIMES[key][0]} / DiLoCo over ZeRO++",
             goal, ratio(base, dl, "time_to_target_s"),
             "; ".join(f"{r['label']}: " + (f"{r['time_to_target_s']:.1f} s" if r.get("time_to_target_s") is not None
-                                          else "never reached") for r in (base, dl) if r) or "not measured")
-    z3, dc = curves.get("zero3"), curves.get("diloco")
+                                          else "never reached") for r in (base, dl) if r) or "not measured", never)
     add("D4", f"validation loss at equal tokens (step {z3 and z3['val_curve'][-1][0]}), DiLoCo over ZeRO++ (H "
         f"{plan['inner_steps']}) / ZeRO-3", "within 2%", ratio(dc, z3, "final_val_loss"),
         f"{report.fmt(dc and dc['final_val_loss'], '{:.4f}')} vs {report.fmt(z3 and z3['final_val_loss'], '{:.4f}')}")
@@ -258,9 +267,9 @@ TIMED_COLUMNS = [("label", "runtime", "{}"), ("setting", "link", "{}"), ("step_m
                  ("wire_ms", "wire ms/step", "{:.0f}"), ("load_start", "load at start", "{:.1f}")]
 
 
-def ratio_text(value: float | None, goal: str) -> str:
+def ratio_text(value: float | None, goal: str, met: bool | None) -> str:
     if value is None:
-        return "not measured"
+        return "target never reached" if met is False else "not measured"
     return f"1/{1 / value:.0f}" if goal == "<= 0.0025" and value > 0 else f"{value:.3f}"
 
 
@@ -280,7 +289,7 @@ def markdown(result: dict) -> str:
         + report.fmt(result.get("target"), "{:.4f}")
         + (" (given)." if plan["target"] else f" (ZeRO-3's final + {plan['margin']:.0%}, or the highest best "
            "loss of the baselines if higher)."), "",
-        *report.md_table([dict(t, value=ratio_text(t["value"], t["goal"]), met=verdict[t["met"]])
+        *report.md_table([dict(t, value=ratio_text(t["value"], t["goal"], t["met"]), met=verdict[t["met"]])
                           for t in result.get("targets", [])], D_COLUMNS, "lllrrc"), "",
         "Trajectories (4 loopback ranks as 2 nodes x 2):", "", *report.md_table(curves, CURVE_COLUMNS), "",
         "Timed segments (loopback: unshaped; the others: the emulated cluster, the link between the 2 nodes "

@@ -27,6 +27,8 @@ def test_timed_segments_cover_whole_diloco_cycles():
     label, _, args = diloco.job("diloco", {**plan, "fragments": 4, "delay": 3})
     assert "4 fragments, delay 3" in label and args[-2:] == ["--diloco.delay", "3"]
     assert "--diloco.delay" not in diloco.job("diloco", plan)[2]  # absent unless asked for
+    label, _, args = diloco.job("diloco", {**plan, "diloco_set": ["outer_momentum=0"]})
+    assert "outer_momentum=0" in label and args[-2:] == ["--diloco.outer_momentum", "0"]
 
 
 def test_target_time_to_it_and_d1_to_d5_by_hand():
@@ -71,7 +73,8 @@ def test_a_target_diloco_never_reaches_is_a_miss():
     diloco.analyse(result)
     d = {t["id"]: t for t in result["targets"]}
     assert result["target"] == 4.5 and rows[1]["step_to_target"] is None
-    assert d["D2"]["value"] is None and "never reached" in d["D2"]["from"]
+    assert d["D2"]["value"] is None and d["D2"]["met"] is False and "never reached" in d["D2"]["from"]
+    assert d["D3"]["met"] is False  # a miss, not "not measured"
 
 
 def test_skips_without_the_data(tmp_path):
