@@ -113,6 +113,7 @@ def curve_run(key: str, plan: dict, work: Path) -> dict:
     """The runtime's validation curve over the whole run, 4 loopback ranks as 2 nodes x 2."""
     label, script, args = job(key, plan)
     out = work / f"curve-{key}"
+    # every step logged, evaluated at step 0; the runtime's arguments come last (its --train.precision wins)
     cmd = [sys.executable, *script, *convergence.fp32_curve_args(plan), "--train.out_dir", out, *args]
     row = {"key": key, "label": label, "part": "curve", "setting": "loopback",
            **convergence.curve_run(cmd, out, plan["timeout"])}
