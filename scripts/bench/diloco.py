@@ -2,9 +2,9 @@
 ZeRO-3, ZeRO++, ZeRO++ with qwZ deltas, DeepSpeed ZeRO-3 and DDP, the inter-site link shaped to 100 and
 10 Mbit/s: time to a target validation loss, tokens/s, cross-site bytes per step, the loss at equal tokens.
 
-    python scripts/bench/diloco.py --quick     # 50 steps; timed at 10mbit and unshaped: 15 min at load 9
+    python scripts/bench/diloco.py --quick     # 50 steps; timed at 10mbit and unshaped: 9 min at load 5, 15 at 9
     python scripts/bench/diloco.py --out runs/bench/diloco --update-docs     # 500 steps; 100mbit, 10mbit and
-                              # unshaped: ~35 min on 2 quiet cores, ~1 h at load 9 (estimated from the quick run)
+                              # unshaped: ~25 min at load 5, ~40 at load 9 (estimated from the quick runs)
     python scripts/bench/diloco.py --inner-steps 50 --fragments 4 --delay 2  # --delay: diloco.delay (tau)
     python scripts/bench/diloco.py --diloco-set outer_lr=1 outer_momentum=0  # any other diloco.* key
 
