@@ -53,8 +53,9 @@ from trainer.pretrain_data import DataError, PretrainData, prepare_pretraining
 from data.sources import MissingKeyError
 from zeropp import build_runtime
 from zeropp.autoplan import PlanError, StepTimeCheck, block_step, choose, plan_state, price, probe, reuse
-from zeropp.diloco import OUTER_TAG, DiLoCo
+from zeropp.comm import world_comm
 from zeropp.config import ZeroConfigError
+from zeropp.diloco import OUTER_TAG, DiLoCo
 from zeropp.engine import UnsupportedModelError
 from zeropp.topology import TopologyError, build_mesh, ranks_per_node_from_env
 
@@ -222,7 +223,7 @@ class Trainer:
         self.runtime = build_runtime(self.model, cfg.zero_optimization, self.env.device, cfg.tensor_parallel, weights,
                                      **sites)
         mesh = getattr(self.runtime, "mesh", None)
-        self.site, self.sites = (mesh.site, mesh.sites) if mesh is not None else (0, 1)
+        self.sites = mesh.sites if mesh is not None else 1
         self.diloco = DiLoCo(self.runtime, cfg.diloco) if cfg.diloco.enabled else None
         # Data-parallel replicas read different batches; the ranks of a tensor-parallel group read
         # the same one, so world-wide sums of per-batch counts hold each `copies` times.
@@ -241,6 +242,7 @@ class Trainer:
             self.notes.append(replaced)
         self.step_comm: dict[str, dict] = {}  # the runtime ledger's totals of the last training step
         self.outer_cross_sent = [0, 0]  # DiLoCo's exchange: cross-node bytes this run sent, over how many steps
+        self.stop_in_flight = None  # DiLoCo: the last step's stop flag, being all-reduced (_stop_agreed)
         self.step_timings: dict[str, float] = {}  # and the seconds it spent outside compute, by kind
         self.step = 0
         self.consumed_samples = 0
@@ -429,8 +431,9 @@ class Trainer:
         split over ranks and micro-batches (fine-tuning examples differ in how many targets they
         have): each micro-batch's mean weighs by its share of the global target count, which one
         all-reduce at the start of the step provides; the stop flag and the token count ride on it.
-        With DiLoCo each site trains its own replica: "global" is the site's batch (one count per
-        site in the same all-reduce), and the loss logged is the mean over the sites.
+        With DiLoCo each site trains its own replica and no step waits for another site: "global" is
+        the site's batch (the counts and the loss are summed over the site's ranks), the loss logged
+        is rank 0's site's, and the stop flag is agreed over the world one step late (`_stop_agreed`).
         """
         cfg, accum, runtime = self.cfg, self.cfg.train.grad_accum, self.runtime
         lr = lr_at(self.step, cfg.train.steps, cfg.optim)
@@ -440,12 +443,15 @@ class Trainer:
         runtime.timings.clear()
         micro_batches = [self.data.batch(next(batches), self.env.device) for _ in range(accum)]
         targets = torch.stack([(labels != IGNORE_INDEX).sum() for _, labels in micro_batches]).tolist()  # one sync
-        counts = torch.zeros(2 + self.sites, dtype=torch.float64, device=self.env.device)
-        counts[0], counts[1] = float(stop), sum(inputs["tokens"].numel() for inputs, _ in micro_batches)
-        counts[2 + self.site] = sum(targets)
-        summed = all_reduce_sum(counts).tolist()
-        stops, n_tokens, n_targets = summed[0], summed[1], summed[2 + self.site]
-        anyone_stops, n_tokens, n_targets = stops > 0, round(n_tokens / self.copies), round(n_targets / self.copies)
+        counts = torch.tensor([float(stop), sum(inputs["tokens"].numel() for inputs, _ in micro_batches),
+                               sum(targets)], dtype=torch.float64, device=self.env.device)
+        if self.diloco is None:
+            stops, n_tokens, n_targets = all_reduce_sum(counts).tolist()
+            anyone_stops = stops > 0
+        else:  # the sites' batches are equal: the world's tokens are the site's times the sites
+            _, n_tokens, n_targets = self._site_sum(counts).tolist()
+            anyone_stops, n_tokens = self._stop_agreed(stop), n_tokens * self.sites
+        n_tokens, n_targets = round(n_tokens / self.copies), round(n_targets / self.copies)
         total = torch.zeros((), device=self.env.device)
         for micro, (inputs, labels) in enumerate(micro_batches):
             with nullcontext() if micro == accum - 1 else runtime.no_sync():
@@ -455,8 +461,8 @@ class Trainer:
                 runtime.backward(loss)
             total += loss.detach()
         grad_norm = runtime.clip_grad_norm_(cfg.optim.clip_grad if cfg.optim.clip_grad > 0 else float("inf")).item()
-        loss = all_reduce_sum(total).item() / self.copies / self.sites
-        # Both are global, so every rank takes the same decision: a non-finite one skips the update
+        loss = (all_reduce_sum(total) if self.diloco is None else self._site_sum(total)).item() / self.copies
+        # Both are global (DiLoCo: the site's), so every rank takes the same decision: a non-finite one skips the update
         # (the batch is consumed, the weights and optimizer state stay as they were); the policy
         # logs it, and raises NonFiniteError at train.max_nonfinite_steps in a row.
         self.last_step_skipped = not self.nonfinite.allow(self.step + 1, {"loss": loss, "grad norm": grad_norm})
@@ -473,6 +479,25 @@ class Trainer:
         self.step += 1
         self.consumed_samples += self.global_batch
         return loss, grad_norm, anyone_stops, n_tokens
+
+    def _site_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` summed over this rank's site (DiLoCo), through the site's runtime's Comm."""
+        reduced = value.to(self.runtime.comm.device, copy=True)
+        self.runtime.comm.all_reduce(reduced, tag="trainer all-reduce")
+        return reduced.to(value.device)
+
+    def _stop_agreed(self, stop: bool) -> bool:
+        """DiLoCo: whether any rank of any site asked to stop before the previous step. The flag's
+        world all-reduce is issued now and waited for a step later, so no step waits on the slow
+        link between sites (a step's worth of delay; every rank still stops at the same step)."""
+        comm = world_comm()
+        flag = torch.tensor([float(stop)], dtype=torch.float64, device=comm.device)
+        issued = comm.all_reduce(flag, "world", "trainer stop flag", async_op=True)
+        previous, self.stop_in_flight = self.stop_in_flight, (issued, flag)
+        if previous is None:
+            return False
+        previous[0].wait()
+        return previous[1].item() > 0
 
     def comm_scalars(self) -> dict[str, float]:
         """This rank's communication in the last step, from the runtime's ledger (MB sent), and
@@ -576,6 +601,8 @@ class Trainer:
         if not after_failure:
             if self.diloco is not None:  # its exchanges still in flight finish before the groups go
                 self.diloco.settle()
+                if self.stop_in_flight is not None:
+                    self.stop_in_flight[0].wait()
             self.runtime.close()
 
     def run(self) -> TrainResult:
