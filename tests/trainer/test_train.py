@@ -279,7 +279,7 @@ def test_diloco_sites_train_log_their_exchange_and_resume_mid_cycle_bit_identica
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "hf")
     assert sum(p.numel() for p in hf.parameters()) == sum(p.numel() for p in final.values())
     assert "DiLoCo on: 2 sites x 1 ranks, H 2, each exchange overlapped with the next 1 inner step, outer SGD " \
-           "lr 0.7, Nesterov momentum 0.9, pseudo-gradient as int8 blocks of 256 with error feedback" in log, log
+           "lr 0.7, Nesterov momentum 0.5, pseudo-gradient as int8 blocks of 256 with error feedback" in log, log
     assert re.search(r"predicted traffic per step, this rank: .*diloco outer \d", log), log
     # a site per node: the end-of-run table has the exchange's cross-node bytes per step, the run's mean
     outer_row = re.search(r"^\s+diloco outer \(mean\)\s+(\S+)\s+(\S+)\s+0\.000", log, re.M)

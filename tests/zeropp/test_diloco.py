@@ -155,7 +155,7 @@ def test_h1_outer_lr1_no_momentum_is_data_parallelism_across_sites(world, site_s
 
 @pytest.mark.parametrize("world,site_size,fragments", [(4, 2, 1), (6, 2, 1), (4, 2, 3)])
 def test_outer_nesterov_over_zero3_sites_matches_the_replay(world, site_size, fragments):
-    """H 3, two cycles, DiLoCo's outer lr 0.7 / Nesterov 0.9, inner SGD with momentum (kept
+    """H 3, two cycles, the default outer lr 0.7 / Nesterov 0.5, inner SGD with momentum (kept
     across the syncs): 2 x 2 and 3 x 2 ZeRO-3 sites against the one-process replay; every rank of
     every site ends with the same weights. With 3 fragments (Streaming DiLoCo) a fragment syncs
     after every step, each at its own steps, with 1/3 of the bytes: the sites agree on the
@@ -306,7 +306,7 @@ def test_mixing_keeps_alpha_of_the_local_weights():
     outs = run_ranks(_mixed, 4, args=(diloco,))
     start = torch.cat([p.detach().reshape(-1) for p in make_model("gpt2-tiny").parameters()])
     g = torch.stack([start - outs[0][0], start - outs[2][0]]).mean(0)  # site 0, site 1
-    global_ = start - 0.7 * (g + 0.9 * g)  # first step: momentum = g
+    global_ = start - diloco.outer_lr * (g + diloco.outer_momentum * g)  # first step: momentum = g
     for rank, (local, weights, anchor) in enumerate(outs):
         assert (weights - (0.25 * local + 0.75 * global_)).abs().max() <= 1e-6, rank
         mine = global_[rank % 2 * anchor.numel():][:anchor.numel()]  # its chunk of the model (no padding)
