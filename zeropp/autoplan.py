@@ -34,7 +34,7 @@ import torch.nn as nn
 from kernels import dequantize, quantize
 from models.transformer import Block, rope_cos_sin
 from zeropp.buffers import BufferPool
-from zeropp.comm import Comm, uses_node_aware
+from zeropp.comm import Comm
 from zeropp.config import ZeroConfig, ZeroConfigError
 from zeropp.engine import Zero3Engine
 from zeropp.plan import build_units, predicted_step_bytes, rotating_buffer_count, schedule_groups, unit_gathers
@@ -158,17 +158,10 @@ def paper_mesh(world_size: int, ranks_per_node: int) -> Mesh:
 
 class _PaperComm:
     """Comm's arithmetic over a paper mesh: its own volume(), no transport; the shard orders the
-    units and buffers read, as Comm.__init__ sets them."""
+    units and buffers read, set by Comm.set_layout itself."""
 
     volume = Comm.volume
-
-    def __init__(self, mesh: Mesh, node_aware: bool, backend: str):
-        self.mesh = mesh
-        self.node_aware = node_aware and uses_node_aware(mesh, backend)
-        self.local_major_order = [n * mesh.ranks_per_node + local for local in range(mesh.ranks_per_node)
-                                  for n in range(mesh.num_nodes)] \
-            if mesh.num_nodes > 1 and mesh.ranks_per_node > 1 else None
-        self.gather_order = self.local_major_order if self.node_aware else None
+    __init__ = Comm.set_layout
 
 
 class _CountingComm(_PaperComm):

@@ -212,7 +212,13 @@ class Comm:
         # gloo: the ring and qgZ run on their own thread, over the mesh's twin groups
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zeropp-comm") \
             if self.backend == "gloo" else None
-        self.node_aware = node_aware and uses_node_aware(mesh, self.backend)
+        self.set_layout(mesh, node_aware, self.backend)
+
+    def set_layout(self, mesh: Mesh, node_aware: bool, backend: str) -> None:
+        """Whether `dp` gathers go node-aware, and the shard orders that follow (read by the units,
+        buffers and codecs; also set on zeropp.autoplan's comm on paper, which has no transport)."""
+        self.mesh = mesh
+        self.node_aware = node_aware and uses_node_aware(mesh, backend)
         # The DP rank whose shard sits at each position of a gather across nodes, then inside the
         # node: local-rank-major (None where that is rank order: one node, or one rank per node).
         self.local_major_order = [n * mesh.ranks_per_node + local for local in range(mesh.ranks_per_node)
