@@ -170,18 +170,20 @@ def barrier() -> None:
         world_comm().barrier()
 
 
-def _all_reduce(value: torch.Tensor, op, tag: str) -> torch.Tensor:
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+def _all_reduce(value: torch.Tensor, op, tag: str, comm=None, group: str = "world") -> torch.Tensor:
+    if comm is None and not (dist.is_initialized() and dist.get_world_size() > 1):
         return value
-    comm = world_comm()
+    comm = comm or world_comm()
     reduced = value.to(comm.device, copy=True)
-    comm.all_reduce(reduced, "world", tag, op=op)
+    comm.all_reduce(reduced, group, tag, op=op)
     return reduced.to(value.device)
 
 
-def all_reduce_sum(value: torch.Tensor, tag: str = "trainer all-reduce") -> torch.Tensor:
-    """Sum a tensor over all ranks (identity for one process); a new tensor where `value` is."""
-    return _all_reduce(value, dist.ReduceOp.SUM, tag)
+def all_reduce_sum(value: torch.Tensor, tag: str = "trainer all-reduce", comm=None,
+                   group: str = "world") -> torch.Tensor:
+    """Sum a tensor over all ranks (identity for one process), or over `comm`'s `group` (a
+    runtime's Comm: DiLoCo's site); a new tensor where `value` is."""
+    return _all_reduce(value, dist.ReduceOp.SUM, tag, comm, group)
 
 
 def all_reduce_max(value: torch.Tensor, tag: str = "trainer all-reduce") -> torch.Tensor:

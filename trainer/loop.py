@@ -482,9 +482,7 @@ class Trainer:
 
     def _site_sum(self, value: torch.Tensor) -> torch.Tensor:
         """`value` summed over this rank's site (DiLoCo), through the site's runtime's Comm."""
-        reduced = value.to(self.runtime.comm.device, copy=True)
-        self.runtime.comm.all_reduce(reduced, tag="trainer all-reduce")
-        return reduced.to(value.device)
+        return all_reduce_sum(value, comm=self.runtime.comm, group="dp")
 
     def _stop_agreed(self, stop: bool) -> bool:
         """DiLoCo: whether any rank of any site asked to stop before the previous step. The flag's
