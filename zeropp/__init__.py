@@ -9,7 +9,6 @@ from zeropp.config import TensorParallelConfig, ZeroConfig
 from zeropp.ddp import DDPRuntime
 from zeropp.engine import Zero3Engine
 from zeropp.runtime import Runtime
-from zeropp.topology import mesh_from_config
 
 
 def build_runtime(model: nn.Module, config: ZeroConfig, device: torch.device,
@@ -26,10 +25,9 @@ def build_runtime(model: nn.Module, config: ZeroConfig, device: torch.device,
     if tensor_parallel is not None and tensor_parallel.size > 1:
         from zeropp.tensor_parallel.runtime import TensorParallelRuntime
         return TensorParallelRuntime(model, config, tensor_parallel, device)
-    mesh = mesh_from_config(config, site_size=site_size) if site_size else None
     if config.stage == 3:
-        return Zero3Engine(model, config, mesh, device, weights)
-    return DDPRuntime(model, config, device, mesh)
+        return Zero3Engine(model, config, None, device, weights, site_size=site_size)
+    return DDPRuntime(model, config, device, site_size=site_size)
 
 
 __all__ = ["DDPRuntime", "Runtime", "TensorParallelConfig", "Zero3Engine", "ZeroConfig", "build_runtime"]

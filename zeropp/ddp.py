@@ -31,19 +31,22 @@ class DDPRuntime(Runtime):
     checkpoint_format = FULL
 
     def __init__(self, model: nn.Module, config: ZeroConfig | None = None, device: torch.device | None = None,
-                 mesh: Mesh | None = None):
+                 mesh: Mesh | None = None, site_size: int | None = None):
         """mesh: the groups to run over (a tensor-parallel runtime passes its TP x DP mesh; DDP then
-        spans its `dp` group); by default built from the config over the whole world."""
+        spans its `dp` group; it stays the caller's); by default built from the config over the whole
+        world (DiLoCo: over sites of `site_size` ranks) and closed with the runtime."""
         self.module = model
         self.config = config or ZeroConfig()
         self.timings = Timings()
-        self.world_size = mesh.world_size if mesh else dist.get_world_size() if dist.is_initialized() else 1
+        self._own_mesh = mesh is None
+        if mesh is None and (site_size or (dist.is_initialized() and dist.get_world_size() > 1)):
+            mesh = mesh_from_config(self.config, site_size=site_size)
+        self.world_size = mesh.world_size if mesh else 1
         self.gradient_divide_factor = float(self.world_size)
-        self.mesh = self.comm = self._ddp = self.reducer = self._powersgd = None
+        self.mesh = self.comm = self._ddp = self.reducer = self._powersgd = self._powersgd_group = None
         self.ledger = CommLedger()
-        if mesh is not None or self.world_size > 1:
-            self.mesh = mesh or mesh_from_config(self.config)
-            self.comm = Comm(self.mesh, self.ledger)
+        if mesh is not None:
+            self.mesh, self.comm = mesh, Comm(mesh, self.ledger)
         if self.world_size > 1 and any(p.requires_grad for p in model.parameters()):  # a frozen model: no DDP
             device = device or torch.device("cpu")
             # find_unused_parameters also keeps DDP from rebuilding its buckets after the first
@@ -66,8 +69,9 @@ class DDPRuntime(Runtime):
             # interleave with DDP's own all-reduces (the unused-parameter map) on the default group.
             tp, dp = self.mesh.tp_size, self.mesh.world_size  # one group per tensor-parallel index (collective)
             groups = [new_group([d * tp + t for d in range(dp)]) for t in range(tp)]
+            self._powersgd_group = groups[dist.get_rank() % tp]
             self._powersgd = powerSGD_hook.PowerSGDState(
-                process_group=groups[dist.get_rank() % tp], matrix_approximation_rank=compression.powersgd_rank,
+                process_group=self._powersgd_group, matrix_approximation_rank=compression.powersgd_rank,
                 start_powerSGD_iter=2, random_seed=compression.seed)
             self._ddp.register_comm_hook(self._powersgd, self._powersgd_hook)
         elif compression.separate:
@@ -167,3 +171,9 @@ class DDPRuntime(Runtime):
     def close(self) -> None:
         if self.comm is not None:
             self.comm.close()
+        if self._own_mesh and self.mesh is not None:
+            self.mesh.close()
+        if self._powersgd_group is not None:
+            dist.destroy_process_group(self._powersgd_group)
+        # torch's DDP (its C++ reducer holds the hook's state and groups) goes now, not at some later collection
+        self._ddp = self._powersgd = self._powersgd_group = None

@@ -92,10 +92,11 @@ class Zero3Engine(Runtime):
     checkpoint_format = SHARDED
 
     def __init__(self, model: nn.Module, config: ZeroConfig | None = None, mesh: Mesh | None = None,
-                 device: torch.device | None = None, weights=None):
+                 device: torch.device | None = None, weights=None, site_size: int | None = None):
         """`model` may be on the meta device (partly or wholly): then each rank reads just its shards
         of those parameters from `weights` (models.weights.WeightSource), unit by unit, and never
-        holds the full model."""
+        holds the full model. mesh None: built from the config (over DiLoCo's sites of `site_size`
+        ranks where given) and closed with the engine; a mesh passed in stays its owner's."""
         self.module = model
         self.config = cfg = config or ZeroConfig(stage=3)
         self.comm_dtype, self.param_dtype = cfg.comm_dtype, cfg.compute_dtype
@@ -105,7 +106,8 @@ class Zero3Engine(Runtime):
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", store=dist.HashStore(),
                                     rank=0, world_size=1)
         # The layout: by default the one the config asks for (its ranks per node, hpZ's secondary group size).
-        self.mesh = mesh or mesh_from_config(cfg)
+        self._own_mesh = mesh is None
+        self.mesh = mesh or mesh_from_config(cfg, site_size=site_size)
         self.comm = Comm(self.mesh, node_aware=cfg.node_aware_collectives)
         self.ledger, self.timings = self.comm.ledger, Timings()
         self.gradient_divide_factor = float(self.mesh.world_size)
@@ -408,5 +410,7 @@ class Zero3Engine(Runtime):
         for h in self._hooks:
             h.remove()
         self.comm.close()
+        if self._own_mesh:
+            self.mesh.close()
         if self._own_group:
             dist.destroy_process_group()

@@ -81,6 +81,22 @@ class Mesh:
     sites: int = 1
     _members: dict[str, list[int]] = field(default_factory=dict)  # name -> DP ranks (tp: global ranks)
     _groups: dict[tuple[str, bool], object] = field(default_factory=dict)  # (name, thread) -> process group
+    _created: list = field(default_factory=list)  # the groups build_mesh made for it: close() destroys them
+
+    def close(self) -> None:
+        """Destroy the process groups built for this mesh (never the default group). A process that builds
+        runtimes one after another (tests, benchmarks, RLHF stages, the planner's probes) otherwise keeps
+        every one's groups, and gloo's threads and sockets with them. Idempotent."""
+        for group in self._created:
+            dist.destroy_process_group(group)
+        self._groups = {key: g for key, g in self._groups.items() if all(g is not c for c in self._created)}
+        self._created.clear()
+
+    def record(self, group):
+        """`group`, remembered for close() where this rank is a member of it."""
+        if group is not dist.GroupMember.NON_GROUP_MEMBER:
+            self._created.append(group)
+        return group
 
     @property
     def tp_crosses_nodes(self) -> bool:
@@ -189,7 +205,7 @@ def build_mesh(ranks_per_node: int | None = None, secondary_size: int | None = N
             first = s * site_size
             if tp > 1:
                 for d in range(dp_world):
-                    group = new_group([first + d * tp + t for t in range(tp)])
+                    group = mesh.record(new_group([first + d * tp + t for t in range(tp)]))
                     if s == site and d == mesh.rank:
                         mesh._groups["tp", thread] = group
             for name in GROUPS[:4]:
@@ -201,13 +217,13 @@ def build_mesh(ranks_per_node: int | None = None, secondary_size: int | None = N
                 for t in range(tp):
                     for block in _blocks(name, dp_world, rpn, sec):
                         group = dist.group.WORLD if (sites == 1 and tp == 1 and name == "dp" and not thread) else \
-                            new_group([first + d * tp + t for d in block])
+                            mesh.record(new_group([first + d * tp + t for d in block]))
                         if s == site and t == tp_index and mesh.rank in block:
                             mesh._groups[name, thread], mesh._members[name] = group, block
     if sites > 1:  # the outer exchange's groups: one per place in a site, across the sites
         for place in range(site_size):
             members = [s * site_size + place for s in range(sites)]
-            group = new_group(members)
+            group = mesh.record(new_group(members))
             if me in members:
                 mesh._groups["cross_site", False], mesh._members["cross_site"] = group, members
     else:  # one site: nothing to exchange with (Comm moves nothing over a group of one)

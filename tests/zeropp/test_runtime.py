@@ -1,6 +1,7 @@
 """The runtime interface: gradients are the mean whether or not anyone clips, parameters stay
 visible to standard code, old checkpoints load, and a stateful reducer resumes exactly."""
 
+import gc
 import json
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from models.transformer import Transformer, lm_loss
 from tests.zeropp.test_engine import BATCH, OPTIM, _zero_run, batches, make_engine, make_model, reference, train_step
 from trainer.optim import build_optimizer
 from trainer.spawn import run_ranks
-from zeropp.config import ZeroConfig
+from zeropp.config import GradientCompression, ZeroConfig
 from zeropp.ddp import DDPRuntime
 
 FP32 = ZeroConfig(stage=3, communication_data_type="fp32")
@@ -207,3 +208,41 @@ def test_qgz_error_feedback_state_survives_a_resume_exactly(tmp_path):
         assert all(torch.equal(errors[k], reloaded[k]) for k in errors)
         assert any(e.abs().max() > 0 for e in errors.values())
         assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 0.01
+
+
+def _gloo_threads() -> int:
+    """This process's gloo transport threads (Linux): each live process group keeps its own."""
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            names.append((task / "comm").read_text())
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return sum("gloo" in name for name in names)
+
+
+def _runtimes_closed_one_after_another(rank, world):
+    from zeropp import TensorParallelConfig, build_runtime
+
+    after = []
+    for zero, tp in 2 * [(ZeroConfig(stage=3, zero_hpz_partition_size=0, zero_quantized_gradients=True), 1),
+                         (ZeroConfig(stage=0, gradient_compression=GradientCompression(method="powersgd")), 1),
+                         (ZeroConfig(stage=3), 2)]:
+        runtime = build_runtime(make_model("gpt2-tiny"), zero, torch.device("cpu"), TensorParallelConfig(size=tp))
+        batch = batches(1)[0]
+        runtime.backward(getattr(runtime, "lm_loss", lm_loss)(runtime(batch[:, :-1]), batch[:, 1:]))
+        runtime.close()
+        del runtime
+        gc.collect()  # the runtime's reference cycles (hooks) hold the last references to its groups
+        after.append((len(dist.distributed_c10d._world.pg_map), _gloo_threads()))
+    return after
+
+
+def test_a_closed_runtime_leaves_no_process_group_behind():
+    """A process that builds runtimes one after another (tests, benchmarks, RLHF stages) ends each
+    with the process groups and gloo threads it had before: ZeRO++ (hpZ's and the communication
+    thread's groups), DDP with PowerSGD's group, a tensor-parallel runtime's TP x DP mesh, each built
+    twice: the second round leaves exactly what the first did (the default group's own threads start
+    with its first collectives)."""
+    for after in run_ranks(_runtimes_closed_one_after_another, 4, ranks_per_node=2):
+        assert after[3:] == after[:3] and {groups for groups, _ in after} == {1}

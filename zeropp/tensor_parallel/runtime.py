@@ -273,6 +273,7 @@ class TensorParallelRuntime(Runtime):
 
     def close(self) -> None:
         self.inner.close()
+        self.mesh.close()  # built here, lent to the inner runtime
 
 
 def consolidated_tensors(directory: str | Path, read_slice) -> dict[str, torch.Tensor]:
