@@ -52,7 +52,7 @@ from trainer.skeleton import Stage, run_stage
 from trainer.pretrain_data import DataError, PretrainData, prepare_pretraining
 from data.sources import MissingKeyError
 from zeropp import build_runtime
-from zeropp.autoplan import PlanError, StepTimeCheck, block_step, choose, plan_state, price, probe, reuse
+from zeropp.autoplan import PlanError, StepTimeCheck, choose, compute_steps, plan_state, price, probe, reuse
 from zeropp.comm import world_comm
 from zeropp.config import ZeroConfigError
 from zeropp.diloco import OUTER_TAG, DiLoCo
@@ -214,8 +214,12 @@ class Trainer:
         self.n_trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         self.plan: dict | None = None  # plan.auto's choice (state.json "plan") and its step-time check
         self.plan_check: StepTimeCheck | None = None
+        self.plan_seconds = 0.0  # what probing and planning took (issue 34's A4)
         if cfg.plan.auto:
+            started = time.perf_counter()
             self._auto_plan()
+            self.plan_seconds = time.perf_counter() - started
+            self.notes.append(f"plan: probed and planned in {self.plan_seconds:.2f} s")
         # DiLoCo: the runtime over its site's ranks only (zeropp.diloco); the default builder's keyword,
         # so the benchmarks' builders see it only where DiLoCo is on.
         sites = {"site_size": cfg.diloco.site_size or ranks_per_node_from_env(self.env.world_size)} \
@@ -275,8 +279,12 @@ class Trainer:
         dtype = compute_dtype(cfg.train.precision, device)
         mesh = build_mesh(ranks_per_node=cfg.zero_optimization.ranks_per_node, thread_groups=False) \
             if dist.is_initialized() else None
-        step = block_step(self.model, cfg.train.micro_batch_size, cfg.data.seq_len, device, dtype)
-        probes = probe(mesh, device, step)
+        try:
+            probes = probe(mesh, device, compute_steps(self.model, cfg.train.micro_batch_size, cfg.data.seq_len,
+                                                       device, dtype))
+        finally:
+            if mesh is not None:
+                mesh.close()
         path = resolve_checkpoint(cfg.resume, cfg.train.out_dir, say=lambda _: None) if cfg.resume else None
         saved = read_state(path) if path is not None else None
         config, note = reuse(saved and saved.get("plan"), probes)

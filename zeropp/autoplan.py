@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from kernels import dequantize, quantize
-from models.transformer import Block, rope_cos_sin
+from models.transformer import Block, Transformer, lm_loss, rope_cos_sin
 from zeropp.buffers import BufferPool
 from zeropp.comm import Comm
 from zeropp.config import ZeroConfig, ZeroConfigError
@@ -45,6 +45,7 @@ from zeropp.topology import Mesh, _blocks
 LEVELS = ("intra_node", "inter_node")
 PROBE_BYTES = (2**12, 2**18)  # the two all-gather chunk sizes per rank: latency from the first, slope between
 DELTA_BITS = 8  # qwZ deltas' forward weights: closer to the masters than int8 qwZ's (docs/zeropp.md)
+VOCAB_PROBED = 8192  # the compute probe's one-block model has at most this vocabulary (scaled up from there)
 
 
 class PlanError(ValueError):
@@ -64,6 +65,9 @@ class Probes:
     bandwidth: dict[str, float]  # level -> bytes/s
     latency: dict[str, float]  # level -> seconds per collective
     block_seconds: float  # one block's forward + backward at the run's micro-batch and precision
+    head_seconds: float  # the rest of the model's: embeddings, final norm, head and loss
+    optimizer_seconds: float  # an optimizer step (and gradient norm) per stepped element
+    optimizer_tensor_seconds: float  # and per stepped tensor
     codec_seconds: float  # quantizing + dequantizing one element (int8, blocks of 256)
     memory_bytes: int  # available to this rank
 
@@ -256,18 +260,19 @@ def price(model: nn.Module, probes: Probes, micro_batches: int = 1, memory=None,
     sum); by default their sum."""
     memory = memory or (lambda config, states, buffers: sum(states.values()) + buffers)
     has_frozen = any(not p.requires_grad for p in model.parameters())
-    compute = probes.block_seconds * len(model.blocks) * micro_batches
+    compute = (probes.block_seconds * len(model.blocks) + probes.head_seconds) * micro_batches
     out = []
     for name, cfg in candidates(base or ZeroConfig(stage=3)).items():
         if cfg.stage == 0:
             step, collectives, states = _ddp_on_paper(model, probes)
             buffers, codec = 0, 0
+            stepped = [p.numel() for p in model.parameters() if p.requires_grad]
         else:
             units, reducer, groups, held, pool, mesh = _zero3_on_paper(model, cfg, probes)
             step = predicted_step_bytes(units, groups, held, reducer.comm, reducer, micro_batches)
             states = unit_state_bytes(units.values(), reducer, offloaded=cfg.offload_optimizer != "none")
-            stepped = sum(piece.numel() for u in units.values() if u.trainable for _, piece, _ in u.params)
-            states["optimizer states" + (" (host)" if cfg.offload_optimizer != "none" else "")] = 8 * stepped
+            stepped = [piece.numel() for u in units.values() if u.trainable for _, piece, _ in u.params]
+            states["optimizer states" + (" (host)" if cfg.offload_optimizer != "none" else "")] = 8 * sum(stepped)
             # BufferPool.nbytes, by storage identity: meta storages have no address
             buffers = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in pool.preallocated()}
                           .values())
@@ -275,12 +280,14 @@ def price(model: nn.Module, probes: Probes, micro_batches: int = 1, memory=None,
             collectives = _collectives(units, groups, held, mesh, cfg, probes.backend, micro_batches)
         cross = sum(v["cross_node_sent"] for v in step.values())
         intra = sum(v["sent"] for v in step.values()) - cross
-        terms = {"compute": compute, "codec": codec,
+        optimizer = probes.optimizer_seconds * sum(stepped) + probes.optimizer_tensor_seconds * len(stepped)
+        terms = {"compute": compute, "codec": codec, "optimizer": optimizer,
                  "intra_node": intra / probes.bandwidth["intra_node"],
                  "inter_node": cross / probes.bandwidth["inter_node"],
                  "latency": sum(collectives[level] * probes.latency[level] for level in LEVELS)}
         comm = terms["intra_node"] + terms["inter_node"] + terms["latency"]
-        seconds = max(compute + codec, comm) if cfg.overlap_comm else compute + codec + comm
+        # the optimizer steps after the last reduction: nothing to hide behind
+        seconds = (max(compute + codec, comm) if cfg.overlap_comm else compute + codec + comm) + optimizer
         out.append(Cost(name, cfg, step, collectives, weight_bits(cfg, has_frozen), memory(cfg, states, buffers), terms,
                         seconds))
     return out
@@ -387,17 +394,20 @@ def _rng_kept(device: torch.device):
     return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
 
-def probe(mesh: Mesh | None, device: torch.device, block_step, reps: int = 3) -> Probes:
-    """Measure this machine (every rank calls it, in the same order): the links per level on
-    `mesh`'s groups, `block_step()` (one block's forward + backward), the codec and the memory;
-    reduced over the world (MAX of times, MIN of bandwidth and memory) so all ranks agree.
-    mesh None: one process without a process group, no link to measure."""
+def probe(mesh: Mesh | None, device: torch.device, compute: tuple[dict, float], reps: int = 3) -> Probes:
+    """Measure this machine (every rank calls it, in the same order): the links per level on `mesh`'s groups,
+    the compute (`compute_steps`' work and vocabulary factor), the optimizer, the codec and the memory; reduced
+    over the world (MAX of times, MIN of bandwidth and memory) so all ranks agree. mesh None: one process
+    without a process group, no link to measure."""
     comm = Comm(mesh) if mesh is not None else None
+    steps, vocab_factor = compute
     try:
         with _rng_kept(device):
             links = [_link(comm, level, comm.device, reps) if comm else (math.inf, 0.0) for level in LEVELS]
+            block, one_block_model = (_timed(steps[k], reps) for k in ("block", "one_block_model"))
             local = torch.tensor([v for bw, lat in links for v in (1 / bw, lat)]
-                                 + [_timed(block_step, reps), _codec_seconds(device),
+                                 + [block, max(0.0, one_block_model - block) * vocab_factor,
+                                    *_optimizer_seconds(device, reps), _codec_seconds(device),
                                     -available_memory(device, mesh.ranks_per_node if mesh else 1)],
                                  dtype=torch.float64, device=comm.device if comm else "cpu")
         if comm:
@@ -410,28 +420,57 @@ def probe(mesh: Mesh | None, device: torch.device, block_step, reps: int = 3) ->
     backend = comm.backend if comm else "nccl" if device.type == "cuda" else "gloo"
     return Probes(mesh.world_size if mesh else 1, mesh.ranks_per_node if mesh else 1, name, backend,
                   {level: 1 / v[2 * i] if v[2 * i] else math.inf for i, level in enumerate(LEVELS)},
-                  {level: v[2 * i + 1] for i, level in enumerate(LEVELS)}, v[4], v[5], int(-v[6]))
+                  {level: v[2 * i + 1] for i, level in enumerate(LEVELS)}, *v[4:9], int(-v[9]))
 
 
-def block_step(model: nn.Module, micro_batch: int, seq_len: int, device: torch.device, dtype: torch.dtype):
-    """A function running one forward + backward of a fresh block of `model`'s config on `device`
-    at (micro_batch, seq_len) under autocast to `dtype` (fp32: none): the compute probe."""
+def compute_steps(model: nn.Module, micro_batch: int, seq_len: int, device: torch.device, dtype: torch.dtype):
+    """The compute probes' work at (micro_batch, seq_len) under autocast to `dtype` (fp32: none), each one forward +
+    backward on `device`: {"block": a fresh block of `model`'s config, "one_block_model": a one-block model of it
+    whose vocabulary is cut to at most VOCAB_PROBED tokens (embeddings, block, final norm, head, loss)}, and the
+    factor scaling the second's time beyond the block to the full vocabulary (those layers are linear in it)."""
     config = model.config
+    vocab = min(config.vocab_size, VOCAB_PROBED)
     with _rng_kept(device):
         block = Block(config, 0).to(device)
         x = torch.randn(micro_batch, seq_len, config.d_model, device=device, requires_grad=True)
+        small = Transformer(dataclasses.replace(config, n_layer=1, vocab_size=vocab)).to(device)
+        tokens = torch.randint(0, vocab, (micro_batch, seq_len + 1), device=device)
     rope = None
     if config.positions == "rope":
         positions = torch.arange(seq_len, device=device).expand(micro_batch, seq_len)
         rope = rope_cos_sin(positions, config.head_dim, config.rope_theta, config.rope_scaling, config.max_seq_len)
 
-    def run():
-        with torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
-            out = block(x, rope, None)
-        out.float().sum().backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    return run
+    def timed(forward):
+        def run():
+            with torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
+                out = forward()
+            out.backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        return run
+    steps = {"block": timed(lambda: block(x, rope, None).float().sum()),
+             "one_block_model": timed(lambda: lm_loss(small(tokens[:, :-1]), tokens[:, 1:]))}
+    return steps, config.vocab_size / vocab
+
+
+def _optimizer_seconds(device: torch.device, reps: int, numel: int = 2**18, tensors: int = 64) -> tuple[float, float]:
+    """(per element, per tensor) seconds of an optimizer step as trainer.optim builds it (AdamW, foreach=False)
+    after a gradient norm: from one tensor of `numel` elements and from `tensors` tensors holding as many."""
+    def step_of(sizes):
+        params = [torch.zeros(n, device=device, requires_grad=True) for n in sizes]
+        for p in params:
+            p.grad = torch.full_like(p, 1e-3)
+        optimizer = torch.optim.AdamW(params, foreach=False)
+
+        def run():
+            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+            optimizer.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        return run
+    one = _timed(step_of([numel]), reps)
+    many = _timed(step_of([numel // tensors] * tensors), reps)
+    return one / numel, max(0.0, many - one) / (tensors - 1)
 
 
 # ----------------------------------------------------------------------------- the checkpoint
@@ -440,7 +479,7 @@ def plan_state(plan: Plan, probes: Probes) -> dict:
     """What state.json keeps of a plan: the choice, its prediction and the machine it was made on."""
     return {"chosen": plan.chosen.name, "config": dataclasses.asdict(plan.chosen.config),
             "step_seconds": plan.chosen.step_seconds, "memory_bytes": plan.chosen.memory_bytes,
-            "machine": probes.fingerprint()}
+            "machine": probes.fingerprint(), "predicted": {c.name: c.step_seconds for c in plan.costs}}
 
 
 def reuse(saved: dict | None, probes: Probes) -> tuple[ZeroConfig | None, str]:

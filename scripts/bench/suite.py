@@ -38,7 +38,8 @@ from scripts.bench import report, runner
 from scripts.bench.report import ROOT
 
 SUITE = ["comm_volume", "kernel_bandwidth", "ablation", "peers", "rlhf", "convergence"]  # run order: cheapest first
-BENCHMARKS = SUITE + ["memory", "reduce_scatter", "quantized_perplexity", "separate", "tensor_parallel", "diloco"]
+BENCHMARKS = SUITE + ["memory", "reduce_scatter", "quantized_perplexity", "separate", "tensor_parallel", "diloco",
+                      "autoplan"]
 
 
 def module(name: str):

@@ -19,7 +19,7 @@ from trainer.config import parse_args
 from trainer.loop import train
 from trainer.spawn import run_ranks
 from zeropp import build_runtime
-from zeropp.autoplan import (PlanError, Probes, StepTimeCheck, block_step, candidates, choose, plan_state, price,
+from zeropp.autoplan import (PlanError, Probes, StepTimeCheck, candidates, compute_steps, choose, plan_state, price,
                              probe, reuse)
 from zeropp.config import ZeroConfig, ZeroConfigError
 from zeropp.topology import build_mesh
@@ -34,9 +34,9 @@ def _model() -> Transformer:
 
 
 def _probes(inter_bandwidth: float, memory: int = 2**40, world: int = 4, device: str = "cpu") -> Probes:
-    """2 nodes x 2 ranks, a 10 Gbit/s node inside, `inter_bandwidth` across; 2 ms a block."""
+    """2 nodes x 2 ranks, a 10 Gbit/s node inside, `inter_bandwidth` across; 2 ms a block, 1 ms the rest."""
     return Probes(world, 2, device, "gloo", {"intra_node": 10_000 * MBIT, "inter_node": inter_bandwidth},
-                  {"intra_node": 20e-6, "inter_node": 100e-6}, 2e-3, 2e-9, memory)
+                  {"intra_node": 20e-6, "inter_node": 100e-6}, 2e-3, 1e-3, 2e-9, 1e-5, 2e-9, memory)
 
 
 def _plan(inter_bandwidth, min_weight_bits=8, **constraints):
@@ -153,7 +153,7 @@ def _probe_on_ranks(rank, world):
     torch.manual_seed(rank)  # the ranks time different work: only the reduction makes them agree
     mesh = build_mesh(ranks_per_node=2, thread_groups=False)
     model = Transformer(ModelConfig.from_preset("llama-tiny"))
-    probes = probe(mesh, torch.device("cpu"), block_step(model, 1, 16, torch.device("cpu"), torch.float32))
+    probes = probe(mesh, torch.device("cpu"), compute_steps(model, 1, 16, torch.device("cpu"), torch.float32))
     plan = choose(price(model, probes, base=BASE), memory_cap_bytes=probes.memory_bytes)
     return dataclasses.asdict(probes), plan.chosen.name
 
@@ -166,7 +166,8 @@ def test_probes_are_the_same_on_every_rank():
     probes = results[0][0]
     for level in ("intra_node", "inter_node"):
         assert 0 < probes["bandwidth"][level] < math.inf and probes["latency"][level] >= 0
-    assert probes["block_seconds"] > 0 and probes["codec_seconds"] > 0 and probes["memory_bytes"] > 0
+    for measured in ("block_seconds", "head_seconds", "optimizer_seconds", "codec_seconds", "memory_bytes"):
+        assert probes[measured] > 0, measured
     assert (probes["world_size"], probes["ranks_per_node"], probes["device"]) == (4, 2, "cpu")
 
 
