@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +70,7 @@ class Probes:
     optimizer_seconds: float  # an optimizer step (and gradient norm) per stepped element
     optimizer_tensor_seconds: float  # and per stepped tensor
     codec_seconds: float  # quantizing + dequantizing one element (int8, blocks of 256)
+    overlap: float  # the share of the shorter of compute and communication that hides behind the other
     memory_bytes: int  # available to this rank
 
     def fingerprint(self) -> dict:
@@ -286,8 +288,9 @@ def price(model: nn.Module, probes: Probes, micro_batches: int = 1, memory=None,
                  "inter_node": cross / probes.bandwidth["inter_node"],
                  "latency": sum(collectives[level] * probes.latency[level] for level in LEVELS)}
         comm = terms["intra_node"] + terms["inter_node"] + terms["latency"]
+        hidden = probes.overlap * min(compute + codec, comm) if cfg.overlap_comm else 0.0
         # the optimizer steps after the last reduction: nothing to hide behind
-        seconds = (max(compute + codec, comm) if cfg.overlap_comm else compute + codec + comm) + optimizer
+        seconds = compute + codec + comm - hidden + optimizer
         out.append(Cost(name, cfg, step, collectives, weight_bits(cfg, has_frozen), memory(cfg, states, buffers), terms,
                         seconds))
     return out
@@ -345,14 +348,19 @@ def _reason(a: Cost, b: Cost) -> str:
 
 # ----------------------------------------------------------------------------- probes
 
-def _timed(fn, reps: int) -> float:
-    fn()  # warm-up: first-call setup (gloo's connections, kernels' code)
-    best = math.inf
+def _timed(fn, reps: int, together=None) -> float:
+    """Seconds of one fn(): the best of `reps` after a warm-up (first-call setup: gloo's connections, kernels'
+    code). together: a barrier every rank passes before each run, so all ranks work at once, as in a training
+    step (ranks that share cores slow each other down there too), and the median run counts."""
+    fn()
+    times = []
     for _ in range(reps):
+        if together:
+            together()
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) if together else min(times)
 
 
 def _link(comm: Comm, level: str, device: torch.device, reps: int) -> tuple[float, float]:
@@ -371,13 +379,36 @@ def _link(comm: Comm, level: str, device: torch.device, reps: int) -> tuple[floa
     return 1 / slope, max(0.0, times[0] - sent[0] * slope)
 
 
-def _codec_seconds(device: torch.device, numel: int = 2**18) -> float:
+def _overlap(comm: Comm, level: str, bandwidth: float, latency: float, work, reps: int, together) -> float:
+    """The share of the shorter of `work` (the block's compute) and an all-gather over `level` of about as long
+    that hides behind the other when both run at once, as in a training step: near 1 where the transfer leaves
+    the processor free (a slow link), lower where the collective itself needs the cores the compute runs on
+    (ranks on one machine's loopback)."""
+    n = comm.mesh.size(level)
+    compute = _timed(work, reps, together)
+    chunk = torch.tensor([min(max(4096, (compute - latency) * bandwidth / (n - 1)), 2**24)], dtype=torch.float64,
+                         device=comm.device)
+    comm.all_reduce(chunk, group="world", tag="plan probe", op=dist.ReduceOp.MAX)  # one size on every rank
+    chunk = int(chunk.item())
+    shard = torch.zeros(chunk, dtype=torch.uint8, device=comm.device)
+    out = torch.empty(n * chunk, dtype=torch.uint8, device=comm.device)
+
+    def both():
+        handle = comm.all_gather(out, shard, group=level, tag="plan probe", async_op=True)
+        work()
+        handle.wait()
+    alone = _timed(lambda: comm.all_gather(out, shard, group=level, tag="plan probe"), reps, together)
+    together_ = _timed(both, reps, together)
+    return min(1.0, max(0.0, (compute + alone - together_) / min(compute, alone)))
+
+
+def _codec_seconds(device: torch.device, reps: int, together, numel: int = 2**18) -> float:
     x = torch.randn(numel, device=device)
 
     def roundtrip():
         q = quantize(x, 8, 256)
         dequantize(q.codes, q.scales, numel, 8, 256)
-    return _timed(roundtrip, 2) / numel
+    return _timed(roundtrip, reps, together) / numel
 
 
 def available_memory(device: torch.device, ranks_per_node: int) -> int:
@@ -397,17 +428,23 @@ def _rng_kept(device: torch.device):
 def probe(mesh: Mesh | None, device: torch.device, compute: tuple[dict, float], reps: int = 3) -> Probes:
     """Measure this machine (every rank calls it, in the same order): the links per level on `mesh`'s groups,
     the compute (`compute_steps`' work and vocabulary factor), the optimizer, the codec and the memory; reduced
-    over the world (MAX of times, MIN of bandwidth and memory) so all ranks agree. mesh None: one process
+    over the world (MAX of times, MIN of bandwidth, overlap and memory) so all ranks agree. mesh None: one process
     without a process group, no link to measure."""
     comm = Comm(mesh) if mesh is not None else None
+    together = comm.barrier if comm else None
     steps, vocab_factor = compute
     try:
         with _rng_kept(device):
             links = [_link(comm, level, comm.device, reps) if comm else (math.inf, 0.0) for level in LEVELS]
-            block, one_block_model = (_timed(steps[k], reps) for k in ("block", "one_block_model"))
+            block, one_block_model = (_timed(steps[k], reps, together) for k in ("block", "one_block_model"))
+            # overlap measured across nodes, else inside the node: a level every rank has alike
+            level = next((i for i in (1, 0) if comm and comm.mesh.size(LEVELS[i]) > 1), None)
+            overlap = 1.0 if level is None else _overlap(comm, LEVELS[level], *links[level], steps["block"], reps,
+                                                         together)
             local = torch.tensor([v for bw, lat in links for v in (1 / bw, lat)]
                                  + [block, max(0.0, one_block_model - block) * vocab_factor,
-                                    *_optimizer_seconds(device, reps), _codec_seconds(device),
+                                    *_optimizer_seconds(device, reps, together), _codec_seconds(device, reps, together),
+                                    -overlap,
                                     -available_memory(device, mesh.ranks_per_node if mesh else 1)],
                                  dtype=torch.float64, device=comm.device if comm else "cpu")
         if comm:
@@ -420,7 +457,7 @@ def probe(mesh: Mesh | None, device: torch.device, compute: tuple[dict, float], 
     backend = comm.backend if comm else "nccl" if device.type == "cuda" else "gloo"
     return Probes(mesh.world_size if mesh else 1, mesh.ranks_per_node if mesh else 1, name, backend,
                   {level: 1 / v[2 * i] if v[2 * i] else math.inf for i, level in enumerate(LEVELS)},
-                  {level: v[2 * i + 1] for i, level in enumerate(LEVELS)}, *v[4:9], int(-v[9]))
+                  {level: v[2 * i + 1] for i, level in enumerate(LEVELS)}, *v[4:9], -v[9], int(-v[10]))
 
 
 def compute_steps(model: nn.Module, micro_batch: int, seq_len: int, device: torch.device, dtype: torch.dtype):
@@ -453,7 +490,8 @@ def compute_steps(model: nn.Module, micro_batch: int, seq_len: int, device: torc
     return steps, config.vocab_size / vocab
 
 
-def _optimizer_seconds(device: torch.device, reps: int, numel: int = 2**18, tensors: int = 64) -> tuple[float, float]:
+def _optimizer_seconds(device: torch.device, reps: int, together, numel: int = 2**18,
+                       tensors: int = 64) -> tuple[float, float]:
     """(per element, per tensor) seconds of an optimizer step as trainer.optim builds it (AdamW, foreach=False)
     after a gradient norm: from one tensor of `numel` elements and from `tensors` tensors holding as many."""
     def step_of(sizes):
@@ -468,8 +506,8 @@ def _optimizer_seconds(device: torch.device, reps: int, numel: int = 2**18, tens
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         return run
-    one = _timed(step_of([numel]), reps)
-    many = _timed(step_of([numel // tensors] * tensors), reps)
+    one = _timed(step_of([numel]), reps, together)
+    many = _timed(step_of([numel // tensors] * tensors), reps, together)
     return one / numel, max(0.0, many - one) / (tensors - 1)
 
 
