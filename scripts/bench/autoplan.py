@@ -60,7 +60,7 @@ def add_args(p) -> None:
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=Quick(list(MODELS), ["gpt2-tiny"]))
     p.add_argument("--micro-batches", type=int, nargs="+", default=Quick([4, 16], [4]),
                    help="sequences of 128 tokens per rank and step (default %(default)s)")
-    p.add_argument("--steps", type=int, default=Quick(8, 5), help="steps per run (default %(default)s)")
+    p.add_argument("--steps", type=int, default=Quick(10, 6), help="steps per run (default %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="steps not timed (default %(default)s)")
     p.add_argument("--precision", choices=["bf16", "fp32"], default="fp32",
                    help="--train.precision of every run (default %(default)s)")
@@ -174,6 +174,9 @@ def cells(result: dict) -> list[dict]:
         if cell["ok"]:
             best = min(allowed, key=lambda r: r["step_ms"])
             predicted_ms = auto["plan"]["step_seconds"] * 1e3
+            same = rows.get(auto["plan"]["chosen"])  # the chosen configuration's own hand run: the run-to-run noise
+            if same and same["ok"]:
+                cell.update(chosen_hand_ms=same["step_ms"], choice=same["step_ms"] / best["step_ms"])
             cell.update(chosen=auto["plan"]["chosen"], auto_ms=auto["step_ms"], best=best["name"],
                         best_ms=best["step_ms"], a1=auto["step_ms"] / best["step_ms"],
                         a2=auto["step_ms"] / zero3["step_ms"] if zero3 and zero3["ok"] else None,
@@ -196,6 +199,7 @@ def met(key: str, value: float | None) -> bool | None:
 COLUMNS = [("setting", "link", "{}"), ("model", "model", "{}"), ("micro_batch", "micro-batch", "{}"),
            ("chosen", "auto chose", "{}"), ("auto_ms", "auto ms", "{:.0f}"), ("best", "best by hand", "{}"),
            ("best_ms", "best ms", "{:.0f}"), ("a1", "A1 auto / best (<= 1.05)", "{:.3f}"),
+           ("chosen_hand_ms", "chosen, hand run ms", "{:.0f}"), ("choice", "chosen's hand run / best", "{:.3f}"),
            ("a2", "A2 auto / ZeRO-3 (<= 1.0)", "{:.3f}"), ("predicted_ms", "predicted ms", "{:.0f}"),
            ("a3", "A3 predicted / measured (±15%)", "{:.2f}"), ("plan_s", "plan s", "{:.2f}"),
            ("a4", "A4 plan / step (<= 3)", "{:.2f}")]
@@ -208,7 +212,7 @@ def markdown(result: dict) -> str:
              f"{plan['steps']} steps per run, the median of the last {plan['steps'] - plan['warmup']}. The hand sweep "
              f"is every configuration the planner prices; A1's best is the fastest at {FLOOR}-bit or wider weights "
              f"(the planner's default floor), A2's baseline `--zero_optimization.stage 3`.", ""]
-    cell_rows = result.get("cells", [])
+    cell_rows = cells(result) if result["rows"] else []
     lines += report.md_table(cell_rows, COLUMNS)
     for key, what in (("a1", "A1"), ("a2", "A2"), ("a3", "A3"), ("a4", "A4")):
         verdicts = [met(key, c.get(key)) for c in cell_rows if c["ok"]]

@@ -173,6 +173,21 @@ def test_probes_are_the_same_on_every_rank():
     assert (probes["world_size"], probes["ranks_per_node"], probes["device"]) == (4, 2, "cpu")
 
 
+def test_the_probed_overlap_hides_the_shorter_of_compute_and_communication():
+    """Fully overlapped, a step costs the longer of compute (+ codec) and communication; with no
+    overlap their sum; the optimizer is added either way; a config without overlap_comm hides
+    nothing whatever the probe says. At 100 Mbit/s some candidates are wire-bound, some not."""
+    for overlap in (0.0, 0.5, 1.0):
+        probes = dataclasses.replace(_probes(100 * MBIT), overlap=overlap)
+        for base in (BASE, dataclasses.replace(BASE, overlap_comm=False)):
+            for c in price(_model(), probes, base=base):
+                work = c.terms["compute"] + c.terms["codec"]
+                comm = c.terms["intra_node"] + c.terms["inter_node"] + c.terms["latency"]
+                hidden = overlap * min(work, comm) if c.config.overlap_comm else 0.0
+                assert c.step_seconds == pytest.approx(work + comm - hidden + c.terms["optimizer"]), c.name
+                assert c.terms["optimizer"] > 0 and c.terms["compute"] == pytest.approx(4 * 2e-3 + 1e-3)
+
+
 def test_a_resume_on_the_same_machine_keeps_its_plan():
     """The stored plan survives state.json's JSON round trip; on the same machine it is reused even
     where new probes would choose otherwise; on another one the run re-plans and says so."""
