@@ -77,6 +77,9 @@ def _worker(rank, world_size, ranks_per_node, port, fn, args, results, environ, 
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # Every rank past init first: one that returned at once (fn with no collective) and exited would
+        # close its connections under a slower rank still connecting (seen under load: "connectFullMesh failed").
+        dist.barrier()
         out = fn(rank, world_size, *args)
         # Serialized by value: tensors sent through a multiprocessing queue are shared by file
         # descriptor, which breaks when the rank exits before the parent reads them.
