@@ -514,7 +514,8 @@ def _optimizer_seconds(device: torch.device, reps: int, together, numel: int = 2
 # ----------------------------------------------------------------------------- the checkpoint
 
 def plan_state(plan: Plan, probes: Probes) -> dict:
-    """What state.json keeps of a plan: the choice, its prediction and the machine it was made on."""
+    """What state.json keeps of a plan: the choice, its prediction, every candidate's, and the machine it was
+    made on."""
     return {"chosen": plan.chosen.name, "config": dataclasses.asdict(plan.chosen.config),
             "step_seconds": plan.chosen.step_seconds, "memory_bytes": plan.chosen.memory_bytes,
             "machine": probes.fingerprint(), "predicted": {c.name: c.step_seconds for c in plan.costs}}
