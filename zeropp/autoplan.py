@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from kernels import dequantize, quantize
-from models.transformer import Block, Transformer, lm_loss, rope_cos_sin
+from models.transformer import Transformer, lm_loss, rope_cos_sin
 from zeropp.buffers import BufferPool
 from zeropp.comm import Comm
 from zeropp.config import ZeroConfig, ZeroConfigError
@@ -379,13 +379,13 @@ def _link(comm: Comm, level: str, device: torch.device, reps: int) -> tuple[floa
     return 1 / slope, max(0.0, times[0] - sent[0] * slope)
 
 
-def _overlap(comm: Comm, level: str, bandwidth: float, latency: float, work, reps: int, together) -> float:
-    """The share of the shorter of `work` (the block's compute) and an all-gather over `level` of about as long
-    that hides behind the other when both run at once, as in a training step: near 1 where the transfer leaves
-    the processor free (a slow link), lower where the collective itself needs the cores the compute runs on
-    (ranks on one machine's loopback)."""
+def _overlap(comm: Comm, level: str, bandwidth: float, latency: float, work, compute: float, reps: int,
+             together) -> float:
+    """The share of the shorter of `work` (the block's compute, `compute` seconds as probed) and an all-gather
+    over `level` of about as long that hides behind the other when both run at once, as in a training step: near
+    1 where the transfer leaves the processor free (a slow link), lower where the collective itself needs the
+    cores the compute runs on (ranks on one machine's loopback)."""
     n = comm.mesh.size(level)
-    compute = _timed(work, reps, together)
     chunk = torch.tensor([min(max(4096, (compute - latency) * bandwidth / (n - 1)), 2**24)], dtype=torch.float64,
                          device=comm.device)
     comm.all_reduce(chunk, group="world", tag="plan probe", op=dist.ReduceOp.MAX)  # one size on every rank
@@ -439,8 +439,8 @@ def probe(mesh: Mesh | None, device: torch.device, compute: tuple[dict, float], 
             block, one_block_model = (_timed(steps[k], reps, together) for k in ("block", "one_block_model"))
             # overlap measured across nodes, else inside the node: a level every rank has alike
             level = next((i for i in (1, 0) if comm and comm.mesh.size(LEVELS[i]) > 1), None)
-            overlap = 1.0 if level is None else _overlap(comm, LEVELS[level], *links[level], steps["block"], reps,
-                                                         together)
+            overlap = 1.0 if level is None else _overlap(comm, LEVELS[level], *links[level], steps["block"], block,
+                                                         reps, together)
             local = torch.tensor([v for bw, lat in links for v in (1 / bw, lat)]
                                  + [block, max(0.0, one_block_model - block) * vocab_factor,
                                     *_optimizer_seconds(device, reps, together), _codec_seconds(device, reps, together),
@@ -468,9 +468,9 @@ def compute_steps(model: nn.Module, micro_batch: int, seq_len: int, device: torc
     config = model.config
     vocab = min(config.vocab_size, VOCAB_PROBED)
     with _rng_kept(device):
-        block = Block(config, 0).to(device)
-        x = torch.randn(micro_batch, seq_len, config.d_model, device=device, requires_grad=True)
         small = Transformer(dataclasses.replace(config, n_layer=1, vocab_size=vocab)).to(device)
+        block = small.blocks[0]  # the same block as the full model's: one made, timed alone and inside
+        x = torch.randn(micro_batch, seq_len, config.d_model, device=device, requires_grad=True)
         tokens = torch.randint(0, vocab, (micro_batch, seq_len + 1), device=device)
     rope = None
     if config.positions == "rope":
