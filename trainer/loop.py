@@ -52,7 +52,7 @@ from trainer.skeleton import Stage, run_stage
 from trainer.pretrain_data import DataError, PretrainData, prepare_pretraining
 from data.sources import MissingKeyError
 from zeropp import build_runtime
-from zeropp.autoplan import PlanError, StepTimeCheck, choose, compute_steps, plan_state, price, probe, reuse
+from zeropp.autoplan import ComputeProbe, PlanError, StepTimeCheck, choose, plan_state, price, probe, reuse
 from zeropp.comm import world_comm
 from zeropp.config import ZeroConfigError
 from zeropp.diloco import OUTER_TAG, DiLoCo
@@ -280,7 +280,7 @@ class Trainer:
         mesh = build_mesh(ranks_per_node=cfg.zero_optimization.ranks_per_node, thread_groups=False) \
             if dist.is_initialized() else None
         try:
-            probes = probe(mesh, device, compute_steps(self.model, cfg.train.micro_batch_size, cfg.data.seq_len,
+            probes = probe(mesh, device, ComputeProbe(self.model, cfg.train.micro_batch_size, cfg.data.seq_len,
                                                        device, dtype))
         finally:
             if mesh is not None:

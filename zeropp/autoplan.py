@@ -3,7 +3,8 @@ price every candidate runtime configuration, pick the fastest that fits (docs/au
 
 Probes (`probe`): every rank runs the same timed all-gathers on the runtime's own groups
 (intra_node, inter_node) at two message sizes (bandwidth from the slope, latency from the
-intercept), times one block's forward + backward, and reads its free memory; the numbers are
+intercept), times a one-block model's forward + backward (the block's share by hooks), an
+optimizer step, the codec and the overlap of compute with an all-gather, and reads its free memory; the numbers are
 all-reduced with MAX (times; memory as its negative), so every rank holds the same `Probes` and
 `choose`, a pure function of them, picks the same plan everywhere: no rank decides alone.
 
@@ -33,7 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from kernels import dequantize, quantize
-from models.transformer import Transformer, lm_loss, rope_cos_sin
+from models.transformer import Transformer, lm_loss
 from zeropp.buffers import BufferPool
 from zeropp.comm import Comm
 from zeropp.config import ZeroConfig, ZeroConfigError
@@ -44,7 +45,9 @@ from zeropp.runtime import Timings
 from zeropp.topology import Mesh, _blocks
 
 LEVELS = ("intra_node", "inter_node")
-PROBE_BYTES = (2**12, 2**18)  # the two all-gather chunk sizes per rank: latency from the first, slope between
+PROBE_BYTES = (2**12, 2**18)  # the all-gather chunks per rank: latency from the first, the slope from there to
+PROBE_BYTES_MAX = 2**24  # the second, grown up to this until it takes LINK_SIGNAL times the first's time
+LINK_SIGNAL = 4
 DELTA_BITS = 8  # qwZ deltas' forward weights: closer to the masters than int8 qwZ's (docs/zeropp.md)
 VOCAB_PROBED = 8192  # the compute probe's one-block model has at most this vocabulary (scaled up from there)
 
@@ -348,11 +351,12 @@ def _reason(a: Cost, b: Cost) -> str:
 
 # ----------------------------------------------------------------------------- probes
 
-def _timed(fn, reps: int, together=None) -> float:
-    """Seconds of one fn(): the best of `reps` after a warm-up (first-call setup: gloo's connections, kernels'
-    code). together: a barrier every rank passes before each run, so all ranks work at once, as in a training
-    step (ranks that share cores slow each other down there too), and the median run counts."""
-    fn()
+def _timed(fn, reps: int, together=None, warm_up: bool = True) -> float:
+    """Seconds of one fn(): the median of `reps` runs, after a warm-up run (first-call setup: gloo's connections,
+    kernels' code) unless warm_up is False. together: a barrier every rank passes before each run, so all ranks
+    work at once, as in a training step (ranks that share cores slow each other down there too)."""
+    if warm_up:
+        fn()
     times = []
     for _ in range(reps):
         if together:
@@ -360,31 +364,44 @@ def _timed(fn, reps: int, together=None) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times) if together else min(times)
+    return statistics.median(times)
 
 
 def _link(comm: Comm, level: str, device: torch.device, reps: int) -> tuple[float, float]:
-    """(bytes/s sent, seconds per collective) of an all-gather over `level`'s group, from the
-    times at two chunk sizes. Every rank is in one group of each level: all call this alike."""
+    """(bytes/s sent, seconds per collective) of an all-gather over `level`'s group, from the times at a small
+    chunk (the latency) and a large one (the slope between them). The large chunk grows 4x at a time until its
+    time is at least LINK_SIGNAL times the small one's, so the slope is the wire's and not noise, whatever the
+    link. Every rank is in one group of each level and the times are agreed by a MAX all-reduce: all ranks grow
+    the chunk alike. Only the small chunk is warmed up (the group's connections); the large one's first run,
+    which may ride a shaped link's token bucket, is outvoted by the median."""
     n = comm.mesh.size(level)
     if n == 1:
         return math.inf, 0.0
-    times = []
-    for chunk in PROBE_BYTES:
+
+    def seconds(chunk: int) -> float:
         shard = torch.zeros(chunk, dtype=torch.uint8, device=device)
         out = torch.empty(n * chunk, dtype=torch.uint8, device=device)
-        times.append(_timed(lambda: comm.all_gather(out, shard, group=level, tag="plan probe"), reps))
-    sent = [(n - 1) * c for c in PROBE_BYTES]
-    slope = max(times[1] - times[0], 1e-9) / (sent[1] - sent[0])
-    return 1 / slope, max(0.0, times[0] - sent[0] * slope)
+        t = torch.tensor([_timed(lambda: comm.all_gather(out, shard, group=level, tag="plan probe"), reps,
+                                 warm_up=chunk == PROBE_BYTES[0])], dtype=torch.float64, device=device)
+        comm.all_reduce(t, group="world", tag="plan probe", op=dist.ReduceOp.MAX)
+        return t.item()
+    small, large = PROBE_BYTES
+    t_small = seconds(small)
+    t_large = seconds(large)
+    while t_large < LINK_SIGNAL * t_small and large < PROBE_BYTES_MAX:
+        large *= 4
+        t_large = seconds(large)
+    slope = max(t_large - t_small, 1e-9) / ((n - 1) * (large - small))
+    return 1 / slope, max(0.0, t_small - (n - 1) * small * slope)
 
 
 def _overlap(comm: Comm, level: str, bandwidth: float, latency: float, work, compute: float, reps: int,
              together) -> float:
-    """The share of the shorter of `work` (the block's compute, `compute` seconds as probed) and an all-gather
+    """The share of the shorter of `work` (the compute probe, `compute` seconds as probed) and an all-gather
     over `level` of about as long that hides behind the other when both run at once, as in a training step: near
     1 where the transfer leaves the processor free (a slow link), lower where the collective itself needs the
-    cores the compute runs on (ranks on one machine's loopback)."""
+    cores the compute runs on (ranks on one machine's loopback). The all-gather alone takes what the link's
+    probe predicts; both are warm already."""
     n = comm.mesh.size(level)
     chunk = torch.tensor([min(max(4096, (compute - latency) * bandwidth / (n - 1)), 2**24)], dtype=torch.float64,
                          device=comm.device)
@@ -397,8 +414,8 @@ def _overlap(comm: Comm, level: str, bandwidth: float, latency: float, work, com
         handle = comm.all_gather(out, shard, group=level, tag="plan probe", async_op=True)
         work()
         handle.wait()
-    alone = _timed(lambda: comm.all_gather(out, shard, group=level, tag="plan probe"), reps, together)
-    together_ = _timed(both, reps, together)
+    alone = latency + (n - 1) * chunk / bandwidth
+    together_ = _timed(both, reps, together, warm_up=False)
     return min(1.0, max(0.0, (compute + alone - together_) / min(compute, alone)))
 
 
@@ -425,24 +442,25 @@ def _rng_kept(device: torch.device):
     return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
 
-def probe(mesh: Mesh | None, device: torch.device, compute: tuple[dict, float], reps: int = 3) -> Probes:
+def probe(mesh: Mesh | None, device: torch.device, compute: ComputeProbe, reps: int = 3) -> Probes:
     """Measure this machine (every rank calls it, in the same order): the links per level on `mesh`'s groups,
-    the compute (`compute_steps`' work and vocabulary factor), the optimizer, the codec and the memory; reduced
-    over the world (MAX of times, MIN of bandwidth, overlap and memory) so all ranks agree. mesh None: one process
-    without a process group, no link to measure."""
+    the compute (`compute`'s runs), the optimizer, the codec and the memory; reduced over the world (MAX of
+    times, MIN of bandwidth, overlap and memory) so all ranks agree. mesh None: one process without a process
+    group, no link to measure."""
     comm = Comm(mesh) if mesh is not None else None
     together = comm.barrier if comm else None
-    steps, vocab_factor = compute
     try:
         with _rng_kept(device):
             links = [_link(comm, level, comm.device, reps) if comm else (math.inf, 0.0) for level in LEVELS]
-            block, one_block_model = (_timed(steps[k], reps, together) for k in ("block", "one_block_model"))
+            blocks = []
+            run = _timed(lambda: blocks.append(compute()), reps, together)
+            block = statistics.median(blocks[1:])  # the warm-up run's left out
             # overlap measured across nodes, else inside the node: a level every rank has alike
             level = next((i for i in (1, 0) if comm and comm.mesh.size(LEVELS[i]) > 1), None)
-            overlap = 1.0 if level is None else _overlap(comm, LEVELS[level], *links[level], steps["block"], block,
-                                                         reps, together)
+            overlap = 1.0 if level is None else _overlap(comm, LEVELS[level], *links[level], compute, run, reps,
+                                                         together)
             local = torch.tensor([v for bw, lat in links for v in (1 / bw, lat)]
-                                 + [block, max(0.0, one_block_model - block) * vocab_factor,
+                                 + [block, max(0.0, run - block) * compute.vocab_factor,
                                     *_optimizer_seconds(device, reps, together), _codec_seconds(device, reps, together),
                                     -overlap,
                                     -available_memory(device, mesh.ranks_per_node if mesh else 1)],
@@ -460,38 +478,56 @@ def probe(mesh: Mesh | None, device: torch.device, compute: tuple[dict, float], 
                   {level: v[2 * i + 1] for i, level in enumerate(LEVELS)}, *v[4:9], -v[9], int(-v[10]))
 
 
-def compute_steps(model: nn.Module, micro_batch: int, seq_len: int, device: torch.device, dtype: torch.dtype):
-    """The compute probes' work at (micro_batch, seq_len) under autocast to `dtype` (fp32: none), each one forward +
-    backward on `device`: {"block": a fresh block of `model`'s config, "one_block_model": a one-block model of it
-    whose vocabulary is cut to at most VOCAB_PROBED tokens (embeddings, block, final norm, head, loss)}, and the
-    factor scaling the second's time beyond the block to the full vocabulary (those layers are linear in it)."""
-    config = model.config
-    vocab = min(config.vocab_size, VOCAB_PROBED)
-    with _rng_kept(device):
-        small = Transformer(dataclasses.replace(config, n_layer=1, vocab_size=vocab)).to(device)
-        block = small.blocks[0]  # the same block as the full model's: one made, timed alone and inside
-        x = torch.randn(micro_batch, seq_len, config.d_model, device=device, requires_grad=True)
-        tokens = torch.randint(0, vocab, (micro_batch, seq_len + 1), device=device)
-    rope = None
-    if config.positions == "rope":
-        positions = torch.arange(seq_len, device=device).expand(micro_batch, seq_len)
-        rope = rope_cos_sin(positions, config.head_dim, config.rope_theta, config.rope_scaling, config.max_seq_len)
+class ComputeProbe:
+    """The compute probe's work: forward + backward of a one-block model of `model`'s config at (micro_batch,
+    seq_len) on `device`, under autocast to `dtype` (fp32: none), its vocabulary cut to at most VOCAB_PROBED
+    tokens. Hooks on the block mark where its forward and backward start and end, so each run gives both the
+    block's seconds and the rest's (embeddings, final norm, head and loss: `vocab_factor` scales those to the
+    full vocabulary, they are linear in it). One run instead of a block run and a model run: half the work."""
 
-    def timed(forward):
-        def run():
-            with torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
-                out = forward()
-            out.backward()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-        return run
-    steps = {"block": timed(lambda: block(x, rope, None).float().sum()),
-             "one_block_model": timed(lambda: lm_loss(small(tokens[:, :-1]), tokens[:, 1:]))}
-    return steps, config.vocab_size / vocab
+    def __init__(self, model: nn.Module, micro_batch: int, seq_len: int, device: torch.device, dtype: torch.dtype):
+        config = model.config
+        vocab = min(config.vocab_size, VOCAB_PROBED)
+        with _rng_kept(device):
+            self.model = Transformer(dataclasses.replace(config, n_layer=1, vocab_size=vocab)).to(device)
+            self.tokens = torch.randint(0, vocab, (micro_batch, seq_len + 1), device=device)
+        self.device, self.dtype, self.vocab_factor = device, dtype, config.vocab_size / vocab
+        self.marks: dict[str, float | torch.cuda.Event] = {}
+        block = self.model.blocks[0]
+        block.register_forward_pre_hook(self._entered)
+        block.register_forward_hook(self._left)
+
+    def _mark(self, name: str) -> None:
+        if self.device.type == "cuda":  # the kernels run later than Python reaches the hook: time them on the stream
+            self.marks[name] = torch.cuda.Event(enable_timing=True)
+            self.marks[name].record()
+        else:
+            self.marks[name] = time.perf_counter()
+
+    def _entered(self, block, args) -> None:
+        self._mark("forward")
+        args[0].register_hook(lambda grad: self._mark("backward done"))  # the block's input: its gradient is last
+
+    def _left(self, block, args, out) -> None:
+        self._mark("forward done")
+        out.register_hook(lambda grad: self._mark("backward"))
+
+    def _seconds(self, start: str, end: str) -> float:
+        a, b = self.marks[start], self.marks[end]
+        return a.elapsed_time(b) / 1e3 if self.device.type == "cuda" else b - a
+
+    def __call__(self) -> float:
+        """One forward + backward; returns the block's seconds in it."""
+        with torch.autocast(self.device.type, self.dtype, enabled=self.dtype != torch.float32):
+            loss = lm_loss(self.model(self.tokens[:, :-1]), self.tokens[:, 1:])
+        loss.backward()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return self._seconds("forward", "forward done") + self._seconds("backward", "backward done")
 
 
-def _optimizer_seconds(device: torch.device, reps: int, together, numel: int = 2**18,
-                       tensors: int = 64) -> tuple[float, float]:
+def _optimizer_seconds(device: torch.device, reps: int, together, numel: int = 2**16,
+                       tensors: int = 32) -> tuple[float, float]:
     """(per element, per tensor) seconds of an optimizer step as trainer.optim builds it (AdamW, foreach=False)
     after a gradient norm: from one tensor of `numel` elements and from `tensors` tensors holding as many."""
     def step_of(sizes):

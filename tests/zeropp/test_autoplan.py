@@ -7,6 +7,7 @@ import io
 import json
 import math
 import re
+import time
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from trainer.config import parse_args
 from trainer.loop import train
 from trainer.spawn import run_ranks
 from zeropp import build_runtime
-from zeropp.autoplan import (PlanError, Probes, StepTimeCheck, candidates, compute_steps, choose, plan_state, price,
+from zeropp.autoplan import (PlanError, Probes, StepTimeCheck, candidates, ComputeProbe, choose, plan_state, price,
                              probe, reuse)
 from zeropp.config import ZeroConfig, ZeroConfigError
 from zeropp.topology import build_mesh
@@ -154,7 +155,7 @@ def _probe_on_ranks(rank, world):
     torch.manual_seed(rank)  # the ranks time different work: only the reduction makes them agree
     mesh = build_mesh(ranks_per_node=2, thread_groups=False)
     model = Transformer(ModelConfig.from_preset("llama-tiny"))
-    probes = probe(mesh, torch.device("cpu"), compute_steps(model, 1, 16, torch.device("cpu"), torch.float32))
+    probes = probe(mesh, torch.device("cpu"), ComputeProbe(model, 1, 16, torch.device("cpu"), torch.float32))
     plan = choose(price(model, probes, base=BASE), memory_cap_bytes=probes.memory_bytes)
     return dataclasses.asdict(probes), plan.chosen.name
 
@@ -171,6 +172,30 @@ def test_probes_are_the_same_on_every_rank():
         assert probes[measured] > 0, measured
     assert 0 <= probes["overlap"] <= 1
     assert (probes["world_size"], probes["ranks_per_node"], probes["device"]) == (4, 2, "cpu")
+
+
+def test_the_compute_probe_times_the_block_apart_from_the_rest():
+    """One run of the one-block model gives the block's seconds (its hooks) and, from the whole run's, the
+    rest's: a pause put into the block's forward and backward counts to the block, one put into the head's
+    forward and backward does not."""
+    pause = 0.03
+
+    def sleep(*_):
+        time.sleep(pause)
+    work = ComputeProbe(Transformer(ModelConfig.from_preset("gpt2-tiny")), 1, 16, torch.device("cpu"),
+                        torch.float32)
+    block, head = work.model.blocks[0], work.model.head
+    block.mlp.register_forward_hook(sleep)
+    block.mlp.register_full_backward_hook(sleep)
+
+    def head_paused(module, args, out):
+        sleep()
+        out.register_hook(sleep)
+    head.register_forward_hook(head_paused)
+    start = time.perf_counter()
+    block_seconds = work()
+    rest = time.perf_counter() - start - block_seconds
+    assert block_seconds >= 2 * pause and rest >= 2 * pause
 
 
 def test_the_probed_overlap_hides_the_shorter_of_compute_and_communication():
