@@ -135,6 +135,9 @@ def _counting(autocast: bool):
         F.scaled_dot_product_attention = sdpa
 
 
+_counted: dict[tuple, dict[str, int]] = {}  # activation_bytes by its arguments: plan.auto asks once per candidate
+
+
 def activation_bytes(config: ModelConfig, micro_batch: int, seq_len: int, dtype: torch.dtype = torch.float32,
                      checkpointed: set[int] | frozenset = frozenset(),
                      param_dtype: torch.dtype = torch.float32, masked: bool = False) -> dict[str, int]:
@@ -143,7 +146,16 @@ def activation_bytes(config: ModelConfig, micro_batch: int, seq_len: int, dtype:
     on the meta device from one block and the model's tail built from `config` with weights in
     `param_dtype`, computing in `dtype` (bf16 over fp32 weights: autocast, emulated, whose weight
     casts are kept too); attention as the fused kernels keep it, `masked` with an explicit mask
-    (packed sequences). LoRA's small extra activations are not counted."""
+    (packed sequences). LoRA's small extra activations are not counted. Counted once per distinct
+    arguments (a pure function of them; each count traces a block on the meta device)."""
+    key = (repr(config), micro_batch, seq_len, dtype, frozenset(checkpointed), param_dtype, masked)
+    if key not in _counted:
+        _counted[key] = _count_activations(config, micro_batch, seq_len, dtype, checkpointed, param_dtype, masked)
+    return dict(_counted[key])
+
+
+def _count_activations(config: ModelConfig, micro_batch: int, seq_len: int, dtype: torch.dtype,
+                       checkpointed: set[int] | frozenset, param_dtype: torch.dtype, masked: bool) -> dict[str, int]:
     autocast = dtype == torch.bfloat16 and param_dtype != dtype
     with torch.device("meta"):
         block = Block(config, 0).to(param_dtype)

@@ -415,7 +415,7 @@ def _overlap(comm: Comm, level: str, bandwidth: float, latency: float, work, com
         work()
         handle.wait()
     alone = latency + (n - 1) * chunk / bandwidth
-    together_ = _timed(both, reps, together, warm_up=False)
+    together_ = _timed(both, max(1, reps - 1), together, warm_up=False)  # each run is a compute run and more
     return min(1.0, max(0.0, (compute + alone - together_) / min(compute, alone)))
 
 
@@ -452,9 +452,9 @@ def probe(mesh: Mesh | None, device: torch.device, compute: ComputeProbe, reps: 
     try:
         with _rng_kept(device):
             links = [_link(comm, level, comm.device, reps) if comm else (math.inf, 0.0) for level in LEVELS]
-            blocks = []
-            run = _timed(lambda: blocks.append(compute()), reps, together)
-            block = statistics.median(blocks[1:])  # the warm-up run's left out
+            shares = []
+            run = _timed(lambda: shares.append(compute()), reps, together)
+            block = run * statistics.median(shares[1:])  # the warm-up run's left out
             # overlap measured across nodes, else inside the node: a level every rank has alike
             level = next((i for i in (1, 0) if comm and comm.mesh.size(LEVELS[i]) > 1), None)
             overlap = 1.0 if level is None else _overlap(comm, LEVELS[level], *links[level], compute, run, reps,
@@ -482,8 +482,11 @@ class ComputeProbe:
     """The compute probe's work: forward + backward of a one-block model of `model`'s config at (micro_batch,
     seq_len) on `device`, under autocast to `dtype` (fp32: none), its vocabulary cut to at most VOCAB_PROBED
     tokens. Hooks on the block mark where its forward and backward start and end, so each run gives both the
-    block's seconds and the rest's (embeddings, final norm, head and loss: `vocab_factor` scales those to the
-    full vocabulary, they are linear in it). One run instead of a block run and a model run: half the work."""
+    block's share and the rest's (embeddings, final norm, head and loss: `vocab_factor` scales those to the
+    full vocabulary, they are linear in it): one run instead of a block run and a model run, half the work.
+    The shares are of the processor's time (CPU: this process's; CUDA: the stream's, by events), not the wall
+    clock's: ranks sharing cores are descheduled at arbitrary points, so the wall time of a few milliseconds
+    inside a run is noise, while the run's whole wall time, split by the work each part did, is not."""
 
     def __init__(self, model: nn.Module, micro_batch: int, seq_len: int, device: torch.device, dtype: torch.dtype):
         config = model.config
@@ -502,7 +505,7 @@ class ComputeProbe:
             self.marks[name] = torch.cuda.Event(enable_timing=True)
             self.marks[name].record()
         else:
-            self.marks[name] = time.perf_counter()
+            self.marks[name] = time.process_time()
 
     def _entered(self, block, args) -> None:
         self._mark("forward")
@@ -517,13 +520,16 @@ class ComputeProbe:
         return a.elapsed_time(b) / 1e3 if self.device.type == "cuda" else b - a
 
     def __call__(self) -> float:
-        """One forward + backward; returns the block's seconds in it."""
+        """One forward + backward; returns the block's share of its work."""
+        self._mark("run")
         with torch.autocast(self.device.type, self.dtype, enabled=self.dtype != torch.float32):
             loss = lm_loss(self.model(self.tokens[:, :-1]), self.tokens[:, 1:])
         loss.backward()
+        self._mark("run done")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return self._seconds("forward", "forward done") + self._seconds("backward", "backward done")
+        block = self._seconds("forward", "forward done") + self._seconds("backward", "backward done")
+        return block / max(self._seconds("run", "run done"), 1e-9)
 
 
 def _optimizer_seconds(device: torch.device, reps: int, together, numel: int = 2**16,

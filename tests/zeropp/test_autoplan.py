@@ -175,27 +175,29 @@ def test_probes_are_the_same_on_every_rank():
 
 
 def test_the_compute_probe_times_the_block_apart_from_the_rest():
-    """One run of the one-block model gives the block's seconds (its hooks) and, from the whole run's, the
-    rest's: a pause put into the block's forward and backward counts to the block, one put into the head's
-    forward and backward does not."""
+    """One run of the one-block model gives the block's share of its work (hooks at the block's edges) and
+    so the rest's: work put into the block's forward and backward counts to the block, work put into the
+    head's forward and backward does not. Processor time: the shares hold however busy the machine is."""
     pause = 0.03
 
-    def sleep(*_):
-        time.sleep(pause)
-    work = ComputeProbe(Transformer(ModelConfig.from_preset("gpt2-tiny")), 1, 16, torch.device("cpu"),
-                        torch.float32)
-    block, head = work.model.blocks[0], work.model.head
-    block.mlp.register_forward_hook(sleep)
-    block.mlp.register_full_backward_hook(sleep)
+    def work_for_a_while(*_):
+        start = time.process_time()
+        while time.process_time() - start < pause:
+            pass
+    probe_work = ComputeProbe(Transformer(ModelConfig.from_preset("gpt2-tiny")), 1, 16, torch.device("cpu"),
+                              torch.float32)
+    block, head = probe_work.model.blocks[0], probe_work.model.head
+    block.mlp.register_forward_hook(work_for_a_while)
+    block.mlp.register_full_backward_hook(work_for_a_while)
 
-    def head_paused(module, args, out):
-        sleep()
-        out.register_hook(sleep)
-    head.register_forward_hook(head_paused)
-    start = time.perf_counter()
-    block_seconds = work()
-    rest = time.perf_counter() - start - block_seconds
-    assert block_seconds >= 2 * pause and rest >= 2 * pause
+    def head_busy(module, args, out):
+        work_for_a_while()
+        out.register_hook(work_for_a_while)
+    head.register_forward_hook(head_busy)
+    start = time.process_time()
+    share = probe_work()
+    run = time.process_time() - start
+    assert share * run >= 2 * pause and (1 - share) * run >= 2 * pause
 
 
 def test_the_probed_overlap_hides_the_shorter_of_compute_and_communication():
