@@ -152,7 +152,7 @@ def run(args, progress=print) -> dict:
                                 r["predicted_ms"] = predicted["predicted"][r["name"]] * 1e3
                                 r["predicted_ratio"] = r["predicted_ms"] / r["step_ms"]
                         result["rows"] += rows
-                        progress(f"  autoplan {model} mb {mb} @ {rate}: {cell_words(rows)} "
+                        progress(f"  autoplan {model} mb {mb} @ {rate}: {cell_words(rows, result['weight_bits'])} "
                                  f"({time.monotonic() - start:.0f} s, load {os.getloadavg()[0]:.1f})")
     result["cells"] = cells(result)
     return result
@@ -178,12 +178,11 @@ def repeat_configs(rows: list[dict], configs: dict[str, list[str]], bits: dict[s
             configs[best["name"] if who == "best" else AUTO] for i, who in enumerate(REPEAT)}
 
 
-def cell_words(rows: list[dict]) -> str:
+def cell_words(rows: list[dict], bits: dict[str, int]) -> str:
     auto = next((r for r in rows if r["name"] == AUTO), None)
     if auto is None or not auto["ok"]:
         return f"auto FAILED: {auto and auto.get('error')}"
-    best = min((r for r in rows if r["ok"] and r["name"] != AUTO and "repeat_of" not in r),
-               key=lambda r: r["step_ms"], default=None)
+    best = best_allowed(rows, bits)
     again = {who: [r["step_ms"] for r in rows if r.get("repeat_of") == who and r["ok"]]
              for who in (AUTO, best and best["name"])}
     return (f"auto chose {auto['plan']['chosen']}: {auto['step_ms']:.0f} ms (predicted "

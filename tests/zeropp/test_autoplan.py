@@ -8,6 +8,7 @@ import json
 import math
 import re
 import time
+import types
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from tests.zeropp.test_engine import batches, deeper_model
 from trainer.config import parse_args
 from trainer.loop import train
 from trainer.spawn import run_ranks
-from zeropp import build_runtime
+from zeropp import autoplan, build_runtime
 from zeropp.autoplan import (PlanError, Probes, StepTimeCheck, candidates, ComputeProbe, choose, plan_state, price,
                              probe, reuse)
 from zeropp.config import ZeroConfig, ZeroConfigError
@@ -172,6 +173,36 @@ def test_probes_are_the_same_on_every_rank():
         assert probes[measured] > 0, measured
     assert 0 <= probes["overlap"] <= 1
     assert (probes["world_size"], probes["ranks_per_node"], probes["device"]) == (4, 2, "cpu")
+
+
+class _SimulatedLink:
+    """A comm over a link of `latency` seconds and `bandwidth` bytes/s sent, on a clock of its own: each
+    all-gather moves the clock on by what the link takes (the probe reads that clock), each chunk seen kept."""
+
+    def __init__(self, latency, bandwidth, n=2):
+        self.latency, self.bandwidth, self.now, self.chunks = latency, bandwidth, 0.0, []
+        self.mesh = types.SimpleNamespace(size=lambda level: n)
+        self.n = n
+
+    def all_gather(self, out, shard, group, tag):
+        self.chunks.append(shard.numel())
+        self.now += self.latency + (self.n - 1) * shard.numel() / self.bandwidth
+
+    def all_reduce(self, tensor, group, tag, op):
+        pass  # one rank: the MAX is its own
+
+
+@pytest.mark.parametrize("latency, bandwidth, grown", [(1e-3, 10_000 * MBIT, True), (1e-3, 10 * MBIT, False)])
+def test_the_link_probe_recovers_bandwidth_and_latency_and_grows_its_chunk_on_a_fast_link(
+        monkeypatch, latency, bandwidth, grown):
+    link = _SimulatedLink(latency, bandwidth)
+    monkeypatch.setattr("zeropp.autoplan.time.perf_counter", lambda: link.now)
+    measured_bandwidth, measured_latency = autoplan._link(link, "inter_node", torch.device("cpu"), reps=3)
+    assert measured_bandwidth == pytest.approx(bandwidth) and measured_latency == pytest.approx(latency)
+    large = max(link.chunks)
+    assert (large > autoplan.PROBE_BYTES[1]) == grown and large <= autoplan.PROBE_BYTES_MAX
+    if grown:  # grown until the wire, not the latency, is most of the large chunk's time
+        assert latency + large / bandwidth >= autoplan.LINK_SIGNAL * (latency + autoplan.PROBE_BYTES[0] / bandwidth)
 
 
 def test_the_compute_probe_times_the_block_apart_from_the_rest():
