@@ -4,18 +4,19 @@ price every candidate runtime configuration, pick the fastest that fits (docs/au
 Probes (`probe`): every rank runs the same timed all-gathers on the runtime's own groups
 (intra_node, inter_node) at two message sizes (bandwidth from the slope, latency from the
 intercept), times a one-block model's forward + backward (the block's share by hooks), an
-optimizer step, the codec and the overlap of compute with an all-gather, and reads its free memory; the numbers are
-all-reduced with MAX (times; memory as its negative), so every rank holds the same `Probes` and
-`choose`, a pure function of them, picks the same plan everywhere: no rank decides alone.
+optimizer step, the codec and the overlap of compute with an all-gather, and reads its free
+memory; the numbers are all-reduced with MAX (times; memory as its negative), so every rank
+holds the same `Probes` and `choose`, a pure function of them, picks the same plan everywhere:
+no rank decides alone.
 
 Cost model (`price`): a candidate's bytes per step are `zeropp.plan.predicted_step_bytes` of
 its units, built on the meta device on a mesh on paper (no process group, no memory), so they
-are exactly what its runtime would predict. Step time = compute + codec work + communication,
-where communication = 'sent' minus 'cross_node_sent' at the intra-node bandwidth +
-'cross_node_sent' at the inter-node bandwidth + one latency per collective and link level; with
-overlap_comm the communication hides behind compute and codec work (max of the two), without
-it they add up. Memory is the trainer's predicted peak (passed in as `memory`) of the
-candidate's model states and buffers.
+are exactly what its runtime would predict. Step time = compute + codec work + communication
+- overlap x the shorter of the two + the optimizer step, where communication = 'sent' minus
+'cross_node_sent' at the intra-node bandwidth + 'cross_node_sent' at the inter-node bandwidth +
+one latency per collective and link level, and the overlap is probed (0 without overlap_comm).
+Memory is the trainer's predicted peak (passed in as `memory`) of the candidate's model states
+and buffers.
 """
 
 from __future__ import annotations
