@@ -277,10 +277,23 @@ class HFTokenizer(Tokenizer):
             raise ValueError(f"{self.path}: transformers' AutoTokenizer cannot read this tokenizer "
                              f"({type(e).__name__}: {e}); expected a directory it loads, to save it with") from e
         auto.save_pretrained(directory)
+        _name_the_class_both_transformers_read(directory / "tokenizer_config.json")
         self._tok.save(str(directory / "tokenizer.json"))
         generation = self.path / "generation_config.json"
         if generation.is_file() and generation.resolve() != (directory / generation.name).resolve():
             shutil.copyfile(generation, directory / generation.name)
+
+
+def _name_the_class_both_transformers_read(config_path: Path) -> None:
+    """transformers 5 saves its generic fast tokenizer as tokenizer_class "TokenizersBackend", a class that
+    transformers 4 (what many serving stacks still pin) cannot resolve; "PreTrainedTokenizerFast" is the name
+    both read. Other classes (GPT2Tokenizer, Qwen2Tokenizer, ...) are kept as saved."""
+    if not config_path.is_file():
+        return
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:

@@ -97,6 +97,25 @@ def test_hf_tokenizer_save_keeps_the_chat_template_and_generation_config(templat
     assert (ours.eos_token, ours.bos_token, ours.pad_token) == ("<|endoftext|>", "<s>", "<pad>")
 
 
+@pytest.mark.parametrize("published, saved", [(None, "PreTrainedTokenizerFast"),
+                                               ("PreTrainedTokenizerFast", "PreTrainedTokenizerFast"),
+                                               ("GPT2Tokenizer", "GPT2Tokenizer")])
+def test_hf_tokenizer_save_names_a_class_older_transformers_resolve(published, saved, hf_tokenizer_dir, tmp_path):
+    """transformers 5 saves its generic fast tokenizer as "TokenizersBackend", which transformers 4 cannot
+    resolve: save() writes "PreTrainedTokenizerFast" there, keeps a specific class, and the result still loads
+    and encodes as the source does."""
+    from transformers import AutoTokenizer
+
+    source = tmp_path / "source"
+    shutil.copytree(hf_tokenizer_dir, source)
+    config = {"eos_token": "<|endoftext|>", **({"tokenizer_class": published} if published else {})}
+    (source / "tokenizer_config.json").write_text(json.dumps(config))
+    load_tokenizer(source).save(tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["tokenizer_class"] == saved
+    ours = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert ours(SAMPLE)["input_ids"] == load_tokenizer(source).encode(SAMPLE)
+
+
 def test_hf_special_tokens_from_config_json_and_fallbacks(hf_tokenizer_dir, tmp_path):
     directory = tmp_path / "model"
     directory.mkdir()
