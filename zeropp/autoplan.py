@@ -404,8 +404,8 @@ def _overlap(comm: Comm, level: str, bandwidth: float, latency: float, work, com
     cores the compute runs on (ranks on one machine's loopback). The all-gather alone takes what the link's
     probe predicts; both are warm already."""
     n = comm.mesh.size(level)
-    chunk = torch.tensor([min(max(4096, (compute - latency) * bandwidth / (n - 1)), 2**24)], dtype=torch.float64,
-                         device=comm.device)
+    chunk = torch.tensor([min(max(PROBE_BYTES[0], (compute - latency) * bandwidth / (n - 1)), PROBE_BYTES_MAX)],
+                         dtype=torch.float64, device=comm.device)
     comm.all_reduce(chunk, group="world", tag="plan probe", op=dist.ReduceOp.MAX)  # one size on every rank
     chunk = int(chunk.item())
     shard = torch.zeros(chunk, dtype=torch.uint8, device=comm.device)

@@ -178,13 +178,17 @@ def repeat_configs(rows: list[dict], configs: dict[str, list[str]], bits: dict[s
             configs[best["name"] if who == "best" else AUTO] for i, who in enumerate(REPEAT)}
 
 
+def repeated(rows: list[dict], who: str) -> list[float]:
+    """The step times of `who`'s successful runs in A1's repeat."""
+    return [r["step_ms"] for r in rows if r.get("repeat_of") == who and r["ok"]]
+
+
 def cell_words(rows: list[dict], bits: dict[str, int]) -> str:
     auto = next((r for r in rows if r["name"] == AUTO), None)
     if auto is None or not auto["ok"]:
         return f"auto FAILED: {auto and auto.get('error')}"
     best = best_allowed(rows, bits)
-    again = {who: [r["step_ms"] for r in rows if r.get("repeat_of") == who and r["ok"]]
-             for who in (AUTO, best and best["name"])}
+    again = {who: repeated(rows, who) for who in (AUTO, best and best["name"])}
     return (f"auto chose {auto['plan']['chosen']}: {auto['step_ms']:.0f} ms (predicted "
             f"{auto['plan']['step_seconds'] * 1e3:.0f}); best by hand {best and best['name']}: "
             f"{best and best['step_ms']:.0f} ms; repeated: {again}")
@@ -201,8 +205,7 @@ def cells(result: dict) -> list[dict]:
         auto, zero3, best = rows.get(AUTO), rows.get("ZeRO-3"), best_allowed(list(rows.values()), bits)
         cell = dict(zip(("setting", "model", "micro_batch"), key), ok=bool(auto and auto["ok"] and best))
         if cell["ok"]:
-            again = {who: [r["step_ms"] for r in here if r.get("repeat_of") == who and r["ok"]]
-                     for who in (AUTO, best["name"])}
+            again = {who: repeated(here, who) for who in (AUTO, best["name"])}
             if all(again.values()):  # A1 from the repeat, where it ran: both measured anew, side by side
                 cell.update(auto_again_ms=statistics.mean(again[AUTO]),
                             best_again_ms=statistics.mean(again[best["name"]]))
