@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from export.quantized import _check_bits, _check_vocab, _fp32_weights, _tokenizer, is_quantized
-from kernels import WEIGHT_SCALE_DTYPE, on_grid, pack_codes, quantize, unpack_codes
+from kernels import on_grid, pack_codes, quantize_weights, unpack_codes
 from models.config import ModelConfig
 from models.hf import add_fast_tokenizer, config_to_hf, staged_directory, to_hf_state_dict
 from models.streaming import SafetensorsWriter
@@ -56,7 +56,7 @@ def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def _layer(weight: torch.Tensor, bits: int, block_size: int) -> tuple[dict[str, torch.Tensor], int]:
     """(the serialized tensors of one Linear weight [out, in], its group size)."""
     rows, cols = weight.shape
-    q = quantize(weight.reshape(-1), bits, block_size, scale_dtype=WEIGHT_SCALE_DTYPE)
+    q = quantize_weights(weight.reshape(-1), bits, block_size)
     codes = unpack_codes(q.codes, bits)[:weight.numel()].view(rows, cols)
     group = math.gcd(cols, block_size)
     start = torch.arange(rows).unsqueeze(1) * cols + torch.arange(cols // group).unsqueeze(0) * group

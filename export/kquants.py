@@ -30,7 +30,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader, LlamaFileType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
-from kernels import WEIGHT_SCALE_DTYPE, quantize, unpack_codes
+from kernels import quantize_weights, unpack_codes
 
 QK_K = 256  # values per super-block
 # Mixes: Q4_K_M as llama.cpp's llama_tensor_get_type makes it; Q4_K (llama-quantize --pure Q4_K_M) and
@@ -269,19 +269,19 @@ def holds_grid(qtype: T, bits: int, block_size: int, cols: int) -> bool:
 
 
 def grid_rows(weight: torch.Tensor, qtype: T, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """`qtype` bytes [rows, row bytes] holding our grid, kernels.quantize(W.reshape(-1), bits, block_size) with
-    fp16 scales (what a qwZ forward computes with), exactly, and its values; None where `qtype` cannot.
+    """`qtype` bytes [rows, row bytes] holding our grid, kernels.quantize_weights(W.reshape(-1), bits, block_size)
+    (what a qwZ forward computes with), exactly, and its values; None where `qtype` cannot.
 
-    Our value is q * s, |q| <= 2**(bits-1) - 1. Where each of the type's scaled spans (a Q4_K / Q6_K
-    super-block of 256, a Q5_0 / Q8_0 block of 32) lies in one of our blocks and one row (block_size and the
-    row length multiples of it) and the codes fit: Q4_K d = dmin = s, sc = 1, m = 8, code q + 8
+    Our value is q * s, -2**(bits-1) <= q < 2**(bits-1), s of either sign. Where each of the type's scaled
+    spans (a Q4_K / Q6_K super-block of 256, a Q5_0 / Q8_0 block of 32) lies in one of our blocks and one row
+    (block_size and the row length multiples of it) and the codes fit: Q4_K d = dmin = s, sc = 1, m = 8, code q + 8
     (d * (q + 8) - 8 * s = q * s exactly in fp32); Q6_K d = s, sc = 1, code q; Q5_0 / Q8_0 d = s, code q.
     """
     rows, cols = weight.shape
     if not holds_grid(qtype, bits, block_size, cols):
         return None
     span = _GRID_SPAN[qtype]
-    grid = quantize(weight.detach().reshape(-1).float(), bits, block_size, scale_dtype=WEIGHT_SCALE_DTYPE)
+    grid = quantize_weights(weight.detach().reshape(-1).float(), bits, block_size)
     n = rows * cols // span
     q = (unpack_codes(grid.codes, bits)[:rows * cols].to(torch.int16) - 2 ** (bits - 1)).numpy().reshape(n, span)
     s = grid.scales.repeat_interleave(block_size // span)[:n].numpy()

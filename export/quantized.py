@@ -1,9 +1,9 @@
 """Quantized export: a low-bit safetensors directory, and GGUF for llama.cpp (Q8_0 / Q4_0 of our codes, or
 llama.cpp's K-quant mixes Q4_K_M / Q4_K / Q6_K from export/kquants.py).
 
-Both formats carry the codes of OUR block quantization, `kernels.quantize(W.reshape(-1),
-bits, block_size, scale_dtype=float16)` of the fp32 weights: the very function, grid and
-scale dtype qwZ trains with (zeropp/quantized.py; every parameter starts a block of its own
+Both formats carry the codes of OUR block quantization, `kernels.quantize_weights(W.reshape(-1),
+bits, block_size)` of the fp32 weights (full levels, fp16 scales: llama.cpp's Q8_0 / Q4_0 rule): the
+very function, grid and scale dtype qwZ trains with (zeropp/quantized.py; every parameter starts a block of its own
 and padding is zero, so qwZ's blocks are the blocks of W.reshape(-1)). Exporting a qwZ-trained
 checkpoint at its bits and block size therefore reproduces bit for bit the weights its training
 forward computed with; any other export is plain round-to-nearest post-training quantization
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from data.tokenizer import SentencePieceTokenizer, Tokenizer, load_tokenizer
 from export.kquants import KQUANT_MIXES, kquant_tensor, kquant_type
-from kernels import BITS, WEIGHT_SCALE_DTYPE, dequantize, num_blocks, on_grid, packed_bytes, quantize, unpack_codes
+from kernels import BITS, WEIGHT_SCALE_DTYPE, dequantize, num_blocks, on_grid, packed_bytes, quantize_weights, unpack_codes
 from models.config import ModelConfig
 from models.hf import hf_weights, replace_output, staged_directory
 from models.streaming import LazyTensors, SafetensorsFile, SafetensorsWriter, return_freed_memory_to_the_os
@@ -157,7 +157,7 @@ def export_lowbit(weights, config: ModelConfig, out_dir, bits: int, block_size: 
             for name in state:  # one weight at a time
                 t = state[name]
                 if name in quantized:
-                    q = quantize(t.reshape(-1), bits, block_size, scale_dtype=WEIGHT_SCALE_DTYPE)
+                    q = quantize_weights(t.reshape(-1), bits, block_size)
                     writer.write(f"{name}.codes", q.codes)
                     writer.write(f"{name}.scales", q.scales)
                 else:
@@ -250,7 +250,7 @@ def gguf_qtype(bits: int) -> str:
         if b == bits:
             return name
     raise ValueError(f"bits={bits}: GGUF holds our codes only at 8 bits (Q8_0) or 4 bits (Q4_0) - its other types "
-                     f"are not one symmetric fp16 scale per block; use the low-bit safetensors format for {bits} bits")
+                     f"are not one fp16 scale per block of codes; use the low-bit safetensors format for {bits} bits")
 
 
 def _llama_row_order(rows: int, n_head: int) -> torch.Tensor:
@@ -268,10 +268,11 @@ def _gguf_blocks(weight: torch.Tensor, bits: int, block_size: int, row_order=Non
     Each 32-element GGUF block lies inside one of our blocks (block_size % 32 == 0) and inside
     one row (cols % 32 == 0): its scale d is our block's scale, its values our codes.
     Q8_0: d, then 32 int8 codes q. Q4_0: d, then 16 bytes, byte j = nibble j | nibble j+16 << 4,
-    nibble = q + 8 - exactly our stored 4-bit code, and ggml's x = (nibble - 8) * d.
+    nibble = q + 8 - exactly our stored 4-bit code, and ggml's x = (nibble - 8) * d. Full levels put q in
+    [-8, 7] with d = m / -8, which is how llama.cpp's own Q4_0 quantizer fills the type.
     """
     rows, cols = weight.shape
-    q = quantize(weight.reshape(-1), bits, block_size, scale_dtype=WEIGHT_SCALE_DTYPE)
+    q = quantize_weights(weight.reshape(-1), bits, block_size)
     n = rows * cols // GGUF_BLOCK
     codes = unpack_codes(q.codes, bits)[:rows * cols].view(rows, cols // GGUF_BLOCK, GGUF_BLOCK)
     scales = q.scales.repeat_interleave(block_size // GGUF_BLOCK)[:n].view(rows, cols // GGUF_BLOCK)

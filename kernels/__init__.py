@@ -13,6 +13,7 @@ from kernels.quant import (
     packed_bytes,
     quantize,
     quantize_transposed,
+    quantize_weights,
     unpack_codes,
 )
 
@@ -29,5 +30,6 @@ __all__ = [
     "packed_bytes",
     "quantize",
     "quantize_transposed",
+    "quantize_weights",
     "unpack_codes",
 ]

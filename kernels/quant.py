@@ -1,10 +1,19 @@
 """Block quantization for ZeRO++ (qwZ weights, qgZ gradients): the API and the torch path.
 
 Format (docs/kernels.md): a flat tensor is cut into blocks of `block_size` elements, the
-last one zero-padded. Per block, s = absmax / qmax in fp32, stored as `scale_dtype`;
-q = clamp(round_half_even(x / s), -qmax, qmax) with s read back in fp32 (q = 0 where s = 0);
-the code q + 2**(bits-1) is packed densely, 8 codes in `bits` bytes, little-endian bit order.
-Blocks are contiguous byte ranges, so a range of blocks can be sliced out and sent as is.
+last one zero-padded. With n = 2**(bits-1), per block, in fp32, stored as `scale_dtype`:
+
+  levels="symmetric"  s = absmax / (n - 1); q in [-(n-1), n-1]: every value within half a step
+                      (gradients, which are summed across ranks)
+  levels="full"       s = m / -n, m the block's value of largest magnitude (amax where
+                      amax >= -amin, else amin), so s may be negative; q in [-n, n-1]: all 2**bits
+                      codes, m exactly on -n (weights: llama.cpp's Q4_0 rule, which GGUF Q8_0 /
+                      Q4_0 hold as they are; 1.3x (4 bits) to 3.3x (2 bits) less squared error
+                      on Gaussian blocks)
+
+q = clamp(round_half_even(x / s), lowest, highest) with s read back in fp32 (q = 0 where s = 0;
+a zero scale is +0.0); the code q + n is packed densely, 8 codes in `bits` bytes, little-endian
+bit order. Blocks are contiguous byte ranges, so a range of blocks can be sliced out and sent as is.
 
 The torch path (`impl="torch"`) runs on any device; `kernels.triton_quant` holds the fused
 Triton kernels, bit-identical to it. "auto" picks Triton for CUDA tensors.
@@ -18,6 +27,7 @@ import torch
 BITS = (8, 6, 4, 3, 2)
 SCALE_DTYPES = (torch.float32, torch.float16)
 WEIGHT_SCALE_DTYPE = torch.float16  # quantized weights' scales (qwZ, the exports): what GGUF's Q8_0/Q4_0 store
+LEVELS = ("symmetric", "full")
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FP16_MAX = 65504.0
 IMPLS = ("auto", "torch", "triton")
@@ -48,10 +58,10 @@ def packed_bytes(numel: int, bits: int, block_size: int) -> int:
 # ---------------------------------------------------------------- public API
 
 
-def quantize(x, bits=8, block_size=256, *, scale_dtype=torch.float32, codes_out=None, scales_out=None,
-             impl="auto") -> QuantizedTensor:
+def quantize(x, bits=8, block_size=256, *, scale_dtype=torch.float32, levels="symmetric", codes_out=None,
+             scales_out=None, impl="auto") -> QuantizedTensor:
     """Quantize `x` (any shape, read flat) into blocks; optionally into caller-given buffers."""
-    _check_format(bits, block_size)
+    _check_format(bits, block_size, levels)
     _check_input(x)
     numel = x.numel()
     codes, scales = _outputs(x.device, numel, bits, block_size, scale_dtype, codes_out, scales_out)
@@ -59,9 +69,9 @@ def quantize(x, bits=8, block_size=256, *, scale_dtype=torch.float32, codes_out=
         from kernels import triton_quant
 
         flat = x.reshape(-1)
-        triton_quant.quantize(flat, (1, 1, numel), (0, 0, 1), bits, block_size, codes, scales)
+        triton_quant.quantize(flat, (1, 1, numel), (0, 0, 1), bits, block_size, codes, scales, levels)
     else:
-        _quantize_flat(x.reshape(-1), bits, block_size, codes, scales)
+        _quantize_flat(x.reshape(-1), bits, block_size, codes, scales, levels)
     return QuantizedTensor(codes, scales, numel, bits, block_size)
 
 
@@ -85,9 +95,10 @@ def quantize_transposed(x3d, bits, block_size, *, scale_dtype=torch.float32, cod
     if _pick(impl, x3d) == "triton":
         from kernels import triton_quant
 
-        triton_quant.quantize(x3d, (A, B, C), x3d.stride(), bits, block_size, codes, scales)
+        triton_quant.quantize(x3d, (A, B, C), x3d.stride(), bits, block_size, codes, scales, "symmetric")
     elif numel:
-        _quantize_rows(x3d.transpose(0, 1).unflatten(-1, (C // block_size, block_size)), bits, codes, scales)
+        _quantize_rows(x3d.transpose(0, 1).unflatten(-1, (C // block_size, block_size)), bits, codes, scales,
+                       "symmetric")
     return QuantizedTensor(codes, scales, numel, bits, block_size)
 
 
@@ -106,10 +117,14 @@ def dequantize(codes, scales, numel, bits, block_size, *, out=None, dtype=torch.
     return out
 
 
+def quantize_weights(x, bits, block_size, **buffers) -> QuantizedTensor:
+    """The weights' grid (qwZ, the exports): full levels, fp16 scales (WEIGHT_SCALE_DTYPE), as GGUF's Q8_0 / Q4_0."""
+    return quantize(x, bits, block_size, scale_dtype=WEIGHT_SCALE_DTYPE, levels="full", **buffers)
+
+
 def on_grid(tensor: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
-    """dequant(quant(tensor)) in fp32: the values a qwZ forward computes with (fp16 scales, WEIGHT_SCALE_DTYPE)."""
-    q = quantize(tensor.reshape(-1).float(), bits, block_size, scale_dtype=WEIGHT_SCALE_DTYPE)
-    return q.dequantize().view(tensor.shape)
+    """dequant(quant(tensor)) in fp32 on the weights' grid: the values a qwZ forward computes with."""
+    return quantize_weights(tensor.reshape(-1).float(), bits, block_size).dequantize().view(tensor.shape)
 
 
 def dequant_reduce(codes, scales, k, numel, bits, block_size, *, out=None, accumulate=False,
@@ -193,7 +208,9 @@ def unpack_codes(packed: torch.Tensor, bits: int, dtype=torch.uint8) -> torch.Te
 # ---------------------------------------------------------------- checks
 
 
-def _check_format(bits, block_size):
+def _check_format(bits, block_size, levels="symmetric"):
+    if levels not in LEVELS:
+        raise ValueError(f"levels={levels!r}: expected one of {LEVELS}")
     if bits not in BITS:
         raise ValueError(f"bits={bits!r}: expected one of {BITS}")
     if not isinstance(block_size, int) or block_size <= 0 or block_size % 8:
@@ -298,20 +315,21 @@ def _pieces(rows, limit):
             yield from _pieces(sub, limit)
 
 
-def _quantize_flat(flat, bits, block_size, codes, scales, scratch=None):
+def _quantize_flat(flat, bits, block_size, codes, scales, levels, scratch=None):
     """Whole blocks straight from `flat`; only a ragged last block is copied to be padded."""
     scratch = scratch or _Scratch(flat.device)
-    full = flat.numel() // block_size
-    split = full * block_size * bits // 8
-    if full:
-        _quantize_rows(flat[: full * block_size].view(full, block_size), bits, codes[:split], scales[:full], scratch)
-    if full < scales.numel():
+    whole = flat.numel() // block_size
+    split = whole * block_size * bits // 8
+    if whole:
+        _quantize_rows(flat[: whole * block_size].view(whole, block_size), bits, codes[:split], scales[:whole],
+                       levels, scratch)
+    if whole < scales.numel():
         tail = flat.new_zeros(1, block_size)
-        tail[0, : flat.numel() - full * block_size] = flat[full * block_size:]
-        _quantize_rows(tail, bits, codes[split:], scales[full:], scratch)
+        tail[0, : flat.numel() - whole * block_size] = flat[whole * block_size:]
+        _quantize_rows(tail, bits, codes[split:], scales[whole:], levels, scratch)
 
 
-def _quantize_rows(rows, bits, codes, scales, scratch=None):
+def _quantize_rows(rows, bits, codes, scales, levels, scratch=None):
     """Quantize a [..., block_size] view (any strides, any input dtype) into flat codes/scales."""
     scratch = scratch or _Scratch(rows.device)
     block_bytes = rows.shape[-1] * bits // 8
@@ -319,59 +337,75 @@ def _quantize_rows(rows, bits, codes, scales, scratch=None):
     for piece in _pieces(rows, CHUNK):
         n = piece.numel() // piece.shape[-1]
         _quantize_piece(piece, bits, codes[done * block_bytes:(done + n) * block_bytes], scales[done:done + n],
-                        scratch)
+                        levels, scratch)
         done += n
-    _requantize_clamped(rows, bits, codes, scales)
+    _requantize_clamped(rows, bits, codes, scales, levels)
 
 
-def _quantize_piece(rows, bits, codes, scales, scratch):
+def _code_range(bits, levels):
+    """The lowest and highest q of the grid."""
+    half = 2 ** (bits - 1)
+    return (-half, half - 1) if levels == "full" else (1 - half, half - 1)
+
+
+def _quantize_piece(rows, bits, codes, scales, levels, scratch):
     """The spec without its clamp, in five passes over the piece: amax (from memory), amin, x / s,
-    + magic, narrowing to uint8. `_requantize_clamped` redoes the blocks that need the clamp.
+    + magic, narrowing to uint8. `_requantize_clamped` redoes the blocks that need the clamp. The
+    full grid takes a sixth pass, the clamp at the top: the value opposite m can reach +n steps.
 
     16-bit input is widened to fp32 first (one pass): torch reduces fp32 rows 5x faster than bf16
     ones. An all-zero block's max(amax, -amin) can be -0.0 (e.g. fp16 values that flushed to signed
     zeros; torch's vectorised and scalar loops differ there): the scales' abs_() makes it the spec's
     +0.0, as the Triton kernels give on CUDA (one pass over the scales only).
     """
-    qmax = 2 ** (bits - 1) - 1
+    lowest, highest = _code_range(bits, levels)
     q = scratch.get("q", rows.numel(), torch.float32).view(rows.shape)
     if rows.dtype != torch.float32:
         rows = q.copy_(rows)
     stored = scales.view(rows.shape[:-1])
-    if scales.dtype == torch.float32:  # the scale computed in place
-        s = torch.maximum(rows.amax(-1), rows.amin(-1).neg_(), out=stored).div_(qmax).abs_()
+    amax, amin = rows.amax(-1), rows.amin(-1)
+    if levels == "full":  # m / -n, and a zero scale as +0.0 (m = +0.0 gives -0.0)
+        scale = torch.where(amax >= amin.neg(), amax, amin).div_(lowest)
+        scale.masked_fill_(scale == 0, 0.0)
     else:
-        scale = torch.maximum(rows.amax(-1), rows.amin(-1).neg_()).div_(qmax).abs_().clamp_(max=FP16_MAX)
-        s = stored.copy_(scale).float()  # rounds to fp16 and reads it back
-    # The spec divides by inf where s = 0 (so q = 0). s = 0 means absmax < qmax * 2**-150 (fp32) or
-    # <= qmax * 2**-25 (fp16), so x / tiny < 1/2 rounds to 0 as well, with one op instead of two;
+        scale = torch.maximum(amax, amin.neg_()).div_(highest).abs_()
+    if scales.dtype == torch.float16:
+        scale.clamp_(-FP16_MAX, FP16_MAX)
+    s = stored.copy_(scale).float()  # fp16: rounds and reads it back
+    # The spec divides by inf where s = 0 (so q = 0). s = 0 means absmax < n * 2**-150 (fp32) or
+    # <= n * 2**-25 (fp16), so x / tiny < 1/2 rounds to 0 as well, with one op instead of two;
     # subnormal scales, which this raises, are redone by _requantize_clamped anyway.
-    divisor = s.clamp(min=torch.finfo(scales.dtype).tiny).unsqueeze(-1)
-    words = torch.div(rows, divisor, out=q).add_(_MAGIC + qmax + 1).view(torch.int32).view(-1)
+    divisor = torch.where(s == 0, torch.finfo(scales.dtype).tiny, s).unsqueeze(-1)
+    quotient = torch.div(rows, divisor, out=q)
+    if levels == "full":
+        quotient.clamp_(max=highest)
+    words = quotient.add_(_MAGIC + highest + 1).view(torch.int32).view(-1)  # code q + n
     if bits == 8:  # code = v + 2**(bits-1), the low byte of each word
         codes.copy_(words)
     else:
         _pack(scratch.get("codes", words.numel(), torch.uint8).copy_(words), bits, codes, scratch)
 
 
-def _requantize_clamped(rows, bits, codes, scales):
+def _requantize_clamped(rows, bits, codes, scales, levels):
     """Redo, as the spec says, the blocks whose stored scale is neither 0 nor a normal number.
 
-    clamp(round(v), -qmax, qmax) = round(v) when |v| < qmax + 1/2. With s normal, a rounded-down
-    scale makes |x / s| exceed qmax by at most qmax * 2**-10, so only subnormal scales, fp16 scales
-    clamped to FP16_MAX, inf and NaN need the clamp (and NaN quotients the int8 cast's code).
+    clamp(round(v), lowest, highest) = round(v) when v lies within half a step of the range. With s
+    normal, a rounded-down scale makes |x / s| exceed |m / s| by at most n * 2**-10 (and the full
+    grid's top is clamped anyway), so only subnormal scales, fp16 scales clamped to FP16_MAX, inf and
+    NaN need the clamp (and NaN quotients the int8 cast's code).
     """
-    s = scales.float()
+    s = scales.float().abs()
     limit = FP16_MAX if scales.dtype == torch.float16 else float("inf")
     normal = (s >= torch.finfo(scales.dtype).tiny) & (s < limit) | (s == 0)
     if bool(normal.all()):
         return
     bad = (~normal).nonzero().squeeze(1)
     blocks = rows[torch.unravel_index(bad, rows.shape[:-1])] if rows.dim() > 2 else rows[bad]
-    qmax = 2 ** (bits - 1) - 1
-    divisor = torch.where(s[bad] == 0, float("inf"), s[bad]).unsqueeze(-1)
+    lowest, highest = _code_range(bits, levels)
+    stored = scales[bad].float()
+    divisor = torch.where(stored == 0, float("inf"), stored).unsqueeze(-1)
     q = torch.div(blocks, divisor, out=torch.empty(blocks.shape, dtype=torch.float32, device=rows.device))
-    fixed = q.clamp_(-qmax, qmax).round_().to(torch.int8).view(torch.uint8).add_(qmax + 1)
+    fixed = q.clamp_(lowest, highest).round_().to(torch.int8).view(torch.uint8).add_(highest + 1)
     block_bytes = rows.shape[-1] * bits // 8
     if bits != 8:
         fixed = pack_codes(fixed.view(-1), bits, torch.empty(bad.numel() * block_bytes, dtype=torch.uint8,
@@ -439,7 +473,7 @@ def _dequant_sum(codes, scales, k, numel, bits, block_size, out, accumulate, req
             out_codes, out_scales, out_bits = requantize
             out_bytes = block_size * out_bits // 8
             _quantize_flat(total.view(-1)[:valid], out_bits, block_size, out_codes[first * out_bytes:last * out_bytes],
-                           out_scales[first:last], scratch)
+                           out_scales[first:last], "symmetric", scratch)
         elif not direct:
             dest, values = out[first * block_size:first * block_size + valid], total.view(-1)[:valid]
             if accumulate:

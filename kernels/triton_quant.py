@@ -47,19 +47,31 @@ def _tile_index(pid, nblocks, ROWS: tl.constexpr, G: tl.constexpr):
 
 @triton.jit
 def _quantize_tile(x, row, row_ok, g, i, codes_ptr, scales_ptr,
-                   BITS: tl.constexpr, GROUPS: tl.constexpr, SCALE_FP16: tl.constexpr):
-    """Quantize an fp32 [ROWS, G, 8] tile (zeros outside the tensor) and store codes and scales."""
-    QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
-    absmax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
-    scale = tl.math.div_rn(absmax, tl.full(absmax.shape, QMAX, tl.float32))
-    if SCALE_FP16:
-        scale = tl.minimum(scale, FP16_MAX).to(tl.float16)
+                   BITS: tl.constexpr, GROUPS: tl.constexpr, SCALE_FP16: tl.constexpr, FULL: tl.constexpr):
+    """Quantize an fp32 [ROWS, G, 8] tile (zeros outside the tensor) and store codes and scales;
+    FULL: the full levels (kernels.quant's spec)."""
+    HALF: tl.constexpr = 1 << (BITS - 1)
+    if FULL:
+        amax = tl.max(tl.max(x, axis=2), axis=1)
+        amin = tl.min(tl.min(x, axis=2), axis=1)
+        m = tl.where(amax >= -amin, amax, amin)
+        scale = tl.math.div_rn(m, tl.full(m.shape, -HALF, tl.float32))
+        scale = tl.where(scale == 0.0, 0.0, scale)  # +0.0
+        if SCALE_FP16:
+            scale = tl.minimum(tl.maximum(scale, -FP16_MAX), FP16_MAX).to(tl.float16)
+        lowest, highest = -HALF, HALF - 1
+    else:
+        absmax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
+        scale = tl.math.div_rn(absmax, tl.full(absmax.shape, HALF - 1, tl.float32))
+        if SCALE_FP16:
+            scale = tl.minimum(scale, FP16_MAX).to(tl.float16)
+        lowest, highest = 1 - HALF, HALF - 1
     tl.store(scales_ptr + row, scale, mask=row_ok)
     s = scale.to(tl.float32)
     divisor = tl.where(s == 0.0, float("inf"), s)[:, None, None]
     v = tl.math.div_rn(x, tl.broadcast_to(divisor, x.shape))
-    q = _round_half_even(tl.minimum(tl.maximum(v, -QMAX), QMAX))
-    code = (q + (QMAX + 1)).to(tl.uint64)
+    q = _round_half_even(tl.minimum(tl.maximum(v, lowest), highest))
+    code = (q + HALF).to(tl.uint64)
     word = tl.sum(code << (i * BITS).to(tl.uint64)[None, None, :], axis=2)  # [ROWS, G]: a group's bits
     byte = ((word[:, :, None] >> (i * 8).to(tl.uint64)[None, None, :]) & 0xFF).to(tl.uint8)  # i = byte index
     offs = row[:, None, None] * (GROUPS * BITS) + g[None, :, None] * BITS + i[None, None, :]
@@ -82,7 +94,7 @@ def _dequantize_tile(codes_ptr, scales_ptr, row, row_ok, g, i, BITS: tl.constexp
 @triton.jit
 def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, numel, nblocks, A, C, stride_a, stride_b, stride_c,
                      BLOCK: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr, G: tl.constexpr,
-                     ROWS: tl.constexpr, SCALE_FP16: tl.constexpr):
+                     ROWS: tl.constexpr, SCALE_FP16: tl.constexpr, FULL: tl.constexpr):
     """Element n of the quantized sequence is x[a, b, c] with n = (b * A + a) * C + c."""
     row, row_ok, g, i = _tile_index(tl.program_id(0), nblocks, ROWS, G)
     first = row * BLOCK  # a block never straddles a row of C elements
@@ -92,7 +104,7 @@ def _quantize_kernel(x_ptr, codes_ptr, scales_ptr, numel, nblocks, A, C, stride_
     within = g[None, :, None] * 8 + i[None, None, :]
     mask = row_ok[:, None, None] & (g < GROUPS)[None, :, None] & (first[:, None, None] + within < numel)
     x = tl.load(x_ptr + base[:, None, None] + within * stride_c, mask=mask, other=0.0).to(tl.float32)
-    _quantize_tile(x, row, row_ok, g, i, codes_ptr, scales_ptr, BITS, GROUPS, SCALE_FP16)
+    _quantize_tile(x, row, row_ok, g, i, codes_ptr, scales_ptr, BITS, GROUPS, SCALE_FP16, FULL)
 
 
 @triton.jit
@@ -113,7 +125,7 @@ def _dequant_reduce_kernel(codes_ptr, scales_ptr, out_ptr, out_codes_ptr, out_sc
     mask = row_ok[:, None, None] & (g < GROUPS)[None, :, None] & (n < numel)
     if QUANTIZE:
         acc = tl.where(mask, acc, 0.0)  # padding is zero, whatever codes it arrived with
-        _quantize_tile(acc, row, row_ok, g, i, out_codes_ptr, out_scales_ptr, OUT_BITS, GROUPS, SCALE_FP16)
+        _quantize_tile(acc, row, row_ok, g, i, out_codes_ptr, out_scales_ptr, OUT_BITS, GROUPS, SCALE_FP16, False)
     else:
         if ACCUMULATE:
             acc += tl.load(out_ptr + n, mask=mask)
@@ -130,8 +142,8 @@ def _geometry(block_size):
     return groups, g, max(1, TILE // (8 * g))
 
 
-def quantize(x, shape, strides, bits, block_size, codes, scales):
-    """Quantize x (read as [A, B, C] with the given element strides, in [B, A, C] order)."""
+def quantize(x, shape, strides, bits, block_size, codes, scales, levels):
+    """Quantize x (read as [A, B, C] with the given element strides, in [B, A, C] order) on `levels`."""
     A, B, C = shape
     numel = A * B * C
     nblocks = scales.numel()
@@ -140,7 +152,7 @@ def quantize(x, shape, strides, bits, block_size, codes, scales):
         _quantize_kernel[(triton.cdiv(nblocks, rows),)](
             x, codes, scales, numel, nblocks, A, C, *strides,
             BLOCK=block_size, BITS=bits, GROUPS=groups, G=g, ROWS=rows,
-            SCALE_FP16=scales.dtype.itemsize == 2, **EXACT)
+            SCALE_FP16=scales.dtype.itemsize == 2, FULL=levels == "full", **EXACT)
 
 
 def dequantize(codes, scales, numel, bits, block_size, out, accumulate):

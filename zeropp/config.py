@@ -188,9 +188,13 @@ class ZeroConfig:
     zero_quantized_gradients_bits: int = 4
     zero_quantized_gradients_hops: int = 0  # 0: automatic (2 on several nodes), 1 or 2
     zero_quantized_gradients_stages: int = 1
-    # Error feedback for qgZ: each rank adds its last step's local quantization error to the next
-    # step's gradient (costs one fp32 copy of the model per rank; saved in checkpoints).
+    # Error feedback for qgZ: each rank adds what its quantizations lost to the next step's input
+    # of each hop (costs one fp32 copy of the model per rank; saved in checkpoints). LoCo's moving
+    # average: error_beta is the previous error's weight (DeepSpeed's err_beta; 0: plain error
+    # feedback), error_reset drops the error every that many reductions of a unit (0: never).
     zero_quantized_gradients_error_feedback: bool = False
+    zero_quantized_gradients_error_beta: float = 0.0
+    zero_quantized_gradients_error_reset: int = 0
     # Elements per quantization block (one scale each), for weights and gradients. Blocks never
     # straddle two parameters; a multiple of 32 keeps qwZ weights exportable to GGUF exactly.
     zero_quantization_block_size: int = 256
@@ -279,6 +283,17 @@ class ZeroConfig:
         if self.zero_quantized_gradients_error_feedback and not self.zero_quantized_gradients:
             raise ZeroConfigError("zero_optimization.zero_quantized_gradients_error_feedback applies to qgZ; set "
                                   "zero_quantized_gradients: true or drop it")
+        if not 0.0 <= self.zero_quantized_gradients_error_beta < 1.0:
+            raise ZeroConfigError(f"zero_optimization.zero_quantized_gradients_error_beta="
+                                  f"{self.zero_quantized_gradients_error_beta}: must be in [0, 1) (the previous "
+                                  f"error's weight; 0: plain error feedback)")
+        if self.zero_quantized_gradients_error_reset < 0:
+            raise ZeroConfigError(f"zero_optimization.zero_quantized_gradients_error_reset="
+                                  f"{self.zero_quantized_gradients_error_reset}: must be >= 0 (0: never reset)")
+        if (self.zero_quantized_gradients_error_beta or self.zero_quantized_gradients_error_reset) and \
+                not self.zero_quantized_gradients_error_feedback:
+            raise ZeroConfigError("zero_optimization.zero_quantized_gradients_error_beta / _error_reset shape qgZ's "
+                                  "error feedback; set zero_quantized_gradients_error_feedback: true or drop them")
         if self.zero_quantized_gradients_stages < 1:
             raise ZeroConfigError(f"zero_optimization.zero_quantized_gradients_stages="
                                   f"{self.zero_quantized_gradients_stages}: must be >= 1")

@@ -133,7 +133,7 @@ class DDPRuntime(Runtime):
         totals = {"weights": nbytes(params), "gradients": nbytes(trainable)}
         if self._ddp is not None:
             totals["gradient buckets"] = nbytes(trainable)
-        if self.reducer is not None and self.reducer.compressor.errors:
+        if self.reducer is not None and self.reducer.compressor.feedback.errors:
             totals["gradient error feedback"] = self.reducer.compressor.error_bytes()
         if optimizer is not None:
             totals["optimizer states"] = nbytes(t for state in optimizer.state.values() for t in state.values()

@@ -46,7 +46,7 @@ from zeropp.plan import FROZEN_SUFFIX, UnsupportedModelError, partition_units  #
 from zeropp.plan import (build_units, model_state_bytes, predicted_step_bytes, rotating_buffer_count, schedule_groups,
                          zero3_cross_node_bytes)
 from zeropp.qgz import QuantizedReduce
-from zeropp.reducers import ExactReduceScatter
+from zeropp.reducers import ErrorFeedback, ExactReduceScatter
 from zeropp.rollout import Rollout
 from zeropp.runtime import Runtime, Timings, clip_by_norm_, squared_norm
 from zeropp.separate import ProjectedReduce, Separate
@@ -275,9 +275,11 @@ class Zero3Engine(Runtime):
         cfg = self.config
         qgz = None
         if cfg.zero_quantized_gradients:
+            feedback = ErrorFeedback(cfg.zero_quantized_gradients_error_beta, cfg.zero_quantized_gradients_error_reset) \
+                if cfg.zero_quantized_gradients_error_feedback else None
             qgz = QuantizedReduce(self.comm, cfg.zero_quantized_gradients_bits, cfg.zero_quantization_block_size,
                                   cfg.zero_quantized_gradients_hops or (2 if self.mesh.num_nodes > 1 else 1),
-                                  cfg.zero_quantized_gradients_stages, cfg.zero_quantized_gradients_error_feedback)
+                                  cfg.zero_quantized_gradients_stages, feedback)
         if cfg.gradient_compression.separate:  # SEPARATE's projections, through qgZ when it is on
             return ProjectedReduce(self.comm, Separate(cfg.gradient_compression, self.device), self.comm_dtype,
                                    self.timings, qgz)

@@ -6,17 +6,19 @@ chunks node-major -> local-rank-major while quantizing, an all-to-all inside the
 dequantize + sum + requantize, an all-to-all across nodes (same local rank), dequantize + sum:
 each node's partial sum crosses the slow link once, at the quantized width. `stages` > 1 cuts
 every chunk into that many slices and pipelines them: the inter-node hop of slice s runs while
-the intra-node hop of slice s+1 does (paper Algorithm 2). With error feedback, what the first
-hop's quantization lost is added to the next step's gradient.
+the intra-node hop of slice s+1 does (paper Algorithm 2). With error feedback (zeropp.reducers.
+ErrorFeedback, LoCo's moving average and reset), what each hop's quantization lost is added to
+the next step's input of that hop: the gradient (first hop) and the node's partial sum (second).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels import dequant_reduce, dequant_reduce_quant, dequantize, num_blocks, packed_bytes, quantize_transposed
+from kernels import (dequant_reduce, dequant_reduce_quant, dequantize, num_blocks, packed_bytes, quantize,
+                     quantize_transposed)
 from zeropp.comm import Comm
-from zeropp.reducers import TAG, GradientReducer
+from zeropp.reducers import TAG, ErrorFeedback, GradientReducer
 
 
 def quantized_reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, bits: int, block_size: int,
@@ -47,7 +49,8 @@ def quantized_reduce_scatter_volume(comm: Comm, numel: int, bits: int, block_siz
     return sent, cross
 
 
-def _reduce(comm, out, full, bits, block_size, hops, stages, tag, error):
+def _reduce(comm, out, full, bits, block_size, hops, stages, tag, error, feedback=None):
+    """`feedback` = (ErrorFeedback, key): error feedback on the second hop's partial sums, per slice."""
     m = comm.mesh
     world, nodes, local = m.world_size, m.num_nodes, m.ranks_per_node
     if hops == 1 or nodes == 1 or local == 1:
@@ -67,13 +70,27 @@ def _reduce(comm, out, full, bits, block_size, hops, stages, tag, error):
             dequant_reduce(codes, scales, local, sub, bits, block_size, out=out[s * sub:(s + 1) * sub],
                            accumulate=True)
             continue
-        partial = dequant_reduce_quant(codes, scales, local, nodes * sub, bits, block_size)
+        if feedback is None:
+            partial = dequant_reduce_quant(codes, scales, local, nodes * sub, bits, block_size)
+        else:
+            partial = _requantized_with_feedback(*feedback, s, codes, scales, local, nodes * sub, bits, block_size)
         pending.append((s, *_exchange(comm, partial.codes, partial.scales, "inter_node", tag, async_op=True)))
     for s, codes, scales, works in pending:
         for w in works:
             w.wait()
         dequant_reduce(codes, scales, nodes, sub, bits, block_size, out=out[s * sub:(s + 1) * sub],
                        accumulate=True)
+
+
+def _requantized_with_feedback(feedback: ErrorFeedback, key, stage, codes, scales, k, numel, bits, block_size):
+    """dequant_reduce_quant with error feedback on the sum (LoCo's second hop): p = sum + e, sent quant(p)."""
+    partial = dequant_reduce(codes, scales, k, numel, bits, block_size)
+    key = f"{key}/across{stage}"
+    kept = feedback.begin(key, partial)
+    q = quantize(partial, bits, block_size)
+    if kept:
+        feedback.end(key, partial.sub_(q.dequantize()))
+    return q
 
 
 def _exchange(comm, codes, scales, group, tag, async_op):
@@ -85,39 +102,46 @@ def _exchange(comm, codes, scales, group, tag, async_op):
 
 
 class QuantizedReduce(GradientReducer):
-    """qgZ as the engine's gradient reducer, with optional error feedback."""
+    """qgZ as the engine's gradient reducer, with optional error feedback (`feedback`: an ErrorFeedback,
+    None for none) on both hops; its errors are this rank's state."""
 
-    def __init__(self, comm: Comm, bits: int, block_size: int, hops: int, stages: int, error_feedback: bool):
+    def __init__(self, comm: Comm, bits: int, block_size: int, hops: int, stages: int,
+                 feedback: ErrorFeedback | None = None):
         self.comm, self.bits, self.block_size = comm, bits, block_size
-        self.hops, self.stages, self.error_feedback = hops, stages, error_feedback
-        self.stateful = error_feedback
-        self.errors: dict[str, torch.Tensor] = {}  # unit -> last step's local quantization error (fp32)
+        self.hops, self.stages, self.feedback = hops, stages, feedback
+        self.stateful = feedback is not None
 
     def reduce(self, unit, shard, grad, async_op):
-        error = None
-        if self.error_feedback:  # h = g + e; the first hop then writes e <- h - dequant(quant(h))
-            error = self.errors.get(unit)
-            if error is None:
-                error = self.errors[unit] = torch.zeros(grad.numel(), dtype=torch.float32, device=grad.device)
-            # A step skipped for non-finite gradients left non-finite residuals: drop those (no sync).
-            torch.nan_to_num_(error, nan=0.0, posinf=0.0, neginf=0.0)
-            grad.add_(error)  # grad is the engine's scratch buffer of this backward
-        return quantized_reduce_scatter(self.comm, shard, grad, self.bits, self.block_size, hops=self.hops,
-                                        stages=self.stages, tag=TAG, async_op=async_op, error=error)
+        if self.feedback is None:
+            return quantized_reduce_scatter(self.comm, shard, grad, self.bits, self.block_size, hops=self.hops,
+                                            stages=self.stages, tag=TAG, async_op=async_op)
+        kept = self.feedback.begin(unit, grad)  # grad is the engine's scratch buffer of this backward
+        lost = torch.empty(grad.numel(), dtype=torch.float32, device=grad.device) if kept else None
+
+        def work():  # the first hop writes lost = h - dequant(quant(h)); the second feeds back on its own
+            _reduce(self.comm, shard, grad, self.bits, self.block_size, self.hops, self.stages, TAG, lost,
+                    (self.feedback, unit))
+            if kept:
+                self.feedback.end(unit, lost)
+        return self.comm.run(work, async_op)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {f"{unit}.error": e for unit, e in self.errors.items()}
+        return self.feedback.state_dict() if self.feedback is not None else {}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        unexpected = [k for k in state if not k.endswith(".error")] if self.error_feedback else sorted(state)
+        unexpected = sorted(state) if self.feedback is None else \
+            [k for k in state if k.rpartition(".")[2] not in ("error", "round")]
         if unexpected:
-            raise ValueError(f"qgZ{' with' if self.error_feedback else ' without'} error feedback cannot load "
+            raise ValueError(f"qgZ{' with' if self.feedback else ' without'} error feedback cannot load "
                              f"reducer state {unexpected[:4]}")
-        self.errors = {k[:-len(".error")]: v.float() for k, v in state.items()}
+        if self.feedback is not None:
+            self.feedback.load_state_dict(state)
 
     def volume(self, numel: int) -> tuple[int, int]:
         return quantized_reduce_scatter_volume(self.comm, numel, self.bits, self.block_size, self.hops, self.stages)
 
     def describe(self) -> str:
-        ef = " + error feedback" if self.error_feedback else ""
+        fb = self.feedback
+        ef = "" if fb is None else f" + error feedback (memory {fb.memory:g}" + \
+            (f", reset every {fb.reset_interval}" if fb.reset_interval else "") + ")"
         return f"qgZ int{self.bits}, {self.hops} hop(s){ef}"

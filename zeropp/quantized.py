@@ -4,7 +4,8 @@ A `WeightCodec` turns the fp32 master shard into the bytes the all-gather sends 
 once per weight update, so the forward and the backward gather send the very same bytes),
 and the gathered bytes of all ranks into the weights the forward computes with (`decode`).
 
-qwZ (ZeRO++ section 3.1): the shard is block-quantized (kernels.quantize, fp16 scales) into
+qwZ (ZeRO++ section 3.1): the shard is block-quantized (kernels.quantize_weights: full levels,
+fp16 scales, the grid GGUF's Q8_0 / Q4_0 serve) into
 one byte buffer per rank, codes then scales, so one all-gather moves both. Every rank
 dequantizes the same bytes, so all ranks - and the backward pass, and an export of the
 model - see exactly dequant(quant(W)).
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import WEIGHT_SCALE_DTYPE, dequantize, num_blocks, packed_bytes, quantize
+from kernels import WEIGHT_SCALE_DTYPE, dequantize, num_blocks, packed_bytes, quantize_weights
 from zeropp.comm import Comm
 
 
@@ -69,8 +70,7 @@ class QuantizedCodec:
         if master.is_meta:  # units built on paper (zeropp.autoplan): sizes only, no values to quantize
             return
         codes, scales = self._split(wire, master.numel())
-        quantize(master, self.bits, self.block_size, scale_dtype=WEIGHT_SCALE_DTYPE, codes_out=codes,
-                 scales_out=scales)
+        quantize_weights(master, self.bits, self.block_size, codes_out=codes, scales_out=scales)
 
     def decode(self, gathered: torch.Tensor, out: torch.Tensor, world: int, order: list[int] | None = None) -> None:
         """`order[p]`: the rank whose shard is p-th in `gathered` (None: rank order)."""

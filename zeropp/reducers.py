@@ -12,6 +12,8 @@ resume, zeropp.checkpoint).
   ProjectedReduce      SEPARATE (zeropp.separate): a reduce-scatter of random projections,
                        1/CR of the gradient; each rank reconstructs its own shard (and DDP's
                        comm hook, which all-reduces a bucket's projections)
+
+The lossy ones share `ErrorFeedback`: what a compressor lost this round goes into its next input.
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ class GradientReducer:
     def describe(self) -> str:
         raise NotImplementedError
 
+    def take_notes(self) -> list[str]:
+        """What the reducer decided since the last call that belongs in the log (G-SEPARATE's adaptations)."""
+        return []
+
     def volume(self, numel: int) -> tuple[int, int] | None:
         """(bytes sent, of which cross-node) reducing a gradient of `numel` elements; None where it
         depends on the values or the round (SEPARATE)."""
@@ -64,3 +70,77 @@ class ExactReduceScatter(GradientReducer):
     def volume(self, numel: int) -> tuple[int, int]:
         chunk = numel // self.comm.mesh.world_size * self.wire_dtype.itemsize
         return self.comm.volume(chunk, "dp", node_aware=True)
+
+
+class ErrorFeedback:
+    """Error feedback for a lossy compressor C, per key (a unit, a DDP bucket, a hop of one):
+
+        h = g + e                                    what C compresses (the compensated input)
+        e <- memory e + (1 - memory) (h - C(h))      after the round; e <- 0 after a reset round
+
+    memory 0 is classic error feedback (every round's whole loss is sent next round); LoCo
+    (DeepSpeed's err_beta: 0.8, reset every 1024 rounds) and SEPARATE (memory = 1 - its beta)
+    keep a moving average; memory 1 keeps nothing. Round k of a key is a reset round when
+    `reset_interval` divides k (0: never): its input still carries the old error, which is then
+    dropped, so a stale residual cannot build up. The errors (in `dtype`, fp32 arithmetic) and
+    the round counters are the state a resumed run needs to repeat the original bit for bit."""
+
+    def __init__(self, memory: float = 0.0, reset_interval: int = 0, dtype: torch.dtype = torch.float32):
+        self.memory, self.reset_interval, self.dtype = memory, reset_interval, dtype
+        self.errors: dict[str, torch.Tensor] = {}
+        self.rounds: dict[str, int] = {}
+        self._kept: dict[str, bool] = {}  # key -> whether the round under way feeds its loss back
+
+    def round(self, key: str) -> int:
+        """The rounds of `key` begun so far."""
+        return self.rounds.get(key, 0)
+
+    def begin(self, key: str, h: torch.Tensor, memory: float | None = None) -> bool:
+        """Begin the key's next round: h += e in place (`h` holds g); returns whether this round's loss
+        is to be fed back (end() then takes it), False on a reset round or with memory 1."""
+        k = self.rounds[key] = self.round(key) + 1
+        error = self.errors.get(key)
+        if error is not None:
+            # A step skipped for non-finite gradients left non-finite residuals: drop those (no sync).
+            torch.nan_to_num_(error, nan=0.0, posinf=0.0, neginf=0.0)
+            h.add_(error.view_as(h))
+        reset = bool(self.reset_interval) and (k - 1) % self.reset_interval == 0
+        if reset and error is not None:
+            error.zero_()
+        kept = self._kept[key] = not reset and (self.memory if memory is None else memory) < 1
+        return kept
+
+    def end(self, key: str, lost: torch.Tensor, memory: float | None = None) -> None:
+        """lost = h - C(h) of the round begun last (h's shape; fp32): e <- memory e + (1 - memory) lost."""
+        if not self._kept.pop(key):
+            return
+        memory = self.memory if memory is None else memory
+        error = self.errors.get(key)
+        if error is None:
+            error = self.errors[key] = torch.zeros(lost.numel(), dtype=self.dtype, device=lost.device)
+        lost = lost.reshape(-1)
+        if memory == 0:
+            error.copy_(lost)
+        elif error.dtype == torch.float32:
+            error.mul_(memory).add_(lost, alpha=1 - memory)
+        else:
+            error.copy_(error.float().mul_(memory).add_(lost, alpha=1 - memory))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """By "<key>.error" and "<key>.round"."""
+        out = {f"{key}.round": torch.tensor(k, dtype=torch.int64) for key, k in self.rounds.items()}
+        out.update({f"{key}.error": e for key, e in self.errors.items()})
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], device: torch.device | None = None) -> None:
+        """Replaces the state with "<key>.error" / "<key>.round" entries (others are the caller's)."""
+        self.errors, self.rounds, self._kept = {}, {}, {}
+        for name, value in state.items():
+            key, _, what = name.rpartition(".")
+            if what == "round":
+                self.rounds[key] = int(value)
+            elif what == "error":
+                self.errors[key] = value.to(device or value.device, self.dtype).reshape(-1).clone()
+
+    def error_bytes(self) -> int:
+        return sum(e.numel() * e.element_size() for e in self.errors.values())

@@ -175,7 +175,8 @@ class Runtime:
         """What the runtime decided while running that belongs in the log (e.g. a plan it chose on the
         first batch), since the last call."""
         notes, self._notes = getattr(self, "_notes", []), []
-        return notes
+        reducer = getattr(self, "reducer", None)  # the gradient reducer of ZeRO and DDP
+        return notes + (reducer.take_notes() if reducer is not None else [])
 
     def describe(self) -> str:
         raise NotImplementedError

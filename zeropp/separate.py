@@ -37,7 +37,7 @@ import torch
 
 from zeropp.comm import CallbackWork, Comm
 from zeropp.config import DTYPES, GradientCompression
-from zeropp.reducers import TAG, GradientReducer
+from zeropp.reducers import TAG, ErrorFeedback, GradientReducer
 from zeropp.runtime import Timings
 
 _DRAW_NUMEL = 1 << 22  # Gaussian directions generated per draw (16 MB of fp32)
@@ -78,16 +78,15 @@ class Round:
 
 
 class Separate:
-    """The compressor: per key (a unit, a DDP bucket), the round counter, the error buffer, and
-    under G-SEPARATE the adapted ratio and beta; `state_dict` makes a resumed run bit-exact."""
+    """The compressor: per key (a unit, a DDP bucket), the error feedback (round counter and error
+    buffer: zeropp.reducers.ErrorFeedback with memory 1 - beta), and under G-SEPARATE the adapted
+    ratio and beta; `state_dict` makes a resumed run bit-exact."""
 
     def __init__(self, cfg: GradientCompression, device: torch.device):
         cfg.validate(stage=3)  # the stage only matters to powersgd, which is not this
         self.cfg, self.device = cfg, device
-        self.error_dtype = DTYPES[cfg.error_dtype]
         self.contractive = cfg.reconstruction == "contractive"
-        self.rounds: dict[str, int] = {}
-        self.errors: dict[str, torch.Tensor] = {}
+        self.feedback = ErrorFeedback(1 - cfg.beta, cfg.reset_interval, DTYPES[cfg.error_dtype])
         self.ratios: dict[str, int] = {}
         self.betas: dict[str, float] = {}
         self._hadamards: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -98,20 +97,15 @@ class Separate:
     def compress(self, key: str, grad: torch.Tensor) -> Round:
         """Project this rank's gradient `grad` (chunks x numel) and update the error; the returned
         round holds the projections (chunks x blocks·m, fp32) to be summed over ranks."""
-        k = self.rounds.get(key, 0)
-        self.rounds[key] = k + 1
+        k = self.feedback.round(key)
         chunks, numel = grad.shape
         ratio = self.ratios.get(key, self.cfg.ratio)
         block = self._block(numel)
         m = max(1, block // ratio)
         blocks = -(-numel // block)
-        reset = self.cfg.reset_interval and k % self.cfg.reset_interval == 0
-        beta = self.betas.get(key, self.cfg.beta)
-        feedback = not reset and beta > 0
-        error = self.errors.get(key)
-        if error is None and feedback:  # only error feedback keeps a buffer (a full unit per rank)
-            error = self.errors[key] = torch.zeros(chunks, numel, dtype=self.error_dtype, device=grad.device)
-        h = grad.float() if error is None else grad.float() + error
+        memory = 1 - self.betas.get(key, self.cfg.beta)
+        h = grad.to(torch.float32, copy=True)
+        feedback = self.feedback.begin(key, h, memory)  # h = g + e
         projections = torch.empty(chunks, blocks * m, device=grad.device)
         for c in range(chunks):
             x = h[c]
@@ -120,13 +114,10 @@ class Separate:
                 x[:numel] = h[c]
             p, back = self._project(x.view(blocks, block), key, k, c, m, roundtrip=feedback)
             projections[c] = p.reshape(-1)
-            if feedback:  # e <- (1 - beta) e + beta (h - C(h)), in fp32
-                if self.contractive:
-                    back.mul_(m / block)
-                new = error[c].float().mul_(1 - beta).add_(h[c] - back.reshape(-1)[:numel], alpha=beta)
-                error[c].copy_(new)
-        if reset and error is not None:
-            error.zero_()
+            if feedback:  # h - C(h), in place: h is not needed after its chunk is projected
+                h[c].sub_(back.reshape(-1)[:numel].mul_(m / block) if self.contractive else back.reshape(-1)[:numel])
+        if feedback:
+            self.feedback.end(key, h, memory)
         return Round(key, k, ratio, block, m, blocks, numel, projections)
 
     def decompress(self, rnd: Round, summed: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -229,20 +220,16 @@ class Separate:
 
     def adapt_round(self, key: str) -> bool:
         """Whether the round about to run for `key` is one where G-SEPARATE measures the cosine."""
-        return self.cfg.method == "g-separate" and (self.rounds.get(key, 0) + 1) % self.cfg.adapt_interval == 0
+        return self.cfg.method == "g-separate" and (self.feedback.round(key) + 1) % self.cfg.adapt_interval == 0
 
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """By "<key>.<name>": error, round, and under G-SEPARATE ratio and beta."""
-        out = {}
-        for key, k in self.rounds.items():
-            out[f"{key}.round"] = torch.tensor(k, dtype=torch.int64)
-            if key in self.errors:
-                out[f"{key}.error"] = self.errors[key]
-            if key in self.ratios:
-                out[f"{key}.ratio"] = torch.tensor(self.ratios[key], dtype=torch.int64)
-                out[f"{key}.beta"] = torch.tensor(self.betas[key], dtype=torch.float64)
+        out = self.feedback.state_dict()
+        for key in self.ratios:
+            out[f"{key}.ratio"] = torch.tensor(self.ratios[key], dtype=torch.int64)
+            out[f"{key}.beta"] = torch.tensor(self.betas[key], dtype=torch.float64)
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -250,20 +237,17 @@ class Separate:
         bad = [k for k in state if k.rpartition(".")[2] not in names]
         if bad:
             raise ValueError(f"SEPARATE cannot load compressor state {bad[:4]}: expected <key>.{sorted(names)}")
-        self.rounds, self.errors, self.ratios, self.betas = {}, {}, {}, {}
+        self.feedback.load_state_dict(state, self.device)
+        self.ratios, self.betas = {}, {}
         for name, value in state.items():
             key, _, what = name.rpartition(".")
-            if what == "round":
-                self.rounds[key] = int(value)
-            elif what == "error":
-                self.errors[key] = value.to(self.device, self.error_dtype).clone()
-            elif what == "ratio":
+            if what == "ratio":
                 self.ratios[key] = int(value)
-            else:
+            elif what == "beta":
                 self.betas[key] = float(value)
 
     def error_bytes(self) -> int:
-        return sum(e.numel() * e.element_size() for e in self.errors.values())
+        return self.feedback.error_bytes()
 
 
 class ProjectedReduce(GradientReducer):
@@ -285,6 +269,7 @@ class ProjectedReduce(GradientReducer):
         self.comm, self.compressor, self.wire_dtype, self.timings = comm, compressor, wire_dtype, timings
         self.qgz = qgz  # zeropp.qgz.QuantizedReduce: when set, the projections go through it instead
         self.cosines: dict[str, float] = {}  # G-SEPARATE: each unit's (bucket's) last measured cosine
+        self.notes: list[str] = []  # G-SEPARATE's adaptations, for the log (take_notes)
 
     def reduce(self, unit, shard, grad, async_op):
         world, rank = self.comm.mesh.size("dp"), self.comm.mesh.group_rank("dp")
@@ -351,6 +336,12 @@ class ProjectedReduce(GradientReducer):
         cosine = float(sums[0] / (sums[1].sqrt() * sums[2].sqrt()).clamp_min(1e-30))
         self.cosines[key] = cosine
         self.compressor.adapt(key, cosine)
+        self.notes.append(f"G-SEPARATE {key}: cosine {cosine:.3f} -> ratio {self.compressor.ratios[key]}, "
+                          f"beta {self.compressor.betas[key]:.4f} (round {self.compressor.feedback.round(key)})")
+
+    def take_notes(self) -> list[str]:
+        notes, self.notes = self.notes, []
+        return notes
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.compressor.state_dict()

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from export.compressed import export_compressed_tensors
 from export.quantized import dequantized_state_dict
-from kernels import WEIGHT_SCALE_DTYPE, on_grid, quantize, unpack_codes
+from kernels import on_grid, quantize_weights, unpack_codes
 from models.hf import load_hf_checkpoint
 from models.transformer import Transformer
 from tests.models.conftest import make_hf_model
@@ -96,7 +96,7 @@ def test_packing_and_scales_are_compressed_tensors_own(tmp_path):
     saved = load_file(out / "model.safetensors")
     w = model.blocks[1].mlp.down_proj.weight.detach()
     key = "model.layers.1.mlp.down_proj"
-    q = quantize(w.reshape(-1), bits, block, scale_dtype=WEIGHT_SCALE_DTYPE)
+    q = quantize_weights(w.reshape(-1), bits, block)
     signed = (unpack_codes(q.codes, bits)[:w.numel()].to(torch.int16) - 2 ** (bits - 1)).to(torch.int8).view(w.shape)
     assert torch.equal(saved[f"{key}.weight_packed"], pack_to_int32(signed, bits))
     assert saved[f"{key}.weight_scale"].shape == (64, 3) and torch.equal(saved[f"{key}.weight_shape"],

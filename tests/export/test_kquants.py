@@ -134,14 +134,15 @@ def rtn(x: np.ndarray, bits: int, block: int) -> np.ndarray:
 
 
 def test_error_is_below_the_32_blocks_at_the_same_bits():
-    """Gaussian rows. Measured RMS (std 1): Q4_K 0.0714, ggml's Q4_0 0.0862, our RTN int4 block 32 0.0978 and
-    block 256 0.128; Q6_K 0.0178, Q8_0 0.0054 (x 3.3)."""
+    """Gaussian rows. Measured RMS (std 1): Q4_K 0.0712, ggml's Q4_0 0.0859 = our RTN int4 block 32 (the same
+    rule: full levels), block 256 0.111; Q6_K 0.0178, Q8_0 0.0054 (x 3.3)."""
     x = np.random.default_rng(2).standard_normal((64, 1024)).astype(np.float32)
     q4k = rms(quantize_rows(x, T.Q4_K)[1], x)
     q6k = rms(quantize_rows(x, T.Q6_K)[1], x)
     q4_0 = rms(gguf_dequantize(gguf_quantize(x, T.Q4_0), T.Q4_0), x)
     q8_0 = rms(gguf_dequantize(gguf_quantize(x, T.Q8_0), T.Q8_0), x)
-    assert q4k < 0.9 * q4_0 and q4k < 0.8 * rms(rtn(x, 4, 32), x) and q4k < 0.6 * rms(rtn(x, 4, 256), x)
+    assert q4k < 0.9 * q4_0 and q4k < 0.7 * rms(rtn(x, 4, 256), x)
+    assert abs(rms(rtn(x, 4, 32), x) / q4_0 - 1) < 1e-3
     assert q6k < 4 * q8_0 and q6k < 0.3 * q4k
 
 

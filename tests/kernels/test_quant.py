@@ -30,25 +30,30 @@ def _f16(v):
     return struct.unpack("e", struct.pack("e", v))[0]
 
 
-def ref_quantize(x, bits, block_size, scale_dtype):
+def ref_quantize(x, bits, block_size, scale_dtype, levels="symmetric"):
     """(codes as ints, scales as floats): the spec, one element at a time.
 
     Python floats are doubles; one double operation on fp32 values rounded back to fp32 equals
     the fp32 operation (53 >= 2 * 24 + 2), and round() is half-to-even.
     """
-    qmax = 2 ** (bits - 1) - 1
+    half = 2 ** (bits - 1)
+    lowest, highest = (-half, half - 1) if levels == "full" else (1 - half, half - 1)
     values = x.float().tolist()
     values += [0.0] * (-len(values) % block_size)
     codes, scales = [], []
     for start in range(0, len(values), block_size):
         block = values[start:start + block_size]
-        scale = _f32(max(abs(v) for v in block) / qmax)
+        if levels == "full":  # the value of largest magnitude, the larger one on a tie
+            m = max(block) if max(block) >= -min(block) else min(block)
+            scale = _f32(m / -half) + 0.0
+        else:
+            scale = _f32(max(abs(v) for v in block) / (half - 1))
         if scale_dtype == torch.float16:
-            scale = _f16(min(scale, FP16_MAX))
+            scale = _f16(max(-FP16_MAX, min(scale, FP16_MAX)))
         scales.append(scale)
         for v in block:
-            q = 0 if scale == 0 else max(-qmax, min(qmax, round(_f32(v / scale))))
-            codes.append(q + qmax + 1)
+            q = 0 if scale == 0 else max(lowest, min(highest, round(_f32(v / scale))))
+            codes.append(q + half)
     return codes, scales
 
 
@@ -67,17 +72,21 @@ def ref_dequantize(codes, scales, numel, bits, block_size):
 
 BITS_DTYPES = [(bits, dtype, sdt) for bits in K.BITS for dtype in (torch.float32, torch.bfloat16)
                for sdt in (torch.float32, torch.float16)]
+LEVELS = pytest.mark.parametrize("levels", K.quant.LEVELS)
 
 
 # ---------------------------------------------------------------- torch path vs reference
 
 
+@LEVELS
 @pytest.mark.parametrize("bits,dtype,scale_dtype", BITS_DTYPES)
-def test_quantize_matches_reference(bits, dtype, scale_dtype):
+def test_quantize_matches_reference(bits, dtype, scale_dtype, levels):
     numel, bs = 4 * 64 + 13, 64  # ragged last block
     x = sample(numel, dtype)
-    q = K.quantize(x, bits, bs, scale_dtype=scale_dtype, impl="torch")
-    codes, scales = ref_quantize(x, bits, bs, scale_dtype)
+    if levels == "full":
+        x[16:64] = -x[16:64].abs()  # a block with a negative m (so a positive scale)
+    q = K.quantize(x, bits, bs, scale_dtype=scale_dtype, levels=levels, impl="torch")
+    codes, scales = ref_quantize(x, bits, bs, scale_dtype, levels)
     assert q.codes.numel() == K.packed_bytes(numel, bits, bs) == 5 * 64 * bits // 8
     assert q.scales.dtype == scale_dtype and q.scales.tolist() == scales
     assert K.unpack_codes(q.codes, bits).tolist() == codes
@@ -87,14 +96,16 @@ def test_quantize_matches_reference(bits, dtype, scale_dtype):
     assert torch.equal(q.dequantize(dtype=torch.bfloat16).view(torch.int16), as_bf16.view(torch.int16))
 
 
+@LEVELS
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.float16])
-def test_an_all_zero_block_has_the_scale_plus_zero(scale_dtype):
-    """The spec's absmax of signed zeros is +0.0, bit for bit (the Triton kernels on CUDA give +0.0;
-    torch's max(amax, -amin) can give -0.0): fp16 values flushed to -0.0, a block of -0.0."""
-    x = torch.cat([torch.full((64,), -1e-30).half(), -torch.zeros(64), torch.ones(64)])
-    q = K.quantize(x, 8, 64, scale_dtype=scale_dtype)
-    assert q.scales[:2].view(torch.uint8).eq(0).all(), q.scales
-    assert q.dequantize()[:128].view(torch.int32).eq(0).all()  # +0.0 out as well
+def test_an_all_zero_block_has_the_scale_plus_zero(scale_dtype, levels):
+    """The spec's zero scale is +0.0, bit for bit (the Triton kernels on CUDA give +0.0; torch's
+    max(amax, -amin) can give -0.0, and the full grid's m / -n does): fp16 values flushed to -0.0, a
+    block of -0.0, a block of +0.0."""
+    x = torch.cat([torch.full((64,), -1e-30).half(), -torch.zeros(64), torch.zeros(64), torch.ones(64)])
+    q = K.quantize(x, 8, 64, scale_dtype=scale_dtype, levels=levels)
+    assert q.scales[:3].view(torch.uint8).eq(0).all(), q.scales
+    assert q.dequantize()[:192].view(torch.int32).eq(0).all()  # +0.0 out as well
 
 
 def test_ties_round_to_even():
@@ -106,13 +117,37 @@ def test_ties_round_to_even():
 
 
 def test_round_trip_error_is_at_most_half_a_step():
+    """Symmetric levels: everywhere. Full levels: everywhere but above the top level (the side opposite
+    m), where the error is below a step; m itself is exact up to the scale's rounding."""
     x = torch.randn(8 * 256 + 100, generator=torch.Generator().manual_seed(1)) * 10
     for bits in K.BITS:
         for scale_dtype in (torch.float32, torch.float16):
-            q = K.quantize(x, bits, 256, scale_dtype=scale_dtype)
-            step = q.scales.double().repeat_interleave(256)[: x.numel()]
-            err = (x.double() - q.dequantize().double()).abs()
-            assert (err <= step / 2 * (1 + 1e-6)).all(), (bits, scale_dtype)
+            for levels in K.quant.LEVELS:
+                q = K.quantize(x, bits, 256, scale_dtype=scale_dtype, levels=levels)
+                step = q.scales.double().abs().repeat_interleave(256)[: x.numel()]
+                err = (x.double() - q.dequantize().double()).abs()
+                top = (x.double() / q.scales.double().repeat_interleave(256)[: x.numel()]) > 2 ** (bits - 1) - 0.5
+                assert (err[~top] <= step[~top] / 2 * (1 + 1e-6)).all(), (bits, scale_dtype, levels)
+                assert (err[top] < step[top]).all() and (levels == "full" or not top.any())
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_full_levels_put_the_largest_magnitude_on_the_lowest_code_as_gguf(bits):
+    """llama.cpp's Q4_0 reference quantizer (d = max / -8 of the signed value of largest magnitude, code
+    = min(15, (int)(x * (1 / d) + 8.5))), at any width: the same scales, and codes equal except on the
+    brink of a .5 tie (we divide and round half to even, it multiplies by 1 / d and rounds half up)."""
+    x = torch.randn(64 * 32, generator=torch.Generator().manual_seed(bits)) * 0.02
+    half = 2 ** (bits - 1)
+    q = K.quantize(x, bits, 32, scale_dtype=torch.float32, levels="full")
+    rows = x.view(-1, 32)
+    m = rows.gather(1, rows.abs().argmax(1, keepdim=True)).squeeze(1)
+    d = m / -half
+    assert torch.equal(q.scales, d)
+    ours = K.unpack_codes(q.codes, bits).view(-1, 32).float()
+    theirs = (rows * (1 / d[:, None]) + (half + 0.5)).floor().clamp(max=2 * half - 1)
+    on_brink = ((rows / d[:, None]).frac().abs() - 0.5).abs() < 1e-5
+    assert torch.equal(ours[~on_brink], theirs[~on_brink]) and on_brink.sum() <= 2
+    assert (ours.gather(1, rows.abs().argmax(1, keepdim=True)) == 0).all()  # m on the lowest code
 
 
 def test_packing_layout():
@@ -203,19 +238,23 @@ def test_torch_path_in_pieces_equals_one_piece(monkeypatch, chunk):
 # ---------------------------------------------------------------- chunked torch path vs a plain full-size reference
 
 
-def plain_quantize(x, bits, block_size, scale_dtype):
+def plain_quantize(x, bits, block_size, scale_dtype, levels="symmetric"):
     """(unpacked codes [blocks, block_size], scales): the spec in whole-tensor torch ops, with none of
     the torch path's tricks (pieces, magic-number rounding, clamp only where needed, xor unpacking)."""
-    qmax = 2 ** (bits - 1) - 1
+    half = 2 ** (bits - 1)
     flat = x.reshape(-1)
-    rows = torch.cat([flat, flat.new_zeros(-flat.numel() % block_size)]).view(-1, block_size)
-    scale = torch.maximum(rows.amax(-1).float(), -rows.amin(-1).float()) / qmax
+    rows = torch.cat([flat, flat.new_zeros(-flat.numel() % block_size)]).view(-1, block_size).float()
+    amax, amin = rows.amax(-1), rows.amin(-1)
+    if levels == "full":
+        scale, lowest = torch.where(amax >= -amin, amax, amin) / -half + 0.0, -half
+    else:
+        scale, lowest = torch.maximum(amax, -amin) / (half - 1), 1 - half
     if scale_dtype == torch.float16:
-        scale = scale.clamp(max=FP16_MAX)
+        scale = scale.clamp(-FP16_MAX, FP16_MAX)
     scales = scale.to(scale_dtype)
     s = scales.float().unsqueeze(-1)
-    q = torch.where(s == 0, 0.0, rows.float() / s).clamp(-qmax, qmax).round()
-    return (q + qmax + 1).to(torch.uint8), scales
+    q = torch.where(s == 0, 0.0, rows / s).clamp(lowest, half - 1).round()
+    return (q + half).to(torch.uint8), scales
 
 
 def plain_pack(codes, bits):
@@ -256,9 +295,10 @@ SMALL_CHUNK = 512  # 8 blocks of 64: sizes around a few pieces stay small
 AWKWARD_SIZES = sorted({1, 63, 64, 65, 511, 512, 513, 1023, 1025, 3 * 512 + 1, 5 * 512 - 1, 8 * 512 + 65})
 
 
+@LEVELS
 @pytest.mark.parametrize("bits", [8, 4, 3, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_chunked_path_equals_plain_reference(monkeypatch, bits, dtype):
+def test_chunked_path_equals_plain_reference(monkeypatch, bits, dtype, levels):
     """Bit for bit, at sizes around the block and the piece size, for both scale dtypes."""
     monkeypatch.setattr(K.quant, "CHUNK", SMALL_CHUNK)
     bs = 64
@@ -267,8 +307,8 @@ def test_chunked_path_equals_plain_reference(monkeypatch, bits, dtype):
         if dtype == torch.float16:
             x = x.clamp(-60000, 60000)
         for scale_dtype in (torch.float32, torch.float16):
-            codes, scales = plain_quantize(x, bits, bs, scale_dtype)
-            q = K.quantize(x, bits, bs, scale_dtype=scale_dtype, impl="torch")
+            codes, scales = plain_quantize(x, bits, bs, scale_dtype, levels)
+            q = K.quantize(x, bits, bs, scale_dtype=scale_dtype, levels=levels, impl="torch")
             assert_bits_equal(q.scales, scales)
             assert torch.equal(q.codes, plain_pack(codes, bits)), (numel, scale_dtype)
             want = plain_dequantize(codes, scales, numel, bits)
@@ -278,15 +318,15 @@ def test_chunked_path_equals_plain_reference(monkeypatch, bits, dtype):
             assert_bits_equal(q.dequantize(out=acc.clone(), accumulate=True, impl="torch"), acc + want)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_default_chunk_equals_plain_reference(bits, dtype):
+@pytest.mark.parametrize("bits,dtype,levels", [(8, torch.float32, "symmetric"), (4, torch.bfloat16, "symmetric"),
+                                               (4, torch.float32, "full"), (8, torch.bfloat16, "full")])
+def test_default_chunk_equals_plain_reference(bits, dtype, levels):
     """Sizes around the real CHUNK (1M elements): one piece, one piece and one element, two pieces."""
     bs = 256
     for numel in (K.quant.CHUNK - 1, K.quant.CHUNK + 1, 2 * K.quant.CHUNK + 3 * bs):
         x = awkward(numel, dtype, seed=bits)
-        codes, scales = plain_quantize(x, bits, bs, torch.float16)
-        q = K.quantize(x, bits, bs, scale_dtype=torch.float16, impl="torch")
+        codes, scales = plain_quantize(x, bits, bs, torch.float16, levels)
+        q = K.quantize(x, bits, bs, scale_dtype=torch.float16, levels=levels, impl="torch")
         assert_bits_equal(q.scales, scales)
         assert torch.equal(q.codes, plain_pack(codes, bits))
         assert_bits_equal(q.dequantize(impl="torch"), plain_dequantize(codes, scales, numel, bits))
@@ -333,6 +373,7 @@ def test_errors_name_the_value():
         (lambda: K.quantize(x, 4, 12), "block_size=12"),
         (lambda: K.quantize(x.int(), 4, 32), "input dtype"),
         (lambda: K.quantize(x, 4, 32, scale_dtype=torch.bfloat16), "scale_dtype"),
+        (lambda: K.quantize(x, 4, 32, levels="asymmetric"), "levels='asymmetric'"),
         (lambda: K.quantize(x, 4, 32, codes_out=torch.empty(31, dtype=torch.uint8)), "codes_out"),
         (lambda: K.quantize(x, 4, 32, scales_out=torch.empty(2, dtype=torch.float16)), "scales_out"),
         (lambda: K.quantize(x, 4, 32, impl="cuda"), "impl="),
@@ -365,8 +406,16 @@ def _triton_cases():
     cases = {}
     for bits, dtype, sdt in BITS_DTYPES:
         x = sample(4 * 64 + 13, dtype, seed=bits)
-        cases[f"quantize-{bits}-{str(dtype)[6:]}-{str(sdt)[6:]}"] = (
-            lambda impl, x=x, bits=bits, sdt=sdt: _stored(K.quantize(x, bits, 64, scale_dtype=sdt, impl=impl)))
+        x[16:64] = -x[16:64].abs()  # a block with a negative m
+        for levels in K.quant.LEVELS:
+            cases[f"quantize-{bits}-{str(dtype)[6:]}-{str(sdt)[6:]}-{levels}"] = (
+                lambda impl, x=x, bits=bits, sdt=sdt, levels=levels: _stored(
+                    K.quantize(x, bits, 64, scale_dtype=sdt, levels=levels, impl=impl)))
+    odd = torch.randn(2 * 96 + 7, generator=torch.Generator().manual_seed(5))  # block 96: 12 groups of 8, 16 in a tile
+    odd[:96] = odd[:96].abs() + 0.5  # all positive: padding zeros must not become m
+    odd[96:192] = -odd[96:192].abs() - 0.5
+    cases["quantize-full-block96"] = lambda impl: _stored(
+        K.quantize(odd, 4, 96, scale_dtype=torch.float16, levels="full", impl=impl))
     for bits in K.BITS:
         q = K.quantize(sample(300, torch.float32), bits, 128, scale_dtype=torch.float16)
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -428,7 +477,10 @@ def test_triton_matches_torch(triton_results, case):
 
 PTX_CASES = {  # kernel, pointer types, constexprs: the variants whose arithmetic differs
     "quantize-bf16-3bit-fp16scale": ("_quantize_kernel", {"x_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*fp16"},
-                                     dict(BLOCK=256, BITS=3, GROUPS=32, G=32, ROWS=16, SCALE_FP16=True)),
+                                     dict(BLOCK=256, BITS=3, GROUPS=32, G=32, ROWS=16, SCALE_FP16=True,
+                                          FULL=False)),
+    "quantize-full-4bit-fp16scale": ("_quantize_kernel", {"x_ptr": "*fp32", "codes_ptr": "*u8", "scales_ptr": "*fp16"},
+                                     dict(BLOCK=64, BITS=4, GROUPS=8, G=8, ROWS=64, SCALE_FP16=True, FULL=True)),
     "dequantize-accumulate": ("_dequant_reduce_kernel",
                               {"codes_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*fp32", "out_codes_ptr": "*u8",
                                "out_scales_ptr": "*fp32"},

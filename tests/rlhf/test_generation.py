@@ -7,7 +7,7 @@ import weakref
 import pytest
 import torch
 
-from kernels import dequantize, quantize
+from kernels import dequantize, quantize_weights
 from models.config import ModelConfig
 from models.generate import generate
 from models.transformer import Transformer, lm_loss
@@ -242,7 +242,7 @@ def quantized_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
         n = w.numel()
         flat = torch.zeros(-(-n // BLOCK) * BLOCK)
         flat[:n] = w.reshape(-1).float()
-        q = quantize(flat, 8, BLOCK, scale_dtype=torch.float16)
+        q = quantize_weights(flat, 8, BLOCK)
         out[name] = dequantize(q.codes, q.scales, flat.numel(), 8, BLOCK)[:n].view_as(w)
     return out
 

@@ -162,7 +162,7 @@ def test_streamed_exports_equal_save_file_and_the_in_memory_model(checkpoints, t
     tensors = {}
     for name, w in masters.named_parameters():
         if w.dim() == 2:
-            q = kernels.quantize(w.detach().reshape(-1), BITS, BLOCK, scale_dtype=torch.float16)
+            q = kernels.quantize_weights(w.detach().reshape(-1), BITS, BLOCK)
             tensors[f"{name}.codes"], tensors[f"{name}.scales"] = q.codes, q.scales
         else:
             tensors[name] = grid(w, BITS, BLOCK)  # vectors on the grid: the run was qwZ

@@ -55,7 +55,7 @@ def test_ratio_one_hadamard_is_orthogonal_and_exact():
     assert rnd.projections.shape == (3, 3 * 32)  # 77 pads to 3 blocks of 32 in each chunk
     for c in range(3):
         torch.testing.assert_close(compressor.decompress(rnd, rnd.projections[c], c), h[c], rtol=0, atol=1e-5)
-    assert not compressor.errors  # without error feedback (the default) no buffer is kept
+    assert not compressor.feedback.errors  # without error feedback (the default) no buffer is kept
 
 
 @pytest.mark.parametrize("projection", ["hadamard", "gaussian"])
@@ -76,15 +76,15 @@ def test_error_feedback_and_reset_follow_the_formulas(projection):
         for i in range(numel):
             basis = torch.zeros(1, numel)
             basis[0, i] = 1
-            probe.rounds["unit"], probe.errors = k, {}  # round k's directions, applied to the basis alone
+            probe.feedback.rounds["unit"], probe.feedback.errors = k, {}  # round k's directions, on the basis alone
             rnd = probe.compress("unit", basis)
             columns.append(probe.decompress(rnd, rnd.projections[0], 0).double())
         roundtrip = torch.stack(columns, 1)
         h = grad[0].double() + e
         e = torch.zeros_like(e) if k % period == 0 else (1 - beta) * e + beta * (h - roundtrip @ h)
-        kept = compressor.errors.get("unit", torch.zeros(1, numel))  # none before the first update
-        torch.testing.assert_close(kept[0].double(), e, rtol=1e-4, atol=1e-5)
-        assert compressor.rounds["unit"] == k + 1
+        kept = compressor.feedback.errors.get("unit", torch.zeros(numel))  # none before the first update
+        torch.testing.assert_close(kept.double(), e, rtol=1e-4, atol=1e-5)
+        assert compressor.feedback.round("unit") == k + 1
     assert e.abs().max() > 0
 
 
@@ -131,7 +131,7 @@ def _gradient(rank, numel):
 
 def _reduce(rank, world, numel, cfg, qgz_bits=None):
     comm = Comm(build_mesh(ranks_per_node=2 if world == 4 else world))
-    qgz = QuantizedReduce(comm, qgz_bits, 64, 2 if world == 4 else 1, 1, False) if qgz_bits else None
+    qgz = QuantizedReduce(comm, qgz_bits, 64, 2 if world == 4 else 1, 1) if qgz_bits else None
     reducer = ProjectedReduce(comm, Separate(cfg, CPU), torch.float32, Timings(), qgz)
     shards = []
     for _ in range(2):  # two rounds: fresh directions, and the second carries the first's error
@@ -203,19 +203,20 @@ def _train(rank, world, compression, steps, wire="fp32", directory=None):
     cosines = dict(getattr(engine.reducer, "cosines", {}))
     state = {k: v.clone() for k, v in engine.reducer.state_dict().items()}
     memory = engine.model_state_bytes()
+    notes = engine.take_notes()
     engine.close()
     if directory is not None:
         resumed, resumed_optimizer = make_engine(make_model("gpt2-tiny"), cfg, ranks_per_node=2)
         resumed.load(directory, resumed_optimizer)
         again = [train_step(resumed, resumed_optimizer, sample, rank, world) for sample in data[steps // 2:]]
         resumed.close()
-    return losses, again, first_step, cosines, state, memory
+    return losses, again, first_step, cosines, state, memory, notes
 
 
 def test_ratio_one_under_zero3_is_the_exact_mean():
     ref_losses, _ = reference("gpt2-tiny", 6)
     results = run_ranks(_train, 2, args=(separate(ratio=1), 6))
-    for losses, *_, memory in results:
+    for losses, *_, memory, _ in results:
         assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 1e-5
         assert "gradient error feedback" not in memory  # no error feedback, no full-size buffer
 
@@ -230,7 +231,7 @@ def test_zero3_traffic_is_one_ratio_th_and_resume_is_bit_exact(tmp_path):
     ef = separate(ratio=8, block_size=256, reconstruction="contractive", beta=0.95)
     results = run_ranks(_train, 4, args=(ef, 8, "bf16", tmp_path / "ckpt"), ranks_per_node=2)
     exact_bytes = plain[0][2]["gradient reduce"]["sent"]
-    for losses, again, first_step, _, state, memory in results:
+    for losses, again, first_step, _, state, memory, _ in results:
         ratio = first_step["gradient reduce"]["sent"] / exact_bytes
         assert 1 / 8 <= ratio < 1.1 / 8
         assert first_step["forward gather"] == plain[0][2]["forward gather"]  # the weights are untouched
@@ -243,16 +244,22 @@ def test_zero3_traffic_is_one_ratio_th_and_resume_is_bit_exact(tmp_path):
 
 def test_g_separate_measures_the_cosine_and_adapts_per_unit():
     """adapt_interval 2: every second round each unit also reduces exactly; with ratio 1 the
-    reconstruction is the exact mean (cosine 1), at 16 it is far from it, and the ratios move."""
+    reconstruction is the exact mean (cosine 1), at 16 it is far from it, and the ratios move; every
+    adaptation is logged with the unit's cosine, ratio and beta."""
     exact = GradientCompression(method="g-separate", ratio=1, min_ratio=1, max_ratio=1, adapt_interval=2,
                                 block_size=256, reconstruction="contractive", beta=0.95)
     lossy = GradientCompression(method="g-separate", ratio=16, min_ratio=4, max_ratio=64, adapt_interval=2,
                                 block_size=256, target_cosine=0.9, reconstruction="contractive", beta=0.95)
-    for (*_, cosines, _, _), (*_, lossy_cosines, state, _) in zip(run_ranks(_train, 2, args=(exact, 4)),
-                                                                 run_ranks(_train, 2, args=(lossy, 4))):
+    for (*_, cosines, _, _, _), (*_, lossy_cosines, state, _, notes) in zip(run_ranks(_train, 2, args=(exact, 4)),
+                                                                           run_ranks(_train, 2, args=(lossy, 4))):
         assert cosines and all(c > 0.9999 for c in cosines.values())
         assert lossy_cosines.keys() == cosines.keys() and all(c < 0.8 for c in lossy_cosines.values())
         assert {int(v) for k, v in state.items() if k.endswith(".ratio")} == {4}  # 16 -> 8 -> 4
+        for unit, cosine in lossy_cosines.items():  # the last of its two adaptations (rounds 2 and 4)
+            beta = float(state[f"{unit}.beta"])
+            assert [n for n in notes if n.startswith(f"G-SEPARATE {unit}:")][-1] == \
+                f"G-SEPARATE {unit}: cosine {cosine:.3f} -> ratio 4, beta {beta:.4f} (round 4)"
+        assert len(notes) == 2 * len(lossy_cosines)
 
 
 # ---------------------------------------------------------------------- DDP

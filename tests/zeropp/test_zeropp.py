@@ -4,14 +4,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kernels import dequantize, quantize
+from kernels import dequantize, quantize, quantize_weights
 from models.config import ModelConfig
 from models.transformer import Transformer, lm_loss
 from tests.zeropp.test_engine import BATCH, batches, deeper_model, make_engine, make_model, reference, train_step
 from trainer.spawn import run_ranks
 from zeropp.comm import Comm
 from zeropp.config import ZeroConfig
-from zeropp.qgz import quantized_reduce_scatter
+from zeropp.qgz import QuantizedReduce, quantized_reduce_scatter
+from zeropp.reducers import ErrorFeedback
 from zeropp.topology import build_mesh
 from zeropp.unit import Phase, Source
 
@@ -98,6 +99,78 @@ def test_qgz_reduce_scatter_is_the_sum_within_the_quantization_bound(nodes, rank
             two_hop = ledger["qgz 8 2 1"]
             assert 0 < two_hop["cross_node_sent"] < two_hop["sent"]
             assert two_hop["cross_node_sent"] < ledger["qgz 8 1 1"]["cross_node_sent"]
+
+
+EF_ROUNDS, EF_MEMORY, EF_RESET = 5, 0.8, 3  # LoCo's moving average; resets at rounds 0 and 3
+
+
+def _qgz_feedback(rank, world, ranks_per_node, bits):
+    """QuantizedReduce with error feedback (2 hops) over EF_ROUNDS rounds of fresh gradients."""
+    comm = Comm(build_mesh(ranks_per_node=ranks_per_node))
+    reducer = QuantizedReduce(comm, bits, BLOCK, 2, 1, ErrorFeedback(EF_MEMORY, EF_RESET))
+    chunk = BLOCK * 2
+    outs = []
+    for t in range(EF_ROUNDS):
+        out = torch.zeros(chunk)
+        reducer.reduce("unit", out, _inputs(world, chunk)[rank] * (t + 1), async_op=True).wait()
+        outs.append(out)
+    state = {k: v.clone() for k, v in reducer.state_dict().items()}
+    comm.close()
+    return outs, state
+
+
+def _replay_feedback(world, local, bits):
+    """qgZ with LoCo's error feedback on both hops, every rank replayed in one process from the formulas:
+    h = g + e, quantize, e <- memory e + (1 - memory)(h - dequant(quant(h))) (e <- 0 after a reset round);
+    the same on each node's partial sum before it crosses nodes."""
+    nodes, chunk = world // local, BLOCK * 2
+    first, second = [torch.zeros(world * chunk) for _ in range(world)], [torch.zeros(nodes * chunk)
+                                                                          for _ in range(world)]
+    outs = [[] for _ in range(world)]
+
+    def feed(e, h, t):
+        sent = quantize(h, bits, BLOCK).dequantize()
+        if t % EF_RESET == 0:
+            return torch.zeros_like(e), sent
+        return EF_MEMORY * e + (1 - EF_MEMORY) * (h - sent), sent
+
+    for t in range(EF_ROUNDS):
+        sent = [None] * world
+        for r in range(world):
+            h = _inputs(world, chunk)[r] * (t + 1) + first[r]
+            first[r], sent[r] = feed(first[r], h, t)
+        partial_sent = {}
+        for m in range(nodes):  # rank (m, l) sums its node's chunks for local rank l, then feeds back
+            for lr in range(local):
+                r = m * local + lr
+                total = None
+                for p in range(local):
+                    d = sent[m * local + p].view(nodes, local, chunk)[:, lr].reshape(-1)
+                    total = d if total is None else total + d
+                second[r], partial_sent[m, lr] = feed(second[r], total + second[r], t)
+        for r in range(world):
+            n, lr = divmod(r, local)
+            total = None
+            for m in range(nodes):
+                d = partial_sent[m, lr].view(nodes, chunk)[n]
+                total = d if total is None else total + d
+            outs[r].append(total)
+    return outs, first, second
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_qgz_error_feedback_on_both_hops_replays_in_one_process(bits):
+    """2 nodes x 2, int4 and int2, memory 0.8, a reset every 3 rounds: every rank's reduced shards and
+    both hops' errors equal a one-process replay of the formulas."""
+    world, local = 4, 2
+    want, first, second = _replay_feedback(world, local, bits)
+    for r, (outs, state) in enumerate(run_ranks(_qgz_feedback, world, args=(local, bits), ranks_per_node=local)):
+        for t in range(EF_ROUNDS):
+            torch.testing.assert_close(outs[t], want[r][t], rtol=1e-5, atol=1e-6, msg=f"rank {r} round {t}")
+        torch.testing.assert_close(state["unit.error"], first[r], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(state["unit/across0.error"], second[r], rtol=1e-5, atol=1e-6)
+        assert int(state["unit.round"]) == int(state["unit/across0.round"]) == EF_ROUNDS
+        assert first[r].abs().max() > 0 and second[r].abs().max() > 0
 
 
 def _one_step(rank, world, cfg_kwargs):
@@ -195,7 +268,7 @@ def test_qwz_forward_uses_exactly_the_quantized_weights_and_zeropp_trains():
     # The weights of the last forward: re-run 11 steps and quantize the master weights.
     _, _, state_before_last = run_ranks(_train, 4, args=(cfg, steps - 1, 2), ranks_per_node=2)[0]
     w = state_before_last["blocks.0.attn.q_proj.weight"]
-    q = quantize(w, 8, BLOCK, scale_dtype=torch.float16)
+    q = quantize_weights(w, 8, BLOCK)
     assert torch.equal(used, dequantize(q.codes, q.scales, w.numel(), 8, BLOCK).view_as(w))
 
 
@@ -275,7 +348,7 @@ def test_frozen_weights_stored_quantized_train_like_their_quantized_grid(tmp_pat
     with torch.no_grad():
         for p in model.parameters():
             if not p.requires_grad:
-                q = quantize(p.reshape(-1), 8, BLOCK, scale_dtype=torch.float16)
+                q = quantize_weights(p.reshape(-1), 8, BLOCK)
                 p.copy_(dequantize(q.codes, q.scales, p.numel(), 8, BLOCK).view_as(p))
     grid = {k: v.clone() for k, v in model.state_dict().items()}
     ref_losses, _ = reference(model, 6)
@@ -402,7 +475,7 @@ def test_qwz_deltas_keep_every_node_s_weights_as_a_closed_loop_replay_says(world
                 continue
             ref = references[name]
             for r in range(world):
-                q = quantize(shards[r] - ref[r].float(), 4, BLOCK, scale_dtype=torch.float16)
+                q = quantize_weights(shards[r] - ref[r].float(), 4, BLOCK)
                 ref[r] = (dequantize(q.codes, q.scales, shards[r].numel(), 4, BLOCK) + ref[r].float()).bfloat16()
         for _, used, _ in results:
             assert used[step]  # the embeddings at least
@@ -413,7 +486,7 @@ def test_qwz_deltas_keep_every_node_s_weights_as_a_closed_loop_replay_says(world
     last = masters[-1]
     error = {"deltas": 0.0, "bf16": 0.0, "int8": 0.0}
     for name, m in last.items():
-        q = quantize(m, 8, BLOCK, scale_dtype=torch.float16)
+        q = quantize_weights(m, 8, BLOCK)
         error["deltas"] += (references[name].float().view(-1) - m).abs().sum().item()
         error["bf16"] += (m.bfloat16().float() - m).abs().sum().item()
         error["int8"] += (dequantize(q.codes, q.scales, m.numel(), 8, BLOCK) - m).abs().sum().item()
