@@ -75,15 +75,15 @@ def quantize(x, bits=8, block_size=256, *, scale_dtype=torch.float32, levels="sy
     return QuantizedTensor(codes, scales, numel, bits, block_size)
 
 
-def quantize_transposed(x3d, bits, block_size, *, scale_dtype=torch.float32, codes_out=None, scales_out=None,
-                        impl="auto") -> QuantizedTensor:
+def quantize_transposed(x3d, bits, block_size, *, scale_dtype=torch.float32, levels="symmetric", codes_out=None,
+                        scales_out=None, impl="auto") -> QuantizedTensor:
     """Quantize x3d.transpose(0, 1).contiguous().flatten() without making that copy.
 
     qgZ's hierarchical all-to-all sends a gradient's slices in a different order than they lie
     in memory; reading the [A, B, C] view (any strides) in [B, A, C] order fuses that reorder
     into quantization.
     """
-    _check_format(bits, block_size)
+    _check_format(bits, block_size, levels)
     _check_input(x3d)
     if x3d.dim() != 3:
         raise ValueError(f"quantize_transposed: x3d has shape {tuple(x3d.shape)}, expected 3 dims [A, B, C]")
@@ -95,10 +95,10 @@ def quantize_transposed(x3d, bits, block_size, *, scale_dtype=torch.float32, cod
     if _pick(impl, x3d) == "triton":
         from kernels import triton_quant
 
-        triton_quant.quantize(x3d, (A, B, C), x3d.stride(), bits, block_size, codes, scales, "symmetric")
+        triton_quant.quantize(x3d, (A, B, C), x3d.stride(), bits, block_size, codes, scales, levels)
     elif numel:
         _quantize_rows(x3d.transpose(0, 1).unflatten(-1, (C // block_size, block_size)), bits, codes, scales,
-                       "symmetric")
+                       levels)
     return QuantizedTensor(codes, scales, numel, bits, block_size)
 
 
@@ -147,23 +147,24 @@ def dequant_reduce(codes, scales, k, numel, bits, block_size, *, out=None, accum
 
 
 def dequant_reduce_quant(codes, scales, k, numel, bits, block_size, *, out_bits=None,
-                         scale_dtype=torch.float32, impl="auto") -> QuantizedTensor:
-    """Requantized sum of k quantized tensors (qgZ's intra-node reduction before the next hop).
+                         scale_dtype=torch.float32, levels="symmetric", impl="auto") -> QuantizedTensor:
+    """Requantized sum (on `levels`) of k quantized tensors (qgZ's intra-node reduction before the next hop).
 
     One fused pass on Triton; the torch path does the same a piece at a time.
     """
     out_bits = bits if out_bits is None else out_bits
     _check_format(bits, block_size)
-    _check_format(out_bits, block_size)
+    _check_format(out_bits, block_size, levels)
     _check_codes(codes, scales, k, numel, bits, block_size)
     out_codes, out_scales = _outputs(codes.device, numel, out_bits, block_size, scale_dtype, None, None)
     if _pick(impl, codes) == "triton":
         from kernels import triton_quant
 
         triton_quant.dequant_reduce(codes, scales, k, numel, bits, block_size,
-                                    quant_out=(out_codes, out_scales, out_bits))
+                                    quant_out=(out_codes, out_scales, out_bits, levels))
     else:
-        _dequant_sum(codes, scales, k, numel, bits, block_size, None, False, (out_codes, out_scales, out_bits))
+        _dequant_sum(codes, scales, k, numel, bits, block_size, None, False,
+                     (out_codes, out_scales, out_bits, levels))
     return QuantizedTensor(out_codes, out_scales, numel, out_bits, block_size)
 
 
@@ -448,7 +449,7 @@ def _centered(packed, bits, scratch):
 
 def _dequant_sum(codes, scales, k, numel, bits, block_size, out, accumulate, requantize=None):
     """Sum (fp32, in order 0..k-1) of k quantized tensors, a piece at a time, into `out` (adding to
-    it if `accumulate`), or quantized into requantize = (codes, scales, bits).
+    it if `accumulate`), or quantized into requantize = (codes, scales, bits, levels).
 
     A piece decodes straight into `out` when that is the fp32 result; otherwise into scratch.
     """
@@ -470,10 +471,10 @@ def _dequant_sum(codes, scales, k, numel, bits, block_size, out, accumulate, req
             if t:
                 total.add_(part)
         if requantize is not None:
-            out_codes, out_scales, out_bits = requantize
+            out_codes, out_scales, out_bits, levels = requantize
             out_bytes = block_size * out_bits // 8
             _quantize_flat(total.view(-1)[:valid], out_bits, block_size, out_codes[first * out_bytes:last * out_bytes],
-                           out_scales[first:last], "symmetric", scratch)
+                           out_scales[first:last], levels, scratch)
         elif not direct:
             dest, values = out[first * block_size:first * block_size + valid], total.view(-1)[:valid]
             if accumulate:

@@ -112,7 +112,8 @@ def _dequant_reduce_kernel(codes_ptr, scales_ptr, out_ptr, out_codes_ptr, out_sc
                            codes_per_tensor,
                            BLOCK: tl.constexpr, BITS: tl.constexpr, GROUPS: tl.constexpr, G: tl.constexpr,
                            ROWS: tl.constexpr, QUANTIZE: tl.constexpr, OUT_BITS: tl.constexpr,
-                           SCALE_FP16: tl.constexpr, ACCUMULATE: tl.constexpr, OUT_BF16: tl.constexpr):
+                           SCALE_FP16: tl.constexpr, ACCUMULATE: tl.constexpr, OUT_BF16: tl.constexpr,
+                           FULL: tl.constexpr):
     """Sum tensors 0..k-1 in order in fp32; store it into out_ptr (k=1: plain dequantize) or
     requantize it."""
     row, row_ok, g, i = _tile_index(tl.program_id(0), nblocks, ROWS, G)
@@ -125,7 +126,7 @@ def _dequant_reduce_kernel(codes_ptr, scales_ptr, out_ptr, out_codes_ptr, out_sc
     mask = row_ok[:, None, None] & (g < GROUPS)[None, :, None] & (n < numel)
     if QUANTIZE:
         acc = tl.where(mask, acc, 0.0)  # padding is zero, whatever codes it arrived with
-        _quantize_tile(acc, row, row_ok, g, i, out_codes_ptr, out_scales_ptr, OUT_BITS, GROUPS, SCALE_FP16, False)
+        _quantize_tile(acc, row, row_ok, g, i, out_codes_ptr, out_scales_ptr, OUT_BITS, GROUPS, SCALE_FP16, FULL)
     else:
         if ACCUMULATE:
             acc += tl.load(out_ptr + n, mask=mask)
@@ -160,14 +161,14 @@ def dequantize(codes, scales, numel, bits, block_size, out, accumulate):
 
 
 def dequant_reduce(codes, scales, k, numel, bits, block_size, out=None, accumulate=False, quant_out=None):
-    """Into fp32 `out`, or requantized into quant_out = (codes, scales, out_bits)."""
+    """Into fp32 `out`, or requantized into quant_out = (codes, scales, out_bits, levels)."""
     nblocks = scales.numel() // k
     groups, g, rows = _geometry(block_size)
-    out_codes, out_scales, out_bits = quant_out if quant_out is not None else (codes, scales, bits)
+    out_codes, out_scales, out_bits, levels = quant_out if quant_out is not None else (codes, scales, bits, None)
     if nblocks:
         _dequant_reduce_kernel[(triton.cdiv(nblocks, rows),)](
             codes, scales, out if out is not None else codes, out_codes, out_scales, k, numel, nblocks,
             codes.numel() // k,
             BLOCK=block_size, BITS=bits, GROUPS=groups, G=g, ROWS=rows, QUANTIZE=quant_out is not None,
             OUT_BITS=out_bits, SCALE_FP16=out_scales.dtype.itemsize == 2, ACCUMULATE=accumulate,
-            OUT_BF16=out is not None and out.dtype == torch.bfloat16, **EXACT)
+            OUT_BF16=out is not None and out.dtype == torch.bfloat16, FULL=levels == "full", **EXACT)

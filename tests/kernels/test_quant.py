@@ -332,15 +332,16 @@ def test_default_chunk_equals_plain_reference(bits, dtype, levels):
         assert_bits_equal(q.dequantize(impl="torch"), plain_dequantize(codes, scales, numel, bits))
 
 
-@pytest.mark.parametrize("bits,out_bits", [(8, 8), (4, 4), (8, 4), (4, 8)])
-def test_fused_paths_equal_plain_reference(monkeypatch, bits, out_bits):
+@pytest.mark.parametrize("bits,out_bits,levels", [(8, 8, "symmetric"), (4, 4, "symmetric"), (8, 4, "symmetric"),
+                                                  (4, 8, "symmetric"), (2, 2, "full"), (4, 8, "full")])
+def test_fused_paths_equal_plain_reference(monkeypatch, bits, out_bits, levels):
     """quantize_transposed, dequant_reduce and dequant_reduce_quant across piece boundaries."""
     monkeypatch.setattr(K.quant, "CHUNK", SMALL_CHUNK)
     bs = 64
     x3d = stage_view(3, 5, 2, 3 * bs, torch.bfloat16)  # pieces of 2 of the 5 [3, 3 * 64] slabs
     x3d[1, 2, :bs] = 0
-    want_codes, want_scales = plain_quantize(x3d.transpose(0, 1).contiguous(), bits, bs, torch.float16)
-    t = K.quantize_transposed(x3d, bits, bs, scale_dtype=torch.float16, impl="torch")
+    want_codes, want_scales = plain_quantize(x3d.transpose(0, 1).contiguous(), bits, bs, torch.float16, levels)
+    t = K.quantize_transposed(x3d, bits, bs, scale_dtype=torch.float16, levels=levels, impl="torch")
     assert_bits_equal(t.scales, want_scales)
     assert torch.equal(t.codes, plain_pack(want_codes, bits))
     for numel in (1, 65, SMALL_CHUNK - 1, 3 * SMALL_CHUNK + 7):
@@ -356,8 +357,8 @@ def test_fused_paths_equal_plain_reference(monkeypatch, bits, out_bits):
         K.dequant_reduce(codes, scales, k, numel, bits, bs, out=acc, accumulate=True, impl="torch")
         assert_bits_equal(acc, torch.linspace(-1, 1, numel) + total)
         r = K.dequant_reduce_quant(codes, scales, k, numel, bits, bs, out_bits=out_bits, scale_dtype=torch.float16,
-                                   impl="torch")
-        want_codes, want_scales = plain_quantize(total, out_bits, bs, torch.float16)
+                                   levels=levels, impl="torch")
+        want_codes, want_scales = plain_quantize(total, out_bits, bs, torch.float16, levels)
         assert_bits_equal(r.scales, want_scales)
         assert torch.equal(r.codes, plain_pack(want_codes, out_bits))
 
@@ -426,18 +427,20 @@ def _triton_cases():
     # ties only: with absmax 31.75 the 8-bit scale is 0.25 and x / s is k + .5
     ties = torch.tensor([0.125, 0.375, 0.625, 0.875, -0.125, -0.375, -0.625, 31.75] * 8)
     cases["quantize-ties"] = lambda impl: _stored(K.quantize(ties, 8, 64, impl=impl))
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, levels in [(torch.float32, "symmetric"), (torch.bfloat16, "symmetric"), (torch.float32, "full")]:
         x3d = stage_view(3, 2, 3, 256, dtype)
-        cases[f"quantize_transposed-{str(dtype)[6:]}"] = (
-            lambda impl, x3d=x3d: _stored(K.quantize_transposed(x3d, 4, 128, impl=impl)))
+        cases[f"quantize_transposed-{str(dtype)[6:]}-{levels}"] = (
+            lambda impl, x3d=x3d, levels=levels: _stored(K.quantize_transposed(x3d, 4, 128, levels=levels, impl=impl)))
     for bits, out_bits in [(4, 4), (8, 4), (3, 8)]:
         _, codes, scales = received(3, 2 * 128 + 5, bits, 128)
         args = (codes, scales, 3, 2 * 128 + 5, bits, 128)
         cases[f"dequant_reduce-{bits}"] = lambda impl, args=args: [
             K.dequant_reduce(*args, impl=impl),
             K.dequant_reduce(*args, out=torch.linspace(-1, 1, args[3]), accumulate=True, impl=impl)]
-        cases[f"dequant_reduce_quant-{bits}-{out_bits}"] = lambda impl, args=args, out_bits=out_bits: _stored(
-            K.dequant_reduce_quant(*args, out_bits=out_bits, scale_dtype=torch.float16, impl=impl))
+        for levels in K.quant.LEVELS:
+            cases[f"dequant_reduce_quant-{bits}-{out_bits}-{levels}"] = \
+                lambda impl, args=args, out_bits=out_bits, levels=levels: _stored(K.dequant_reduce_quant(
+                    *args, out_bits=out_bits, scale_dtype=torch.float16, levels=levels, impl=impl))
     return cases
 
 
@@ -485,22 +488,22 @@ PTX_CASES = {  # kernel, pointer types, constexprs: the variants whose arithmeti
                               {"codes_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*fp32", "out_codes_ptr": "*u8",
                                "out_scales_ptr": "*fp32"},
                               dict(BLOCK=256, BITS=4, GROUPS=32, G=32, ROWS=16, QUANTIZE=False, OUT_BITS=4,
-                                   SCALE_FP16=False, ACCUMULATE=True, OUT_BF16=False)),
+                                   SCALE_FP16=False, ACCUMULATE=True, OUT_BF16=False, FULL=False)),
     "dequantize-bf16": ("_dequant_reduce_kernel",
                         {"codes_ptr": "*u8", "scales_ptr": "*fp16", "out_ptr": "*bf16", "out_codes_ptr": "*u8",
                          "out_scales_ptr": "*fp16"},
                         dict(BLOCK=96, BITS=6, GROUPS=12, G=16, ROWS=32, QUANTIZE=False, OUT_BITS=6,
-                             SCALE_FP16=True, ACCUMULATE=False, OUT_BF16=True)),
+                             SCALE_FP16=True, ACCUMULATE=False, OUT_BF16=True, FULL=False)),
     "dequant_reduce_quant": ("_dequant_reduce_kernel",
                              {"codes_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*fp32", "out_codes_ptr": "*u8",
                               "out_scales_ptr": "*fp16"},
                              dict(BLOCK=256, BITS=4, GROUPS=32, G=32, ROWS=16, QUANTIZE=True, OUT_BITS=8,
-                                  SCALE_FP16=True, ACCUMULATE=False, OUT_BF16=False)),
+                                  SCALE_FP16=True, ACCUMULATE=False, OUT_BF16=False, FULL=True)),
     "dequant_reduce-accumulate": ("_dequant_reduce_kernel",
                                   {"codes_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*fp32",
                                    "out_codes_ptr": "*u8", "out_scales_ptr": "*fp32"},
                                   dict(BLOCK=256, BITS=8, GROUPS=32, G=32, ROWS=16, QUANTIZE=False, OUT_BITS=8,
-                                       SCALE_FP16=False, ACCUMULATE=True, OUT_BF16=False)),
+                                       SCALE_FP16=False, ACCUMULATE=True, OUT_BF16=False, FULL=False)),
 }
 
 

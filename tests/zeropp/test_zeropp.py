@@ -32,10 +32,10 @@ def _simulate_two_hops(inputs, nodes, local, chunk, bits, rank):
         peers = [inputs[m * local + p].view(nodes, local, chunk)[:, l].reshape(-1) for p in range(local)]
         total = None
         for x in peers:
-            q = quantize(x, bits, BLOCK)
+            q = quantize(x, bits, BLOCK, levels="full")
             d = dequantize(q.codes, q.scales, x.numel(), bits, BLOCK)
             total = d if total is None else total + d
-        q = quantize(total, bits, BLOCK)
+        q = quantize(total, bits, BLOCK, levels="full")
         inter.append(dequantize(q.codes, q.scales, total.numel(), bits, BLOCK).view(nodes, chunk)[n])
     out = inter[0]
     for d in inter[1:]:
@@ -63,16 +63,16 @@ def _qgz(rank, world, ranks_per_node):
     if topo.num_nodes > 1 and topo.ranks_per_node > 1:
         simulated = {bits: _simulate_two_hops(inputs, topo.num_nodes, topo.ranks_per_node, chunk, bits, rank)
                      for bits in (8, 4)}
-    # Analytic bound: every quantization adds at most half a step, absmax / (2 qmax), to an
-    # element: once per input, and in 2 hops once more per node's partial sum.
+    # Analytic bound: every quantization (full levels) adds at most a step, absmax / 2**(bits-1), to an
+    # element (half a step but above the top level): once per input, and in 2 hops once more per node's partial sum.
     local = topo.ranks_per_node
     partials = [sum(inputs[n * local:(n + 1) * local]) for n in range(topo.num_nodes)]
     two_hops = topo.num_nodes > 1 and local > 1
     bound = {}
     for bits in (8, 4):
-        qmax = 2 ** (bits - 1) - 1
-        first = sum(x.abs().max().item() for x in inputs) / (2 * qmax)
-        second = sum(p.abs().max().item() for p in partials) / (2 * qmax) if two_hops else 0.0
+        half = 2 ** (bits - 1)
+        first = sum(x.abs().max().item() for x in inputs) / half
+        second = sum(p.abs().max().item() for p in partials) / half if two_hops else 0.0
         bound[bits] = {1: first, 2: first + second}
     ledger = comm.ledger.totals()
     comm.close()
@@ -129,7 +129,7 @@ def _replay_feedback(world, local, bits):
     outs = [[] for _ in range(world)]
 
     def feed(e, h, t):
-        sent = quantize(h, bits, BLOCK).dequantize()
+        sent = quantize(h, bits, BLOCK, levels="full").dequantize()
         if t % EF_RESET == 0:
             return torch.zeros_like(e), sent
         return EF_MEMORY * e + (1 - EF_MEMORY) * (h - sent), sent
