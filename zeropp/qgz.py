@@ -28,12 +28,11 @@ LEVELS = "full"
 
 def quantized_reduce_scatter(comm: Comm, out: torch.Tensor, full: torch.Tensor, bits: int, block_size: int,
                              hops: int = 2, stages: int = 1, tag: str = "quantized reduce-scatter",
-                             async_op: bool = False, error: torch.Tensor | None = None):
+                             async_op: bool = False):
     """`out` (fp32) += the sum over DP ranks of chunk `rank` of `full`, over quantized all-to-alls
     (on the communication thread). The chunk length must be a multiple of block_size x stages (the
-    engine pads units so). `error` (fp32, like `full`), when given, receives what the first hop's
-    quantization lost: full - dequant(quant(full)), for error feedback."""
-    return comm.run(lambda: _reduce(comm, out, full, bits, block_size, hops, stages, tag, error), async_op)
+    engine pads units so)."""
+    return comm.run(lambda: _reduce(comm, out, full, bits, block_size, hops, stages, tag), async_op)
 
 
 def quantized_reduce_scatter_volume(comm: Comm, numel: int, bits: int, block_size: int, hops: int = 2,
@@ -54,8 +53,10 @@ def quantized_reduce_scatter_volume(comm: Comm, numel: int, bits: int, block_siz
     return sent, cross
 
 
-def _reduce(comm, out, full, bits, block_size, hops, stages, tag, error, feedback=None):
-    """`feedback` = (ErrorFeedback, key): error feedback on the second hop's partial sums, per slice."""
+def _reduce(comm, out, full, bits, block_size, hops, stages, tag, error=None, feedback=None):
+    """`error` (fp32, like `full`), when given, receives what the first hop's quantization lost:
+    full - dequant(quant(full)); `feedback` = (ErrorFeedback, key): error feedback on the second hop's
+    partial sums, per slice."""
     m = comm.mesh
     world, nodes, local = m.world_size, m.num_nodes, m.ranks_per_node
     if hops == 1 or nodes == 1 or local == 1:

@@ -173,7 +173,8 @@ def test_a_checkpoint_written_before_the_runtime_interface_still_loads():
 
 QGZ_EF = ZeroConfig(stage=3, communication_data_type="fp32", zero_quantized_gradients=True,
                     zero_quantized_gradients_bits=4, zero_quantization_block_size=64,
-                    zero_quantized_gradients_error_feedback=True)
+                    zero_quantized_gradients_error_feedback=True, zero_quantized_gradients_error_beta=0.8,
+                    zero_quantized_gradients_error_reset=3)
 
 
 def _error_feedback_resume(rank, world, directory, config):
@@ -197,14 +198,16 @@ def _error_feedback_resume(rank, world, directory, config):
 
 
 def test_qgz_error_feedback_state_survives_a_resume_exactly(tmp_path):
-    """qgZ int4 with error feedback on 2 nodes x 2: the per-rank error buffers are saved with the
-    checkpoint and reloaded bit for bit, so the resumed run repeats the original's losses exactly;
-    error feedback keeps int4 training on the fp32 reference's curve."""
+    """qgZ int4 with LoCo's error feedback (beta 0.8, a reset every 3 rounds) on 2 nodes x 2: both hops'
+    per-rank errors and round counters are saved with the checkpoint and reloaded bit for bit, so the
+    resumed run (which crosses a reset) repeats the original's losses exactly; int4 training stays on
+    the fp32 reference's curve."""
     ref_losses, _ = reference("gpt2-tiny", 8)
     results = run_ranks(_error_feedback_resume, 4, args=(tmp_path / "ckpt", QGZ_EF), ranks_per_node=2)
     for losses, again, errors, reloaded in results:
         assert again == losses[4:]
         assert errors.keys() == reloaded.keys() and errors
+        assert {k.rpartition(".")[2] for k in errors} == {"error", "round"} and any("/across0." in k for k in errors)
         assert all(torch.equal(errors[k], reloaded[k]) for k in errors)
         assert any(e.abs().max() > 0 for e in errors.values())
         assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 0.01
