@@ -39,7 +39,8 @@ def test_targets_compare_each_run_with_zero3_and_the_exports_with_rtn():
     assert [(t["value"], t["met"]) for t in f2] == [("+1.50%", "no")]
     f3 = [t for t in by.values() if t["id"] == "F3"]
     # from step 0: 51.5 / 54 = 0.954, closing (54 - 51.5) / (54 - 50) = 62% of RTN's loss
-    assert [(t["value"], t["met"]) for t in f3] == [("0.954", "yes"), ("0.998", "no")]
+    assert [(t["value"], t["met"]) for t in f3] == [("0.954", "≤ 0.97: yes; half: yes"),
+                                                     ("0.998", "≤ 0.97: no; half: no")]
     assert "closes 62%" in f3[0]["measure"] and "closes 2%" in f3[1]["measure"]
     f4 = [t for t in by.values() if t["id"] == "F4"]
     assert [(t["value"], t["met"]) for t in f4] == [("+2.00%", "yes")]
