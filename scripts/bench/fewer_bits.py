@@ -129,8 +129,8 @@ def export_perplexity(plan: dict, work: Path, runs: dict[str, Path], progress) -
         if rc:
             raise RuntimeError(f"export of {ckpt} failed: {runner.error_tail(text)}")
         exact = "exact" in text and "RTN baseline" not in text
-        fp = evaluate(load_source(ckpt).model, data, plan["micro_batch"], 1000)
-        q4 = evaluate(load_lowbit(target)[0], data, plan["micro_batch"], 1000)
+        fp = evaluate(load_source(ckpt).model, data, plan["micro_batch"])
+        q4 = evaluate(load_lowbit(target)[0], data, plan["micro_batch"])
         rows.append({"key": key, "exact": exact, "fp_ppl": fp["ppl"], "q4_ppl": q4["ppl"], "tokens": q4["tokens"]})
         progress(f"  export {key}: fp {fp['ppl']:.3f}, Q4 {'(exact grid)' if exact else '(RTN)'} {q4['ppl']:.3f}")
     return rows
