@@ -73,7 +73,7 @@ class Probes:
     head_seconds: float  # the rest of the model's: embeddings, final norm, head and loss
     optimizer_seconds: float  # an optimizer step (and gradient norm) per stepped element
     optimizer_tensor_seconds: float  # and per stepped tensor
-    codec_seconds: float  # quantizing + dequantizing one element (int8, blocks of 256)
+    codec_seconds: float  # quantizing + dequantizing one element (int8, blocks of 256, the full grid)
     overlap: float  # the share of the shorter of compute and communication that hides behind the other
     memory_bytes: int  # available to this rank
 
@@ -424,7 +424,7 @@ def _codec_seconds(device: torch.device, reps: int, together, numel: int = 2**18
     x = torch.randn(numel, device=device)
 
     def roundtrip():
-        q = quantize(x, 8, 256)
+        q = quantize(x, 8, 256, levels="full")  # the grid qwZ and qgZ both quantize on
         dequantize(q.codes, q.scales, numel, 8, 256)
     return _timed(roundtrip, reps, together) / numel
 

@@ -122,7 +122,7 @@ class QuantizedReduce(GradientReducer):
             return quantized_reduce_scatter(self.comm, shard, grad, self.bits, self.block_size, hops=self.hops,
                                             stages=self.stages, tag=TAG, async_op=async_op)
         kept = self.feedback.begin(unit, grad)  # grad is the engine's scratch buffer of this backward
-        lost = torch.empty(grad.numel(), dtype=torch.float32, device=grad.device) if kept else None
+        lost = self.feedback.loss_buffer(unit, grad.numel(), grad.device) if kept else None
 
         def work():  # the first hop writes lost = h - dequant(quant(h)); the second feeds back on its own
             _reduce(self.comm, shard, grad, self.bits, self.block_size, self.hops, self.stages, TAG, lost,

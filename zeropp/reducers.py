@@ -80,7 +80,8 @@ class ErrorFeedback:
 
     memory 0 is classic error feedback (every round's whole loss is sent next round); LoCo
     (DeepSpeed's err_beta: 0.8, reset every 1024 rounds) and SEPARATE (memory = 1 - its beta)
-    keep a moving average; memory 1 keeps nothing. Round k of a key is a reset round when
+    keep a moving average; memory 1 keeps nothing (an error left from before is sent once, then
+    dropped, as on a reset round). Round k of a key is a reset round when
     `reset_interval` divides k (0: never): its input still carries the old error, which is then
     dropped, so a stale residual cannot build up. The errors (in `dtype`, fp32 arithmetic) and
     the round counters are the state a resumed run needs to repeat the original bit for bit."""
@@ -89,7 +90,7 @@ class ErrorFeedback:
         self.memory, self.reset_interval, self.dtype = memory, reset_interval, dtype
         self.errors: dict[str, torch.Tensor] = {}
         self.rounds: dict[str, int] = {}
-        self._kept: dict[str, bool] = {}  # key -> whether the round under way feeds its loss back
+        self._open: dict[str, float] = {}  # key -> memory of the round under way, where it feeds its loss back
 
     def round(self, key: str) -> int:
         """The rounds of `key` begun so far."""
@@ -97,25 +98,37 @@ class ErrorFeedback:
 
     def begin(self, key: str, h: torch.Tensor, memory: float | None = None) -> bool:
         """Begin the key's next round: h += e in place (`h` holds g); returns whether this round's loss
-        is to be fed back (end() then takes it), False on a reset round or with memory 1."""
+        is to be fed back (end() then takes it), False on a reset round or with memory 1. `memory`:
+        this round's, where it is not the default (G-SEPARATE adapts it per key)."""
         k = self.rounds[key] = self.round(key) + 1
         error = self.errors.get(key)
         if error is not None:
             # A step skipped for non-finite gradients left non-finite residuals: drop those (no sync).
             torch.nan_to_num_(error, nan=0.0, posinf=0.0, neginf=0.0)
             h.add_(error.view_as(h))
-        reset = bool(self.reset_interval) and (k - 1) % self.reset_interval == 0
-        if reset and error is not None:
-            error.zero_()
-        kept = self._kept[key] = not reset and (self.memory if memory is None else memory) < 1
-        return kept
-
-    def end(self, key: str, lost: torch.Tensor, memory: float | None = None) -> None:
-        """lost = h - C(h) of the round begun last (h's shape; fp32): e <- memory e + (1 - memory) lost."""
-        if not self._kept.pop(key):
-            return
         memory = self.memory if memory is None else memory
+        if bool(self.reset_interval) and (k - 1) % self.reset_interval == 0 or memory >= 1:
+            if error is not None:  # sent once more, then dropped
+                error.zero_()
+            return False
+        self._open[key] = memory
+        return True
+
+    def loss_buffer(self, key: str, numel: int, device: torch.device) -> torch.Tensor:
+        """Where the round under way may write h - C(h) (fp32, flat) for end(): with memory 0 (and fp32
+        errors) the error buffer itself, which the loss simply replaces; otherwise new scratch."""
+        if self._open[key] == 0 and self.dtype == torch.float32:
+            if key not in self.errors:
+                self.errors[key] = torch.zeros(numel, device=device)
+            return self.errors[key]
+        return torch.empty(numel, dtype=torch.float32, device=device)
+
+    def end(self, key: str, lost: torch.Tensor) -> None:
+        """lost = h - C(h) of the round begun last (h's shape; fp32): e <- memory e + (1 - memory) lost."""
+        memory = self._open.pop(key)
         error = self.errors.get(key)
+        if error is lost:  # written in place (loss_buffer, memory 0)
+            return
         if error is None:
             error = self.errors[key] = torch.zeros(lost.numel(), dtype=self.dtype, device=lost.device)
         lost = lost.reshape(-1)
@@ -134,7 +147,7 @@ class ErrorFeedback:
 
     def load_state_dict(self, state: dict[str, torch.Tensor], device: torch.device | None = None) -> None:
         """Replaces the state with "<key>.error" / "<key>.round" entries (others are the caller's)."""
-        self.errors, self.rounds, self._kept = {}, {}, {}
+        self.errors, self.rounds, self._open = {}, {}, {}
         for name, value in state.items():
             key, _, what = name.rpartition(".")
             if what == "round":

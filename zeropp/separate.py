@@ -104,7 +104,8 @@ class Separate:
         m = max(1, block // ratio)
         blocks = -(-numel // block)
         memory = 1 - self.betas.get(key, self.cfg.beta)
-        h = grad.to(torch.float32, copy=True)
+        # h is changed in place only with error feedback: copied then (G-SEPARATE's exact reduce may still read grad)
+        h = grad.float() if memory >= 1 else grad.to(torch.float32, copy=True)
         feedback = self.feedback.begin(key, h, memory)  # h = g + e
         projections = torch.empty(chunks, blocks * m, device=grad.device)
         for c in range(chunks):
@@ -117,7 +118,7 @@ class Separate:
             if feedback:  # h - C(h), in place: h is not needed after its chunk is projected
                 h[c].sub_(back.reshape(-1)[:numel].mul_(m / block) if self.contractive else back.reshape(-1)[:numel])
         if feedback:
-            self.feedback.end(key, h, memory)
+            self.feedback.end(key, h)
         return Round(key, k, ratio, block, m, blocks, numel, projections)
 
     def decompress(self, rnd: Round, summed: torch.Tensor, chunk: int) -> torch.Tensor:

@@ -101,13 +101,13 @@ def test_qgz_reduce_scatter_is_the_sum_within_the_quantization_bound(nodes, rank
             assert two_hop["cross_node_sent"] < ledger["qgz 8 1 1"]["cross_node_sent"]
 
 
-EF_ROUNDS, EF_MEMORY, EF_RESET = 5, 0.8, 3  # LoCo's moving average; resets at rounds 0 and 3
+EF_ROUNDS, EF_RESET = 5, 3  # resets at rounds 0 and 3
 
 
-def _qgz_feedback(rank, world, ranks_per_node, bits):
+def _qgz_feedback(rank, world, ranks_per_node, bits, memory):
     """QuantizedReduce with error feedback (2 hops) over EF_ROUNDS rounds of fresh gradients."""
     comm = Comm(build_mesh(ranks_per_node=ranks_per_node))
-    reducer = QuantizedReduce(comm, bits, BLOCK, 2, 1, ErrorFeedback(EF_MEMORY, EF_RESET))
+    reducer = QuantizedReduce(comm, bits, BLOCK, 2, 1, ErrorFeedback(memory, EF_RESET))
     chunk = BLOCK * 2
     outs = []
     for t in range(EF_ROUNDS):
@@ -119,7 +119,7 @@ def _qgz_feedback(rank, world, ranks_per_node, bits):
     return outs, state
 
 
-def _replay_feedback(world, local, bits):
+def _replay_feedback(world, local, bits, memory):
     """qgZ with LoCo's error feedback on both hops, every rank replayed in one process from the formulas:
     h = g + e, quantize, e <- memory e + (1 - memory)(h - dequant(quant(h))) (e <- 0 after a reset round);
     the same on each node's partial sum before it crosses nodes."""
@@ -132,7 +132,7 @@ def _replay_feedback(world, local, bits):
         sent = quantize(h, bits, BLOCK, levels="full").dequantize()
         if t % EF_RESET == 0:
             return torch.zeros_like(e), sent
-        return EF_MEMORY * e + (1 - EF_MEMORY) * (h - sent), sent
+        return memory * e + (1 - memory) * (h - sent), sent
 
     for t in range(EF_ROUNDS):
         sent = [None] * world
@@ -158,13 +158,15 @@ def _replay_feedback(world, local, bits):
     return outs, first, second
 
 
-@pytest.mark.parametrize("bits", [4, 2])
-def test_qgz_error_feedback_on_both_hops_replays_in_one_process(bits):
-    """2 nodes x 2, int4 and int2, memory 0.8, a reset every 3 rounds: every rank's reduced shards and
-    both hops' errors equal a one-process replay of the formulas."""
+@pytest.mark.parametrize("bits,memory", [(4, 0.8), (2, 0.8), (2, 0.0)])
+def test_qgz_error_feedback_on_both_hops_replays_in_one_process(bits, memory):
+    """2 nodes x 2, int4 and int2, LoCo's memory 0.8 and plain error feedback (0: the first hop writes its
+    loss straight into the error), a reset every 3 rounds: every rank's reduced shards and both hops' errors
+    equal a one-process replay of the formulas."""
     world, local = 4, 2
-    want, first, second = _replay_feedback(world, local, bits)
-    for r, (outs, state) in enumerate(run_ranks(_qgz_feedback, world, args=(local, bits), ranks_per_node=local)):
+    want, first, second = _replay_feedback(world, local, bits, memory)
+    for r, (outs, state) in enumerate(run_ranks(_qgz_feedback, world, args=(local, bits, memory),
+                                                ranks_per_node=local)):
         for t in range(EF_ROUNDS):
             torch.testing.assert_close(outs[t], want[r][t], rtol=1e-5, atol=1e-6, msg=f"rank {r} round {t}")
         torch.testing.assert_close(state["unit.error"], first[r], rtol=1e-5, atol=1e-6)
