@@ -80,6 +80,17 @@ def curve_run(cmd: list, out: Path, timeout: float, nproc: int | None = 4) -> di
             "metrics": [m for m in runner.read_metrics(out) if runner.STEP_KEY in m]}
 
 
+def training_summary(row: dict) -> dict:
+    """A curve_run's row with its logged steps condensed: the training curve, the final training loss and
+    the mean step time (the first step, which builds everything, left out)."""
+    if row["ok"]:
+        steps = row.pop("metrics")
+        times = [m[runner.STEP_KEY] for m in steps]
+        row.update(train_curve=[(m["step"], m["lm loss"]) for m in steps], final_train_loss=steps[-1]["lm loss"],
+                   step_ms=statistics.mean(times[1:] or times))
+    return row
+
+
 def run(args, progress=print) -> dict:
     plan = resolve(args)
     result = {"plan": plan, "rows": []}
@@ -96,22 +107,22 @@ def run(args, progress=print) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-convergence-") as tmp:
         for i, (key, (label, zargs)) in enumerate(runs.items(), 1):
             out = Path(tmp) / key
-            row = {"key": key, "label": label, **curve_run(
+            row = {"key": key, "label": label, **training_summary(curve_run(
                 [sys.executable, ROOT / "train.py", *train_args(plan), "--train.out_dir", out, *zargs], out,
-                plan["timeout"])}
-            if row["ok"]:
-                steps = row.pop("metrics")
-                times = [m[runner.STEP_KEY] for m in steps]
-                row.update(train_curve=[(m["step"], m["lm loss"]) for m in steps],
-                           final_train_loss=steps[-1]["lm loss"], step_ms=statistics.mean(times[1:] or times))
+                plan["timeout"]))}
             result["rows"].append(row)
             progress(f"  convergence [{i}/{len(runs)}] {label}: "
                      + (f"final validation loss {row['final_val_loss']:.4f}" if row["ok"] else row["error"])
                      + f" ({row['wall_s']:.0f} s)")
-    if base := next((r for r in result["rows"] if r["key"] == "zero3" and r["ok"]), None):
-        for r in (r for r in result["rows"] if r["ok"]):
-            r["rel_diff"] = (r["final_val_loss"] - base["final_val_loss"]) / base["final_val_loss"]
+    relative_to_zero3(result["rows"])
     return result
+
+
+def relative_to_zero3(rows: list[dict]) -> None:
+    """Each successful row's final validation loss relative to the "zero3" row's ("rel_diff"), where that ran."""
+    if base := next((r for r in rows if r["key"] == "zero3" and r["ok"]), None):
+        for r in (r for r in rows if r["ok"]):
+            r["rel_diff"] = (r["final_val_loss"] - base["final_val_loss"]) / base["final_val_loss"]
 
 
 COLUMNS = [("label", "run", "{}"), ("final_val_loss", "final validation loss", "{:.4f}"),

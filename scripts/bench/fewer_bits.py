@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -89,22 +88,9 @@ def train(plan: dict, key: str, label: str, zero: dict, work: Path, extra=(), ch
     out = work / key
     ckpt = ["--train.checkpoint_interval", str(plan["steps"])] if checkpoint else []
     zargs = runner.zero_args(**{"zero_quantization_block_size": block or plan["block_size"], **zero})
-    row = {"key": key, "label": label, **convergence.curve_run(
+    return {"key": key, "label": label, **convergence.training_summary(convergence.curve_run(
         [sys.executable, ROOT / "train.py", *convergence.train_args(plan), "--train.out_dir", out, *ckpt, *zargs,
-         *extra], out, plan["timeout"])}
-    if row["ok"]:
-        steps = row.pop("metrics")
-        times = [m[runner.STEP_KEY] for m in steps]
-        row.update(final_train_loss=steps[-1]["lm loss"], step_ms=statistics.mean(times[1:] or times),
-                   runtime_line=row.get("runtime"))
-    return row
-
-
-def relative(rows: list[dict]) -> None:
-    base = next((r for r in rows if r["key"] == "zero3" and r["ok"]), None)
-    for r in rows:
-        if base and r["ok"]:
-            r["rel_diff"] = r["final_val_loss"] / base["final_val_loss"] - 1
+         *extra], out, plan["timeout"]))}
 
 
 def export_perplexity(plan: dict, work: Path, runs: dict[str, Path], progress) -> list[dict]:
@@ -154,7 +140,7 @@ def run(args, progress=print) -> dict:
             result["rows"].append({**row, "target": target})
             progress(f"  fewer bits [{i}/{len(keys)}] {label}: " + (
                 f"validation {row['final_val_loss']:.4f}" if row["ok"] else row["error"]) + f" ({row['wall_s']:.0f} s)")
-        relative(result["rows"])
+        convergence.relative_to_zero3(result["rows"])
     if "export" in args.parts:
         ft = dict(plan, steps=args.steps + args.finetune_steps)
         resume = ["--resume", work / "zero3" / "checkpoints", "--optim.lr", str(args.lr / 10),
@@ -172,7 +158,7 @@ def run(args, progress=print) -> dict:
             row = train(splan, key, label, zero, out / "separate")
             result["separate"].append(row)
             progress(f"  F4 {label}: " + (f"validation {row['final_val_loss']:.4f}" if row["ok"] else row["error"]))
-        relative(result["separate"])
+        convergence.relative_to_zero3(result["separate"])
     return result
 
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from scripts.bench import fewer_bits
+from scripts.bench import convergence, fewer_bits
 
 
 def test_the_corpus_is_every_chosen_dialogue(tmp_path):
@@ -24,9 +24,9 @@ def _row(key, loss):
 
 def test_targets_compare_each_run_with_zero3_and_the_exports_with_rtn():
     rows = [_row("zero3", 4.0), _row("w2", 4.03), _row("g2ef", 4.06)]
-    fewer_bits.relative(rows)
+    convergence.relative_to_zero3(rows)
     separate = [_row("zero3", 5.0), _row("sep16", 5.1)]
-    fewer_bits.relative(separate)
+    convergence.relative_to_zero3(separate)
     exports = [{"key": "zero3", "fp_ppl": 50.0, "q4_ppl": 54.0}, {"key": "qwz4", "fp_ppl": 51.0, "q4_ppl": 51.5},
                {"key": "ft_fp", "fp_ppl": 49.0, "q4_ppl": 53.0}, {"key": "ft_qwz4", "fp_ppl": 50.0, "q4_ppl": 52.92}]
     result = {"rows": rows, "exports": exports, "separate": separate,
