@@ -21,20 +21,30 @@ from scripts.bench.suite import Quick, main_one, options
 
 TITLE = "## 6. RLHF: PPO generation and step time, ZeRO++ vs ZeRO-3"
 # Every zero_optimization key either configuration sets, stated in full: the base config
-# (configs/rlhf_tiny.yaml) enables ZeRO++, and neither run may inherit what the other sets.
-ZERO3 = {"stage": 3, "communication_data_type": "bf16", "zero_quantized_weights": False,
+# (configs/rlhf_tiny.yaml) enables ZeRO++, and neither run may inherit what the other sets. No
+# prefetch across steps: a PPO step begins with a rollout, which gathers the actor into copies of its
+# own, so the first units prefetched into the training buffers would be gathered for nothing (and with
+# qwZ deltas part of the generator's weight sync would land in the previous step's training phase).
+ZERO3 = {"stage": 3, "communication_data_type": "bf16", "prefetch_across_steps": False, "zero_quantized_weights": False,
+         "zero_quantized_weights_bits": 8, "zero_quantized_weights_delta": False,
          "zero_hpz_partition_size": 1, "zero_quantized_gradients": False,
          "zero_quantized_nontrainable_weights": False}
 ZEROPP = {**ZERO3, "zero_quantized_weights": True, "zero_hpz_partition_size": 0, "zero_quantized_gradients": True,
           "zero_quantized_nontrainable_weights": True}
-PREP = {**ZERO3, "stage": 0}  # one process: no sharding
+PREP = {**{k: v for k, v in ZERO3.items() if k != "prefetch_across_steps"}, "stage": 0}  # one process: no sharding
+# qwZ deltas: each rank keeps its node's copy of the weights and receives only their change, int4 or
+# int2 codes (docs/zeropp.md), so a rollout after an optimizer step syncs the generator with the change.
+ZEROPP_DELTAS = {**ZEROPP, "zero_quantized_weights_delta": True}
 CONFIGS = {"zero3": ("ZeRO-3 (bf16 wire)", ZERO3),
-           "zeropp": ("ZeRO++ (qwZ int8, hpZ, qgZ int4, frozen int8)", ZEROPP)}
+           "zeropp": ("ZeRO++ (qwZ int8, hpZ, qgZ int4, frozen int8)", ZEROPP),
+           "zeropp-d4": ("ZeRO++ with qwZ int4 deltas", {**ZEROPP_DELTAS, "zero_quantized_weights_bits": 4}),
+           "zeropp-d2": ("ZeRO++ with qwZ int2 deltas", {**ZEROPP_DELTAS, "zero_quantized_weights_bits": 2})}
+SYNC_GOAL = 0.15  # issue 32's R3: the cross-node bytes of a weight sync / the actor's bf16 bytes
 BASE_CONFIG = ROOT / "configs" / "rlhf_tiny.yaml"
 PRESET = "gpt2-small-cpu"
 # DeepSpeed's ZeRO++ blog (DeepSpeed-Chat RLHF with ZeRO++ vs ZeRO on GPU clusters, models far larger than
 # ours): ZeRO++ / ZeRO speedups of generation and of training.
-DEEPSPEED = {"generation": 2.25, "training": 1.26}
+DEEPSPEED = {"generation": 2.25, "training": 1.26}  # the first is issue 32's R1 goal
 METRICS = {  # row key -> the metric rlhf/ppo.py logs per step
     "step_ms": STEP_KEY, "gen_tokens_per_s": "generation tokens/s", "train_tokens_per_s": "training tokens/s",
     "cross_gen_mb": "cross-node generation (MB)", "cross_exp_mb": "cross-node experience (MB)",
@@ -114,8 +124,10 @@ def _median(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
-def aggregate(key: str, runs: list[dict], plan: dict) -> dict:
-    """One row per configuration: medians over the timed steps of all its runs."""
+def aggregate(key: str, runs: list[dict], plan: dict, params: int) -> dict:
+    """One row per configuration: medians over the timed steps of all its runs. `params`: the actor's, for the
+    weight sync's bytes over its bf16 bytes (R3: what every rank sent across nodes while a rollout gathered
+    the actor, which is the generator's whole weight traffic of the step, over 2 bytes a parameter)."""
     ok = [r for r in runs if r["key"] == key and r["ok"]]
     row = {"key": key, "label": CONFIGS[key][0], "setting": plan["rate"], "runs": len(ok)}
     if not ok:
@@ -128,6 +140,8 @@ def aggregate(key: str, runs: list[dict], plan: dict) -> dict:
     rollouts = plan["micro_batch"] * NODES * RANKS_PER_NODE
     row["gen_s"] = _median([s["response_length"] * rollouts / s["gen_tokens_per_s"] for s in steps
                             if s["response_length"] and s["gen_tokens_per_s"]])
+    if row["cross_gen_mb"] is not None:
+        row["sync_ratio"] = row["cross_gen_mb"] * 1e6 * NODES * RANKS_PER_NODE / (2 * params)
     parts = [row[k] for k in ("cross_gen_mb", "cross_exp_mb", "cross_train_mb")]
     row["cross_total_mb"] = sum(parts) if None not in parts else None
     for k in ("phys_tx_mb_node", "wire_ms"):
@@ -182,7 +196,11 @@ def run(args, progress=print) -> dict:
                 text = (f"{_median([s['step_ms'] for s in r['steps']]):.0f} ms/step" if r["ok"]
                         else f"FAILED: {r['error']}")
                 progress(f"  rlhf [{i + 1}/{len(order)}] {r['label']} @ {plan['rate']}: {text} ({r['wall_s']:.0f} s)")
-    result["rows"] = [aggregate(key, result["runs"], plan) for key in plan["configs"]]
+    result["rows"] = [aggregate(key, result["runs"], plan, result["model"]["params"]) for key in plan["configs"]]
+    z3 = next((r for r in result["rows"] if r["key"] == "zero3" and r.get("ok")), None)
+    for row in result["rows"]:
+        if z3 and row.get("ok") and row["gen_tokens_per_s"] and z3["gen_tokens_per_s"]:
+            row["gen_speedup"] = row["gen_tokens_per_s"] / z3["gen_tokens_per_s"]
     result["ratios"] = ratios(result["rows"])
     if notes := [f"{r['label']}, run {r['repeat'] + 1}: failed: {r['error']}" for r in result["runs"] if not r["ok"]]:
         result["notes"] = notes
@@ -190,7 +208,8 @@ def run(args, progress=print) -> dict:
 
 
 COLUMNS = [("label", "configuration", "{}"), ("setting", "link", "{}"),
-           ("gen_tokens_per_s", "generation tokens/s", "{:.1f}"), ("gen_s", "generation s/step", "{:.2f}"),
+           ("gen_tokens_per_s", "generation tokens/s", "{:.1f}"), ("gen_speedup", "/ ZeRO-3 (R1)", "{:.2f}"),
+           ("gen_s", "generation s/step", "{:.2f}"), ("sync_ratio", "weight sync / bf16 actor (R3)", "{:.3f}"),
            ("step_ms", "PPO step ms", "{:.0f}"), ("train_tokens_per_s", "training tokens/s", "{:.1f}"),
            ("cross_gen_mb", "cross-node MB/rank: generation", "{:.2f}"),
            ("cross_exp_mb", "experience", "{:.2f}"), ("cross_train_mb", "training", "{:.2f}"),
@@ -239,6 +258,16 @@ def markdown(result: dict) -> str:
                                         for what, key, spec, theirs in table],
                                        [("what", "ZeRO++ / ZeRO-3", "{}"), ("ours", "ours (CPU emulation)", "{}"),
                                         ("theirs", "DeepSpeed's ZeRO++ blog (GPUs)", "{}")])]
+    rows = [r for r in result["rows"] if r.get("ok") and r["key"] != "zero3"]
+    goals = [("R1", "generation tokens/s / ZeRO-3's", "gen_speedup", "{:.2f}", f">= {DEEPSPEED['generation']}",
+              lambda v: v >= DEEPSPEED["generation"]),
+             ("R3", "cross-node bytes of a rollout's weight sync / the actor's bf16 bytes", "sync_ratio", "{:.3f}",
+              f"<= {SYNC_GOAL}", lambda v: v <= SYNC_GOAL)]
+    for name, what, key, spec, goal, holds in goals:
+        measured = [(r["label"], r[key]) for r in rows if r.get(key) is not None]
+        if measured:
+            lines += ["", f"- {name}, {what} (goal {goal}): " + "; ".join(
+                f"{label} {spec.format(v)} ({'met' if holds(v) else 'not met'})" for label, v in measured) + "."]
     return "\n".join(lines)
 
 
