@@ -340,9 +340,10 @@ class Zero3Engine(Runtime):
         if self._phase is not Phase.FORWARD:
             raise RuntimeError("Zero3Engine.inference_weights entered during a backward")
         rollout = Rollout(self, max_bytes)
+        rollout.keep_prefetched()  # the next forward's gathers, issued when the optimizer stepped
         # The training buffers' occupants let go: a held block never takes a training buffer,
         # so nothing releases its copy's binding while the rollout runs.
-        self._wait_gathers()  # e.g. the next forward's, issued when the optimizer stepped
+        self._wait_gathers()  # the prefetches the rollout does not use
         self._end_computing()
         self.pool.release_all()
         self._rollout, self._phase = rollout, Phase.ROLLOUT

@@ -5,7 +5,8 @@ decode loop inside it) makes a `Rollout` of the engine's units. On entry every u
 all-gathered once from its primary shards, in the wire format the training forward sends (qwZ
 codes + scales with qwZ; ledger tag "rollout gather"): the embeddings and norms into their own
 buffers (skipped when they already hold the current weights), each block that fits `max_bytes`
-(in model order) into an inference copy of its own (`Unit.inference`, the compute dtype), and
+(in model order) into an inference copy of its own (`Unit.inference`, the compute dtype; a
+gather prefetched when the optimizer stepped is decoded and kept, not sent again), and
 the modules' attributes become those full weights, so the forwards inside run no collective.
 Blocks past `max_bytes` go through the rotating training buffers as in training instead
 (gathered where a buffer no longer holds them; `InferenceWeights.collectives_per_forward`).
@@ -44,6 +45,19 @@ class Rollout:
         self.info = InferenceWeights(bytes=used, resident_units=len(engine.resident) + len(self.held),
                                      streamed_units=len(streamed), collectives_per_forward=bool(streamed))
 
+    def keep_prefetched(self) -> None:
+        """Before the training buffers are let go: the gathers issued when the optimizer stepped (the
+        next forward's embeddings, norms and first blocks) are decoded for the rollout, not dropped
+        and sent again; a held block's weights are copied from its training buffer into its copy."""
+        engine = self.engine
+        for u in engine.resident + self.held:
+            with engine.timings.timer("weight encode"):
+                u.refresh()  # weights edited since: that gather is stale, and refresh drops it
+            if u.state is UnitState.GATHERING:
+                u.decode(engine.comm, Phase.ROLLOUT, engine.timings)
+                if u in self.held:
+                    u.keep_inference_copy(engine.pool.new(u.padded_numel, engine.param_dtype))
+
     def gather(self) -> InferenceWeights:
         """Re-encode what changed, gather the embeddings and norms and every held block (the
         training buffers were let go: a held block never takes one, so nothing releases its
@@ -54,8 +68,9 @@ class Rollout:
                 u.refresh()
         engine._ensure_gathered(engine.resident)
         for u in self.held:
-            u.hold_inference_copy(None, engine.pool.new(u.padded_numel, engine.param_dtype))
-        self._gather_copies(self.held)
+            if u.inference is None:  # else kept from a prefetch (keep_prefetched)
+                u.hold_inference_copy(None, engine.pool.new(u.padded_numel, engine.param_dtype))
+        self._gather_copies([u for u in self.held if not u.holds_current()])
         for u in engine.resident + self.held:  # the modules' attributes are the full weights from now on
             u.bind(False, engine._reduce)
         return self.info

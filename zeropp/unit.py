@@ -469,12 +469,19 @@ class Unit:
         for slot in self.slots:
             for module, attr in slot.aliases:
                 module.__dict__.pop(attr, None)
-        self.state = UnitState.SHARDED
+        if self.inference is None:  # a rollout's copy of its own is not the buffer let go
+            self.state = UnitState.SHARDED
 
     def hold_inference_copy(self, gather: torch.Tensor, compute: torch.Tensor) -> None:
         """From now on gather into `gather` and decode into `compute`, buffers of the unit's own
         (`gather` may be `compute` itself when the wire is the compute dtype)."""
         self.inference = (gather, compute)
+
+    def keep_inference_copy(self, compute: torch.Tensor) -> None:
+        """A rollout keeps the weights the training buffer holds (gathered and decoded): copied into
+        `compute`, the unit's own copy from now on, with no gather of its own."""
+        compute.copy_(self._buffer_pair()[1][:compute.numel()])
+        self.inference = (None, compute)
 
     def drop_gathered_bytes(self) -> None:
         """The inference copy is decoded: let its gathered bytes go, keep the weights."""
@@ -484,8 +491,8 @@ class Unit:
         """Back to the shared buffers: unbind, and let the copy go (freed with its last view)."""
         self.drop_gather()
         self.end_use()
-        self.release()
         self.inference = None
+        self.release()
 
     def collect_grads(self, grad_target: torch.Tensor) -> None:
         """This backward writes the unit's gradients into `grad_target` (zeroed, BufferPool.grad_target);

@@ -111,7 +111,7 @@ def assert_same(got: dict, ref: dict):
 def _zero3(rank, world):
     engine = Zero3Engine(make_model(), ZERO3)
     fresh = Zero3Engine(make_model(), ZERO3)  # the same training, never generating
-    opt, fresh_opt = build_optimizer(engine.module, OPTIM), build_optimizer(fresh.module, OPTIM)
+    opt, fresh_opt = (e.attach_optimizer(build_optimizer(e.module, OPTIM)) for e in (engine, fresh))
     prompts = PROMPTS[rank]
     out = {}
     engine.ledger.reset()
@@ -250,7 +250,7 @@ def quantized_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 def _zeropp(rank, world):
     engine = Zero3Engine(make_model(), ZEROPP)
     fresh = Zero3Engine(make_model(), ZEROPP)
-    opt, fresh_opt = build_optimizer(engine.module, OPTIM), build_optimizer(fresh.module, OPTIM)
+    opt, fresh_opt = (e.attach_optimizer(build_optimizer(e.module, OPTIM)) for e in (engine, fresh))
     prompts = PROMPTS[rank]
     out = {"wire": sum((world - 1) * u.wire.numel() for u in engine.units.values()),
            "bf16": sum((world - 1) * -(-u.numel // world) * 2 for u in engine.units.values())}
@@ -263,10 +263,10 @@ def _zeropp(rank, world):
             e.ledger.reset()
             out[key + "grads"].append(train_step(e, rank, step)[1])
             out[key + "step_ledger"] = e.ledger.totals()  # step 1's: after the rollout of new weights
-            o.step()
+            e.ledger.reset()
+            o.step()  # issues the next forward's first gathers (prefetch across steps)
             o.zero_grad()
-        if step == 0:  # new weights: the next rollout gathers everything again
-            engine.ledger.reset()
+        if step == 0:  # new weights: the prefetch and the rollout gather every unit once
             out["long"] = as_dict(generate_rollouts(engine, prompts, 20, temperature=0.0, eos_token_id=EOS,
                                                     pad_token_id=PAD))
             out["long_ledger"] = engine.ledger.totals()
@@ -310,10 +310,15 @@ def test_zeropp_rollout_gathers_qwz_codes_once_and_matches_one_process(results, 
     for rank, r in enumerate(results):
         assert_same(r["short"], short[rank])
         assert_same(r["long"], long[rank])
-        for ledger in (r["short_ledger"], r["long_ledger"]):
-            assert ledger.keys() == {"rollout gather"}
-            assert ledger["rollout gather"]["calls"] == 5 and ledger["rollout gather"]["dtypes"] == ["uint8"]
-            assert ledger["rollout gather"]["sent"] == r["wire"]
+        first, stepped = r["short_ledger"], r["long_ledger"]
+        assert first.keys() == {"rollout gather"}
+        assert first["rollout gather"]["calls"] == 5 and first["rollout gather"]["sent"] == r["wire"]
+        # after an optimizer step the rollout keeps what the step prefetched (the embeddings and norms,
+        # the first block): every unit's codes still travel exactly once
+        assert stepped.keys() == {"forward gather", "rollout gather"}
+        assert stepped["forward gather"]["calls"] >= 2 and stepped["rollout gather"]["calls"] >= 1
+        assert sum(v["calls"] for v in stepped.values()) == 5 and sum(v["sent"] for v in stepped.values()) == r["wire"]
+        assert all(v["dtypes"] == ["uint8"] for v in (*first.values(), *stepped.values()))
         assert 0.45 < r["wire"] / r["bf16"] < 0.6, (r["wire"], r["bf16"])
         for grads, fresh in zip(r["grads"], r["fresh_grads"]):
             assert all(torch.equal(a, b) for a, b in zip(grads, fresh))
