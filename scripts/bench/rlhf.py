@@ -21,17 +21,14 @@ from scripts.bench.suite import Quick, main_one, options
 
 TITLE = "## 6. RLHF: PPO generation and step time, ZeRO++ vs ZeRO-3"
 # Every zero_optimization key either configuration sets, stated in full: the base config
-# (configs/rlhf_tiny.yaml) enables ZeRO++, and neither run may inherit what the other sets. No
-# prefetch across steps: a PPO step begins with a rollout, which gathers the actor into copies of its
-# own, so the first units prefetched into the training buffers would be gathered for nothing (and with
-# qwZ deltas part of the generator's weight sync would land in the previous step's training phase).
-ZERO3 = {"stage": 3, "communication_data_type": "bf16", "prefetch_across_steps": False, "zero_quantized_weights": False,
+# (configs/rlhf_tiny.yaml) enables ZeRO++, and neither run may inherit what the other sets.
+ZERO3 = {"stage": 3, "communication_data_type": "bf16", "zero_quantized_weights": False,
          "zero_quantized_weights_bits": 8, "zero_quantized_weights_delta": False,
          "zero_hpz_partition_size": 1, "zero_quantized_gradients": False,
          "zero_quantized_nontrainable_weights": False}
 ZEROPP = {**ZERO3, "zero_quantized_weights": True, "zero_hpz_partition_size": 0, "zero_quantized_gradients": True,
           "zero_quantized_nontrainable_weights": True}
-PREP = {**{k: v for k, v in ZERO3.items() if k != "prefetch_across_steps"}, "stage": 0}  # one process: no sharding
+PREP = {**ZERO3, "stage": 0}  # one process: no sharding
 # qwZ deltas: each rank keeps its node's copy of the weights and receives only their change, int4 or
 # int2 codes (docs/zeropp.md), so a rollout after an optimizer step syncs the generator with the change.
 ZEROPP_DELTAS = {**ZEROPP, "zero_quantized_weights_delta": True}
@@ -108,7 +105,10 @@ def ppo_run(key: str, repeat: int, plan: dict, models: dict, work: Path, cluster
     cmd = [sys.executable, ROOT / "rlhf.py", "ppo", *common_args(plan, out_dir),
            "--models.sft", models["sft"], "--models.reward", models["reward"],
            "--ppo.steps", str(plan["steps"]), "--ppo.epochs", str(plan["epochs"]),
-           "--generation.max_new_tokens", str(plan["max_new_tokens"]), *runner.zero_args(**zero)]
+           "--generation.max_new_tokens", str(plan["max_new_tokens"]),
+           # the first units' gathers would otherwise leave with the previous step's optimizer step (the rollout
+           # keeps them): the whole weight sync in the generation phase, where R3 reads it
+           *runner.zero_args(prefetch_across_steps=False, **zero)]
     run = {"key": key, "label": label, "repeat": repeat, **runner.measured_launch(
         cmd, out_dir / "ppo" / "metrics.jsonl", cluster, plan["steps"], plan["warmup"], plan["timeout"])}
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -151,22 +151,26 @@ def aggregate(key: str, runs: list[dict], plan: dict, params: int) -> dict:
     return row
 
 
+def _div(a, b):
+    return a / b if a is not None and b else None
+
+
 def ratios(rows: list[dict]) -> dict:
-    """ZeRO++ / ZeRO-3, each a speedup (> 1: ZeRO++ faster) or a byte ratio."""
+    """ZeRO++ / ZeRO-3, each a speedup (> 1: ZeRO++ faster) or a byte ratio; and every row's generation
+    speedup over ZeRO-3 (R1, "gen_speedup")."""
     find = {r["key"]: r for r in rows if r.get("ok")}.get
     z3, zpp = find("zero3"), find("zeropp")
+    for row in rows:
+        if z3 and row.get("ok"):
+            row["gen_speedup"] = _div(row["gen_tokens_per_s"], z3["gen_tokens_per_s"])
     if not (z3 and zpp):
         return {}
-
-    def div(a, b):
-        return a / b if a is not None and b else None
-
-    return {"generation": div(zpp["gen_tokens_per_s"], z3["gen_tokens_per_s"]),
-            "generation_time": div(z3["gen_s"], zpp["gen_s"]),
-            "step": div(z3["step_ms"], zpp["step_ms"]),
-            "training": div(zpp["train_tokens_per_s"], z3["train_tokens_per_s"]),
-            "cross_node_bytes": div(zpp["cross_total_mb"], z3["cross_total_mb"]),
-            "physical_bytes": div(zpp.get("phys_tx_mb_node"), z3.get("phys_tx_mb_node"))}
+    return {"generation": zpp["gen_speedup"],
+            "generation_time": _div(z3["gen_s"], zpp["gen_s"]),
+            "step": _div(z3["step_ms"], zpp["step_ms"]),
+            "training": _div(zpp["train_tokens_per_s"], z3["train_tokens_per_s"]),
+            "cross_node_bytes": _div(zpp["cross_total_mb"], z3["cross_total_mb"]),
+            "physical_bytes": _div(zpp.get("phys_tx_mb_node"), z3.get("phys_tx_mb_node"))}
 
 
 def run(args, progress=print) -> dict:
@@ -197,10 +201,6 @@ def run(args, progress=print) -> dict:
                         else f"FAILED: {r['error']}")
                 progress(f"  rlhf [{i + 1}/{len(order)}] {r['label']} @ {plan['rate']}: {text} ({r['wall_s']:.0f} s)")
     result["rows"] = [aggregate(key, result["runs"], plan, result["model"]["params"]) for key in plan["configs"]]
-    z3 = next((r for r in result["rows"] if r["key"] == "zero3" and r.get("ok")), None)
-    for row in result["rows"]:
-        if z3 and row.get("ok") and row["gen_tokens_per_s"] and z3["gen_tokens_per_s"]:
-            row["gen_speedup"] = row["gen_tokens_per_s"] / z3["gen_tokens_per_s"]
     result["ratios"] = ratios(result["rows"])
     if notes := [f"{r['label']}, run {r['repeat'] + 1}: failed: {r['error']}" for r in result["runs"] if not r["ok"]]:
         result["notes"] = notes
