@@ -76,6 +76,21 @@ def score_model(loaded: tuple[Transformer, WeightSource]) -> tuple[Transformer, 
     return score_model_from(model), weights
 
 
+def prepare_trained(model: Transformer, cfg: RLHFConfig, trainable: bool,
+                    lora: LoraSection | None) -> tuple[LoraSection | None, list[int]]:
+    """Make `model` train as a stage trains it: every weight, or only LoRA adapters (`lora` with r > 0) over a
+    frozen base, its blocks checkpointed per train.activation_checkpointing; or nothing (frozen). -> (the
+    adapters' section or None, the checkpointed blocks). plan.auto prices a copy prepared the same way."""
+    model.requires_grad_(trainable)
+    lora = lora if trainable and lora is not None and lora.r else None
+    if lora is not None:
+        add_lora_adapters(model, lora, "lora")
+    if not trainable:  # a frozen model's forwards keep no activations for a backward
+        return lora, []
+    return lora, apply_activation_checkpointing(model, cfg.train.activation_checkpointing,
+                                                cfg.train.activation_checkpointing_every)
+
+
 class ModelRuntime:
     """One model of a stage under its own runtime: trainable (with an optimizer and a learning
     rate schedule) or frozen (forward only; stored quantized under
@@ -89,14 +104,8 @@ class ModelRuntime:
         self.name, self.env = name, env
         self.packing = cfg.data.packing
         self.trainable = lr is not None
-        model.requires_grad_(self.trainable)
         self.config: ModelConfig = model.config
-        self.lora = lora if self.trainable and lora is not None and lora.r else None
-        if self.lora is not None:
-            add_lora_adapters(model, self.lora, "lora")
-        if self.trainable:  # a frozen model's forwards keep no activations for a backward
-            apply_activation_checkpointing(model, cfg.train.activation_checkpointing,
-                                           cfg.train.activation_checkpointing_every)
+        self.lora, _ = prepare_trained(model, cfg, self.trainable, lora)
         if weights is None:
             model = model.to(env.device)
         self.runtime = build_runtime(model, cfg.zero_optimization, env.device, weights=weights)

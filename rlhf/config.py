@@ -16,7 +16,7 @@ from typing import Annotated, Literal
 from trainer.config import (ConfigError, HeldOutSection, InputPath, LoraSection, ModelSection, OptimSection,
                             ResumeConfig, RunSection, check_held_out, check_lora_section, check_model_section,
                             check_optim_section, check_run_section)
-from zeropp.config import ZeroConfig, ZeroConfigError
+from zeropp.config import PlanConfig, ZeroConfig, ZeroConfigError
 
 STAGES = ("sft", "reward", "dpo", "ppo", "grpo")
 
@@ -177,6 +177,8 @@ class RLHFConfig(ResumeConfig):
         warmup_steps=0, decay="constant", weight_decay=0.0, beta2=0.95))
     # The runtime of every model of a stage: 0 plain DDP, 3 ZeRO-3, plus ZeRO++ (docs/zeropp.md).
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    # zero_optimization chosen from the machine for each stage (its trained models' step priced; docs/autoplan.md).
+    plan: PlanConfig = field(default_factory=PlanConfig)
     generation: GenerationSection = field(default_factory=GenerationSection)  # sampling the ppo / grpo rollouts
     # LoRA adapters (r > 0) on the model sft trains and on the policy of dpo / ppo / grpo, over a
     # frozen base (stored quantized under zero_optimization.zero_quantized_nontrainable_weights);
@@ -241,6 +243,7 @@ def check(cfg: RLHFConfig, stage: str) -> None:
                           f"the functions score the rollouts with reward.source functions, and only then")
     try:
         cfg.zero_optimization.validate()
+        cfg.plan.validate()
     except ZeroConfigError as e:
         raise ConfigError(str(e)) from None
 

@@ -16,8 +16,9 @@ import time
 
 import torch
 
-from rlhf.common import (ModelRuntime, global_max, global_sum, load_model, optimizer_step, reference_of,
-                         sequence_logprobs, tokenizer_of, update_label)
+from models.transformer import Transformer
+from rlhf.common import (ModelRuntime, global_max, global_sum, load_model, optimizer_step, prepare_trained,
+                         reference_of, sequence_logprobs, tokenizer_of, update_label)
 from rlhf.config import GRPOSection, RLHFConfig, reward_scaling
 from rlhf.losses import (entropy_from_logits, equal_reward_groups, grpo_advantages, grpo_loss, grpo_token_weights,
                          kl_estimate, reinforce_pp_returns, rloo_advantages, soft_overlong_penalty)
@@ -148,6 +149,7 @@ class GRPO(OnlineAlgorithm):
 
     def __init__(self, cfg: RLHFConfig, env: DistEnv, tokenizer):
         super().__init__(cfg, env, tokenizer)
+        cfg = self.cfg  # with plan.auto's zero_optimization
         g, sft = cfg.grpo, cfg.sft_path()
         self.g, self.steps, self.samples_per_prompt = g, g.steps, g.group_size
         torch.manual_seed(cfg.train.seed)
@@ -160,6 +162,13 @@ class GRPO(OnlineAlgorithm):
             self.reward_model = ModelRuntime("reward", load_model(cfg.reward_path(), "models.reward"), cfg, env,
                                              lr=None)
         self.models = [m for m in (self.actor, self.reference, self.reward_model) if isinstance(m, ModelRuntime)]
+
+    def trained(self) -> tuple[list[tuple[Transformer, int, int]], int, list[int]]:
+        """The actor: grpo.iterations optimizer steps, each on every sample of the rank's prompts."""
+        cfg = self.cfg
+        actor, _ = load_model(cfg.sft_path(), "models.sft")
+        _, checkpointed = prepare_trained(actor, cfg, True, cfg.lora)
+        return [(actor, 1, cfg.grpo.iterations)], cfg.train.micro_batch_size * cfg.grpo.group_size, checkpointed
 
     def headline(self) -> str:
         source = self.reward_source()

@@ -44,6 +44,8 @@ class OnlineAlgorithm(RLHFStage):
     reward_model: ModelRuntime | None = None  # None: the task's code rewards
     samples_per_prompt: int = 1
     loss_keys: tuple[str, ...] = ()  # metrics that must be finite
+    unpriced = "the rollout (generation) and the frozen models' forwards"
+    priced = "the learning from a rollout"
 
     def __init__(self, cfg: RLHFConfig, env: DistEnv, tokenizer: Tokenizer):
         super().__init__(cfg, env)
@@ -123,7 +125,9 @@ class OnlineAlgorithm(RLHFStage):
         generation_mb = comm_scalars(self.models)["cross-node sent (MB)"]
         generation_seconds = global_max(time.perf_counter() - start)
         rewards, per_function = self.rewards(batch)
+        learning = time.perf_counter()
         metrics = self.learn(step, batch, rewards, nonfinite)
+        self.priced_work_took(time.perf_counter() - learning)
         rows = global_sum(len(indices))[0]
         reward_mean, reward_std = global_stats(rewards)
         metrics = {"reward": reward_mean, "reward std": reward_std, **per_function, **metrics,

@@ -15,8 +15,9 @@ import torch
 from safetensors.torch import save_file
 
 from data.datasets import IGNORE_INDEX, ResumableBatchSampler, collate_preference
-from rlhf.common import (ModelRuntime, comm_scalars, global_sum, load_model, optimizer_step, reference_of, score_model,
-                         sequence_logprobs, tokenizer_of)
+from models.transformer import Transformer, score_model_from
+from rlhf.common import (ModelRuntime, comm_scalars, global_sum, load_model, optimizer_step, prepare_trained,
+                         reference_of, score_model, sequence_logprobs, tokenizer_of)
 from rlhf.config import RLHFConfig
 from rlhf.data import Preferences, load_preferences
 from rlhf.losses import diverging_reward_loss, dpo_loss, last_token_scores, pairwise_reward_loss
@@ -131,7 +132,10 @@ class PairStage(RLHFStage):
 
     def __init__(self, stage: str, cfg: RLHFConfig, env: DistEnv):
         self.name = stage
+        if stage == "dpo" and not cfg.dpo.precompute_ref:
+            self.unpriced = "the reference's forwards"
         super().__init__(cfg, env)
+        cfg = self.cfg  # with plan.auto's zero_optimization
         self.tokenizer = tokenizer_of(cfg.sft_path())
         self.prefs = load_preferences(cfg, self.tokenizer, env)
         self.train_indices = self.prefs.train_indices
@@ -139,6 +143,15 @@ class PairStage(RLHFStage):
         self.model = self.objective.model
         self.models = self.objective.models
         self.steps = cfg.reward.steps if stage == "reward" else cfg.dpo.steps
+
+    def trained(self) -> tuple[list[tuple[Transformer, int, int]], int, list[int]]:
+        """The reward model or the DPO policy, one optimizer step on the chosen and rejected sides of
+        train.micro_batch_size pairs."""
+        cfg = self.cfg
+        model, _ = load_model(cfg.sft_path(), "models.sft")
+        model = score_model_from(model) if self.name == "reward" else model
+        _, checkpointed = prepare_trained(model, cfg, True, cfg.lora if self.name == "dpo" else None)
+        return [(model, 1, 1)], 2 * cfg.train.micro_batch_size, checkpointed
 
     def _batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
         return _pair_batch(self.prefs, indices, self.tokenizer.pad_id, self.env.device)
@@ -164,6 +177,7 @@ class PairStage(RLHFStage):
             rejected.sum().item(), batch["attention_mask"].sum().item())
         _, (norm,) = optimizer_step([self.model], step, {"loss": loss_sum}, nonfinite, step + 1)
         seconds = time.perf_counter() - start
+        self.priced_work_took(seconds)
         return {"loss": loss_sum, "accuracy": correct / pairs, "margin": margin / pairs, "chosen": chosen_sum / pairs,
                 "rejected": rejected_sum / pairs, "grad norm": norm,
                 "learning rate": self.model.optimizer.param_groups[0]["lr"], "tokens/s": tokens / seconds,

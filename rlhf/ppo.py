@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import save_file
 
 from data.datasets import ResumableBatchSampler, SFTDataset, collate_sft
-from models.transformer import lm_loss
-from rlhf.common import (ModelRuntime, comm_scalars, global_max, global_sum, load_model, optimizer_step, reference_of,
-                         score_model, sequence_logprobs, tokenizer_of, update_label)
+from models.transformer import Transformer, lm_loss, score_model_from
+from rlhf.common import (ModelRuntime, comm_scalars, global_max, global_sum, load_model, optimizer_step,
+                         prepare_trained, reference_of, score_model, sequence_logprobs, tokenizer_of, update_label)
 from rlhf.config import PPOSection, RLHFConfig
 from rlhf.data import sft_file
 from rlhf.losses import (approx_kl, entropy_from_logits, gae, kl_controller, ppo_policy_loss, shape_rewards,
@@ -153,6 +153,7 @@ class PPO(OnlineAlgorithm):
 
     def __init__(self, cfg: RLHFConfig, env: DistEnv, tokenizer):
         super().__init__(cfg, env, tokenizer)
+        cfg = self.cfg  # with plan.auto's zero_optimization
         self.p = cfg.ppo
         p, sft = cfg.ppo, cfg.sft_path()
         self.steps = p.steps
@@ -175,6 +176,19 @@ class PPO(OnlineAlgorithm):
         self.kl_ctl = kl_controller(p.kl_coef, p.kl_target or None, p.kl_horizon)
         self.ema = _EMA(self.actor, p.ema) if p.ema > 0 else None
         self.ptx = None
+
+    def trained(self) -> tuple[list[tuple[Transformer, int, int]], int, list[int]]:
+        """The actor and the critic: ppo.epochs x ppo.mini_batches optimizer steps each, every one on a
+        mini-batch of the rank's rollouts."""
+        cfg, p = self.cfg, self.cfg.ppo
+        actor, _ = load_model(cfg.sft_path(), "models.sft")
+        critic = load_model(cfg.reward_path(), "models.reward")[0] if cfg.reward.source == "model" else \
+            score_model_from(load_model(cfg.sft_path(), "models.sft")[0])
+        _, checkpointed = prepare_trained(actor, cfg, True, cfg.lora)
+        prepare_trained(critic, cfg, True, None)
+        updates = p.epochs * p.mini_batches
+        return [(actor, 1, updates), (critic, 1, updates)], -(-cfg.train.micro_batch_size // p.mini_batches), \
+            checkpointed
 
     def resumed_at(self, step: int) -> None:
         if self.p.ptx_coef > 0:  # the SFT batches consumed so far: one per rank per optimizer step

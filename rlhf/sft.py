@@ -32,6 +32,7 @@ def sft_config(cfg: RLHFConfig, env: DistEnv) -> Config:
     out.train = TrainSection(**shared, steps=cfg.sft.steps, grad_accum=cfg.sft.grad_accum, export_hf=True,
                              eval_at_start=True)
     out.zero_optimization = cfg.zero_optimization
+    out.plan = cfg.plan
     out.finetune.lora = cfg.lora
     out.resume = cfg.resume
     return out

@@ -4,15 +4,23 @@ under <out_dir>/<stage>/checkpoints, the log under <out_dir>/<stage>, the ledger
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from pathlib import Path
 from typing import Sequence
 
+from models.transformer import Transformer
 from rlhf.common import ModelRuntime, StageCheckpoint, open_log
 from rlhf.config import RLHFConfig
+from trainer.checkpoint import read_state
+from trainer.config import ConfigError
 from trainer.distributed import DistEnv
+from trainer.memory import baseline_bytes, predicted_peak
 from trainer.metrics import MetricsLogger
+from trainer.precision import compute_dtype
 from trainer.run_dir import RunDir
 from trainer.skeleton import Stage
+from zeropp.autoplan import PlanError, StepTimeCheck, auto_plan
 
 
 class RLHFStage(Stage):
@@ -20,6 +28,8 @@ class RLHFStage(Stage):
     of the stage: checkpoints hold the trainable ones) and `train_indices`, and define `update`."""
 
     name: str  # the stage: its directory under out_dir
+    unpriced = ""  # the work of a step plan.auto's cost model leaves out (said in the plan's log line)
+    priced = "the update"  # and what it prices, which its plan check times (priced_work_took)
     models: list[ModelRuntime]
     train_indices: Sequence[int]
 
@@ -32,10 +42,50 @@ class RLHFStage(Stage):
         self.data_parallel = (env.rank, env.world_size)
         self.samples_per_step = cfg.train.micro_batch_size * env.world_size
         self.device = env.device
+        self.plan: dict | None = None  # plan.auto's choice (state.json "plan"), its log lines and step-time check
+        self.plan_lines: list[str] = []
+        self.plan_check: StepTimeCheck | None = None
+        if cfg.plan.auto:
+            self._auto_plan()
 
     @property
     def stage_dir(self) -> Path:
         return self.cfg.stage_dir(self.name)
+
+    # --- plan.auto: the stage's zero_optimization chosen from the machine
+
+    def trained(self) -> tuple[list[tuple[Transformer, int, int]], int, list[int]]:
+        """What one step trains, for plan.auto (zeropp.autoplan.price_step): each trained model on the meta
+        device, prepared as the stage trains it (rlhf.common.prepare_trained), with its micro-batches per
+        optimizer step and optimizer steps per step; the rows of one micro-batch (of data.max_len tokens);
+        the first model's checkpointed blocks."""
+        raise ConfigError(f"plan.auto: the {self.name} stage does not say what it trains")
+
+    def _auto_plan(self) -> None:
+        """Probe, reuse the resumed checkpoint's plan on the same machine or price the stage's step and
+        choose (zeropp.autoplan.auto_plan, as train.py does); every model of the stage gets the choice."""
+        cfg, device, started = self.cfg, self.env.device, time.perf_counter()
+        trained, rows, checkpointed = self.trained()
+        dtype = compute_dtype(cfg.train.precision, device)
+        config = trained[0][0].config
+        baseline = baseline_bytes(config, cfg.train.precision, device)
+
+        def memory(zero, states, buffers):
+            return sum(predicted_peak(states, buffers, None, config, rows, cfg.data.max_len, dtype, set(checkpointed),
+                                      baseline, device, zero.compute_dtype, cfg.data.packing).values())
+        path = self.ckpt.resume_path()
+        saved = read_state(path) if path is not None else None
+        try:
+            zero, self.plan, lines = auto_plan(
+                trained, rows, cfg.data.max_len, device, dtype, cfg.zero_optimization, cfg.plan, memory,
+                saved and saved.get("plan"), saved["config"]["zero_optimization"]["stage"] if saved else None)
+        except PlanError as e:
+            raise ConfigError(str(e)) from None
+        self.cfg = self.ckpt.cfg = dataclasses.replace(cfg, zero_optimization=zero)
+        unpriced = f"; not priced: {self.unpriced}" if self.unpriced else ""
+        self.plan_lines = lines + [f"plan: probed and planned in {time.perf_counter() - started:.2f} s{unpriced}"]
+        self.plan_check = StepTimeCheck(self.plan["step_seconds"], cfg.plan.check_after_steps,
+                                        scope=f"{self.priced}, timed alone" if self.unpriced else "")
 
     # --- what the stage's checkpoints hold besides the models' shards and optimizer states
 
@@ -66,7 +116,8 @@ class RLHFStage(Stage):
         return state
 
     def save(self, step: int, state: dict) -> Path:
-        path = self.ckpt.save(step, self.models, {**state, **self.state_dict()}, self.save_tensors)
+        plan = {"plan": self.plan} if self.plan else {}
+        path = self.ckpt.save(step, self.models, {**state, **self.state_dict(), **plan}, self.save_tensors)
         self.run_dir.first_checkpoint_written(self.env.is_main)
         return path
 
@@ -74,6 +125,8 @@ class RLHFStage(Stage):
         self.log = open_log(self.cfg, self.name, self.steps, self.env, step)
         if self.replaced_note is not None:
             self.log.info(f"{self.name}: {self.replaced_note}")
+        for line in self.plan_lines:
+            self.log.info(f"{self.name}: {line}")
         if self.newest_checkpoint is not None:  # set by resume() alone, just before
             self.log.info(f"{self.name}: resumed from checkpoint {self.newest_checkpoint} (step {step})")
         return self.log
@@ -81,6 +134,12 @@ class RLHFStage(Stage):
     def begin_step(self) -> None:
         for m in self.models:
             m.runtime.ledger.reset()
+
+    def priced_work_took(self, seconds: float) -> None:
+        """A step's update (what plan.auto priced) took `seconds`: its plan check, when one is due."""
+        checked = self.plan_check.add(seconds) if self.plan_check is not None else None
+        if checked:
+            self.log.info(f"{self.name}: {checked}")
 
     def close(self) -> None:
         for m in self.models:

@@ -52,12 +52,12 @@ from trainer.skeleton import Stage, run_stage
 from trainer.pretrain_data import DataError, PretrainData, prepare_pretraining
 from data.sources import MissingKeyError
 from zeropp import build_runtime
-from zeropp.autoplan import ComputeProbe, PlanError, StepTimeCheck, choose, plan_state, price, probe, reuse
+from zeropp.autoplan import PlanError, StepTimeCheck, auto_plan
 from zeropp.comm import world_comm
 from zeropp.config import ZeroConfigError
 from zeropp.diloco import OUTER_TAG, DiLoCo
 from zeropp.engine import UnsupportedModelError
-from zeropp.topology import TopologyError, build_mesh, ranks_per_node_from_env
+from zeropp.topology import TopologyError, ranks_per_node_from_env
 
 
 @dataclass
@@ -270,41 +270,27 @@ class Trainer:
                 raise
 
     def _auto_plan(self) -> None:
-        """plan.auto: probe this machine (every rank alike, zeropp.autoplan.probe), reuse the resumed
-        checkpoint's plan when it was made on the same machine, else price the candidates with this
-        run's predicted peak memory and choose; zero_optimization becomes the choice, the plan's
-        lines go to the log before the first step."""
+        """plan.auto (zeropp.autoplan.auto_plan): probe this machine, reuse the resumed checkpoint's plan
+        when it was made on the same machine, else price the candidates with this run's predicted peak
+        memory and choose; zero_optimization becomes the choice, the plan's lines go to the log before
+        the first step."""
         cfg, device = self.cfg, self.env.device
         self.phase = "plan.auto probes"
         dtype = compute_dtype(cfg.train.precision, device)
-        mesh = build_mesh(ranks_per_node=cfg.zero_optimization.ranks_per_node, thread_groups=False) \
-            if dist.is_initialized() else None
-        try:
-            probes = probe(mesh, device, ComputeProbe(self.model, cfg.train.micro_batch_size, cfg.data.seq_len,
-                                                       device, dtype))
-        finally:
-            if mesh is not None:
-                mesh.close()
         path = resolve_checkpoint(cfg.resume, cfg.train.out_dir, say=lambda _: None) if cfg.resume else None
         saved = read_state(path) if path is not None else None
-        config, note = reuse(saved and saved.get("plan"), probes)
-        lines = [note] if note else []  # (reused or re-planned, first)
-        if config is None:
-            def memory(zero, states, buffers):
-                return sum(predicted_peak(states, buffers, None, self.model.config, cfg.train.micro_batch_size,
-                                          cfg.data.seq_len, dtype, set(self.checkpointed), self.baseline_memory,
-                                          device, zero.compute_dtype, cfg.data.packing).values())
-            stage = saved["config"]["zero_optimization"]["stage"] if saved else None  # its checkpoint format
-            try:
-                plan = choose(price(self.model, probes, cfg.train.grad_accum, memory, cfg.zero_optimization),
-                              cfg.plan.min_weight_bits, int(cfg.plan.memory_cap_gb * 2**30) or probes.memory_bytes,
-                              stage)
-            except PlanError as e:
-                raise ConfigError(str(e)) from None
-            self.plan, config = plan_state(plan, probes), plan.chosen.config
-            lines += plan.lines()
-        else:
-            self.plan = saved["plan"]
+
+        def memory(zero, states, buffers):
+            return sum(predicted_peak(states, buffers, None, self.model.config, cfg.train.micro_batch_size,
+                                      cfg.data.seq_len, dtype, set(self.checkpointed), self.baseline_memory,
+                                      device, zero.compute_dtype, cfg.data.packing).values())
+        try:
+            config, self.plan, lines = auto_plan(
+                [(self.model, cfg.train.grad_accum, 1)], cfg.train.micro_batch_size, cfg.data.seq_len, device, dtype,
+                cfg.zero_optimization, cfg.plan, memory, saved and saved.get("plan"),
+                saved["config"]["zero_optimization"]["stage"] if saved else None)  # its checkpoint format
+        except PlanError as e:
+            raise ConfigError(str(e)) from None
         self.notes += lines
         self.plan_check = StepTimeCheck(self.plan["step_seconds"], cfg.plan.check_after_steps)
         cfg.zero_optimization = config
@@ -701,8 +687,9 @@ class _TrainerStage(Stage):
         tr = self.trainer
         tr.nonfinite = nonfinite  # the skeleton's policy (from the resumed count): train_step decides through it
         tr.phase = f"training step {tr.step + 1}"
+        started = time.perf_counter()
         loss, grad_norm, self.stop, n_tokens = tr.train_step(batches, stop_requested)
-        checked = tr.plan_check.tick() if tr.plan_check is not None else None
+        checked = tr.plan_check.add(time.perf_counter() - started) if tr.plan_check is not None else None
         if checked:
             self.log.info(checked)
         self.result.losses[tr.step] = loss

@@ -38,12 +38,12 @@ from kernels import dequantize, quantize
 from models.transformer import Transformer, lm_loss
 from zeropp.buffers import BufferPool
 from zeropp.comm import Comm
-from zeropp.config import ZeroConfig, ZeroConfigError
+from zeropp.config import PlanConfig, ZeroConfig, ZeroConfigError
 from zeropp.engine import Zero3Engine
 from zeropp.plan import build_units, predicted_step_bytes, rotating_buffer_count, schedule_groups, unit_gathers
 from zeropp.plan import model_state_bytes as unit_state_bytes
 from zeropp.runtime import Timings
-from zeropp.topology import Mesh, _blocks
+from zeropp.topology import Mesh, _blocks, build_mesh
 
 LEVELS = ("intra_node", "inter_node")
 PROBE_BYTES = (2**12, 2**18)  # the all-gather chunks per rank: latency from the first, the slope from there to
@@ -94,6 +94,8 @@ class Cost:
     memory_bytes: int
     terms: dict[str, float]  # compute, codec, intra_node, inter_node, latency (seconds per step)
     step_seconds: float
+    states: dict[str, int] = field(default_factory=dict)  # model states by kind (what memory_bytes is made of)
+    buffers: int = 0  # and the preallocated buffers
     excluded: str = ""  # why the constraints rule it out ("" where it is eligible)
 
 
@@ -296,7 +298,36 @@ def price(model: nn.Module, probes: Probes, micro_batches: int = 1, memory=None,
         # the optimizer steps after the last reduction: nothing to hide behind
         seconds = compute + codec + comm - hidden + optimizer
         out.append(Cost(name, cfg, step, collectives, weight_bits(cfg, has_frozen), memory(cfg, states, buffers), terms,
-                        seconds))
+                        seconds, states, buffers))
+    return out
+
+
+def price_step(trained: list[tuple[nn.Module, int, int]], probes: Probes, memory=None,
+               base: ZeroConfig | None = None) -> list[Cost]:
+    """Every candidate priced for a step that trains each (model, micro-batches per optimizer step,
+    optimizer steps per step) of `trained` under it: pretraining trains one model once, an RLHF step
+    several (PPO's actor and critic, each `epochs x mini_batches` times). Times and bytes add up; the
+    memory is `memory` of the models' states and buffers together (they live side by side)."""
+    memory = memory or (lambda config, states, buffers: sum(states.values()) + buffers)
+    per_model = [(price(model, probes, micro_batches, memory, base), times) for model, micro_batches, times in trained]
+    out = []
+    for i, first in enumerate(per_model[0][0]):
+        costs = [(costs[i], times) for costs, times in per_model]
+        step_bytes: dict[str, dict[str, int]] = {}
+        states: dict[str, int] = {}
+        for c, times in costs:
+            for tag, volume in c.step_bytes.items():
+                into = step_bytes.setdefault(tag, dict.fromkeys(volume, 0))
+                for k, v in volume.items():
+                    into[k] += times * v
+            for kind, n in c.states.items():
+                states[kind] = states.get(kind, 0) + n
+        buffers = sum(c.buffers for c, _ in costs)
+        out.append(Cost(first.name, first.config, step_bytes,
+                        {level: sum(times * c.collectives[level] for c, times in costs) for level in LEVELS},
+                        min(c.weight_bits for c, _ in costs), memory(first.config, states, buffers),
+                        {k: sum(times * c.terms[k] for c, times in costs) for k in first.terms},
+                        sum(times * c.step_seconds for c, times in costs), states, buffers))
     return out
 
 
@@ -554,6 +585,31 @@ def _optimizer_seconds(device: torch.device, reps: int, together, numel: int = 2
     return one / numel, max(0.0, many - one) / (tensors - 1)
 
 
+# ----------------------------------------------------------------------------- a run's plan
+
+def auto_plan(trained: list[tuple[nn.Module, int, int]], rows: int, seq_len: int, device: torch.device,
+              dtype: torch.dtype, base: ZeroConfig, settings: PlanConfig, memory, saved: dict | None,
+              stage: int | None) -> tuple[ZeroConfig, dict, list[str]]:
+    """plan.auto for a run whose step trains `trained` (price_step's), every rank alike: probe this machine
+    (the compute probe runs the first model's block at `rows` x `seq_len`), reuse `saved` (a resumed
+    checkpoint's plan) when it was made on this machine, else price the step and choose under `settings`'
+    constraints, among the candidates of `stage` where a checkpoint fixes it. -> (the zero_optimization to
+    build, the plan a checkpoint keeps, the lines to log before the first step). PlanError: nothing fits."""
+    mesh = build_mesh(ranks_per_node=base.ranks_per_node, thread_groups=False) if dist.is_initialized() else None
+    try:
+        probes = probe(mesh, device, ComputeProbe(trained[0][0], rows, seq_len, device, dtype))
+    finally:
+        if mesh is not None:
+            mesh.close()
+    config, note = reuse(saved, probes)
+    lines = [note] if note else []  # reused or re-planned, first
+    if config is not None:
+        return config, saved, lines
+    plan = choose(price_step(trained, probes, memory, base), settings.min_weight_bits,
+                  int(settings.memory_cap_gb * 2**30) or probes.memory_bytes, stage)
+    return plan.chosen.config, plan_state(plan, probes), lines + plan.lines()
+
+
 # ----------------------------------------------------------------------------- the checkpoint
 
 def plan_state(plan: Plan, probes: Probes) -> dict:
@@ -576,25 +632,28 @@ def reuse(saved: dict | None, probes: Probes) -> tuple[ZeroConfig | None, str]:
 
 
 class StepTimeCheck:
-    """After `after` steps (the first, warm-up step not counted) the measured mean step time against
-    the plan's prediction: a line to log, a warning when off by more than `tolerance`."""
+    """The measured mean time of the priced work of a run's steps (the first, a warm-up, not counted) against
+    the plan's prediction after `after` steps: a line to log, a warning when off by more than `tolerance`.
+    `scope` says what was timed where it is not the whole step."""
 
-    def __init__(self, predicted_seconds: float, after: int, tolerance: float = 0.25):
-        self.predicted, self.after, self.tolerance = predicted_seconds, after, tolerance
-        self.times: list[float] = []
+    def __init__(self, predicted_seconds: float, after: int, tolerance: float = 0.25, scope: str = ""):
+        self.predicted, self.after, self.tolerance, self.scope = predicted_seconds, after, tolerance, scope
+        self.seconds: list[float] = []
 
-    def tick(self) -> str | None:
-        """Call once per finished step; returns the line to log once, after `after` + 1 steps."""
-        if not self.after or len(self.times) > self.after:
+    def add(self, seconds: float) -> str | None:
+        """Call once per step with the seconds its priced work took; returns the line to log once, after
+        `after` + 1 steps."""
+        if not self.after or len(self.seconds) > self.after:
             return None
-        self.times.append(time.perf_counter())
-        if len(self.times) <= self.after:
+        self.seconds.append(seconds)
+        if len(self.seconds) <= self.after:
             return None
-        measured = (self.times[-1] - self.times[0]) / self.after
+        measured = sum(self.seconds[1:]) / self.after
         ratio = measured / self.predicted
         verdict = f"WARNING: off by more than {self.tolerance:.0%}" if abs(ratio - 1) > self.tolerance \
             else f"within {self.tolerance:.0%}"
-        return (f"plan check: measured {measured * 1e3:.1f} ms/step over {self.after} steps, predicted "
+        scope = f" ({self.scope})" if self.scope else ""
+        return (f"plan check: measured {measured * 1e3:.1f} ms/step{scope} over {self.after} steps, predicted "
                 f"{self.predicted * 1e3:.1f} ms (x{ratio:.2f}): {verdict}")
 
 

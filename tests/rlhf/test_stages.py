@@ -433,3 +433,36 @@ def test_a_non_finite_step_is_handled_as_in_pretraining(tmp_path, monkeypatch, c
         run_ranks(_pretrain_with_nan_grad_norm, world_size=1,
                   args=([*pretrain, "--train.out_dir", str(tmp_path / "diverged_pretrain"),
                          "--train.max_nonfinite_steps", "2"], set(range(1, 100))))
+
+
+@pytest.mark.slow
+def test_stages_plan_their_runtime_store_the_plan_and_reuse_it_on_resume(tmp_path, monkeypatch, capfd):
+    """plan.auto on 2 nodes x 1 rank: the sft stage (train.py's trainer) and PPO each log a plan before their
+    first step; PPO's checkpoint stores it and the models were built with it; a resume on the same layout
+    reuses it and repeats the run's steps exactly."""
+    monkeypatch.chdir(ROOT)
+    args = ["--reward.source", "task", "--train.checkpoint_interval", "2", "--plan.auto", "true",
+            "--plan.check_after_steps", "2", "--zero_optimization.ranks_per_node", "1"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_ranks(_main, world_size=2, ranks_per_node=1, args=(["ppo", *_tiny(straight, *args)],))
+    log = capfd.readouterr().out
+    assert log.index("plan: ") < log.index("iteration") and "plan: probed and planned" in log  # the sft stage
+    assert log.index("ppo: plan: ") < log.index("ppo: actor")
+    assert "ppo: plan check: measured" in log and "(the learning from a rollout, timed alone)" in log
+    step2 = straight / "ppo" / "checkpoints" / "step_00000002"
+    state = json.loads((step2 / "state.json").read_text())
+    assert state["plan"]["machine"] == {"world_size": 2, "ranks_per_node": 1, "device": "cpu"}
+    assert state["config"]["zero_optimization"] == state["plan"]["config"]  # what the models were built with
+    assert ("runtime: DDP" in log.split("ppo: actor")[1]) == (state["plan"]["config"]["stage"] == 0)
+
+    (resumed / "ppo" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(step2, resumed / "ppo" / "checkpoints" / "step_00000002")
+    run_ranks(_main, world_size=2, ranks_per_node=1,
+              args=(["ppo", *_tiny(resumed, *args), "--models.sft", str(straight / "sft" / "hf"),
+                     "--resume", str(resumed / "ppo" / "checkpoints" / "step_00000002")],))
+    assert f"ppo: plan: {state['plan']['chosen']} reused from the checkpoint" in capfd.readouterr().out
+    a, b = _metrics(straight / "ppo" / "metrics.jsonl"), _metrics(resumed / "ppo" / "metrics.jsonl")
+    assert sorted(b) == [3, 4]
+    for step in (3, 4):
+        for key in DETERMINISTIC:
+            assert a[step][key] == b[step][key], (step, key)
