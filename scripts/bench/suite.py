@@ -39,7 +39,7 @@ from scripts.bench.report import ROOT
 
 SUITE = ["comm_volume", "kernel_bandwidth", "ablation", "peers", "rlhf", "convergence"]  # run order: cheapest first
 BENCHMARKS = SUITE + ["memory", "reduce_scatter", "quantized_perplexity", "separate", "tensor_parallel", "diloco",
-                      "autoplan", "fewer_bits"]
+                      "autoplan", "fewer_bits", "grpo_math"]
 
 
 def module(name: str):
