@@ -161,12 +161,15 @@ class ModelRuntime:
         """The frozen base of this LoRA-trained model: the reference of RLHF's KL terms."""
         return AdaptersOff(self)
 
-    def full_model(self) -> Transformer:
-        """A plain copy of the model with the current weights, adapters merged (every rank calls it)."""
-        model = Transformer(self.config)
+    def full_model(self, weights: dict[str, torch.Tensor] | None = None) -> Transformer:
+        """A plain copy of the model, adapters merged, with `weights` (runtime.rollout_weights' or
+        full_state_dict's names; None: the current masters, full_state_dict); every rank calls it."""
+        model = Transformer(self.config).to(self.env.device)
         if self.lora is not None:
             apply_lora(model, self.lora.targets, self.lora.r, self.lora.alpha)
-        model.load_state_dict(self.runtime.full_state_dict(), strict=False)
+        missing, _ = model.load_state_dict(self.runtime.full_state_dict() if weights is None else weights, strict=False)
+        if missing:  # (more names are fine: a tied weight comes under each of its names)
+            raise RuntimeError(f"{self.name}: the runtime's weights lack {missing[:4]}")
         return merge_lora(model)
 
     def export(self, path: Path, tokenizer_dir: str | Path | None, tokenizer: Tokenizer | None) -> None:

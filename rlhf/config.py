@@ -91,6 +91,13 @@ class GenerationSection:
     # Bound on the memory of the gathered inference copy of the actor (MiB); 0: whole model.
     # Blocks beyond it are gathered per decoded token, as in training.
     max_gather_mb: float = 0.0
+    # 0: each ppo / grpo step samples its rollout, then learns from it. 1: the rollout of the next step is
+    # sampled while this one learns (a thread, from a copy of the weights before this step's update), so
+    # each update learns from samples one update old, corrected by truncated importance sampling.
+    staleness: int = 0
+    # That correction's cap C: each response token's loss weighs min(pi_old / pi_sampler, C), pi_old the
+    # policy before the update, pi_sampler the one that sampled (TIS, Yao et al. 2025; verl's default 2).
+    is_cap: float = 2.0
 
 
 @dataclass
@@ -228,6 +235,15 @@ def check(cfg: RLHFConfig, stage: str) -> None:
         raise ConfigError(f"generation.temperature must be >= 0, got {cfg.generation.temperature}")
     if not 0.0 < cfg.generation.top_p <= 1.0:
         raise ConfigError(f"generation.top_p must be in (0, 1], got {cfg.generation.top_p}")
+    if cfg.generation.staleness not in (0, 1):
+        raise ConfigError(f"generation.staleness must be 0 (sample, then learn) or 1 (the next rollout sampled "
+                          f"while this step learns), got {cfg.generation.staleness}")
+    if cfg.generation.is_cap < 1:
+        raise ConfigError(f"generation.is_cap must be >= 1 (a cap on the importance weight), got "
+                          f"{cfg.generation.is_cap}")
+    if cfg.generation.staleness and cfg.generation.max_gather_mb:
+        raise ConfigError(f"generation.staleness 1 samples from a whole copy of the actor; it cannot go with "
+                          f"generation.max_gather_mb {cfg.generation.max_gather_mb} (use 0)")
     check_grpo_section(cfg.grpo, cfg.generation.max_new_tokens)
     if cfg.ppo.mini_batches > cfg.train.micro_batch_size:
         raise ConfigError(f"ppo.mini_batches {cfg.ppo.mini_batches} exceeds train.micro_batch_size "

@@ -21,7 +21,8 @@ from rlhf.common import (ModelRuntime, global_max, global_sum, load_model, optim
                          reference_of, sequence_logprobs, tokenizer_of, update_label)
 from rlhf.config import GRPOSection, RLHFConfig, reward_scaling
 from rlhf.losses import (entropy_from_logits, equal_reward_groups, grpo_advantages, grpo_loss, grpo_token_weights,
-                         kl_estimate, reinforce_pp_returns, rloo_advantages, soft_overlong_penalty)
+                         kl_estimate, reinforce_pp_returns, rloo_advantages, soft_overlong_penalty,
+                         truncated_is_weights)
 from rlhf.online import OnlineAlgorithm, run_online
 from rlhf.rollout import RolloutBatch, global_masked_mean, global_whiten, logprobs
 from trainer.config import RunSection
@@ -36,7 +37,8 @@ STATS = ("loss", "clip fraction", "clip-low fraction", "clip-high fraction", "kl
 def grpo_update(actor: ModelRuntime, batch: RolloutBatch, advantages: torch.Tensor, ref_logp: torch.Tensor | None,
                 cfg: GRPOSection, first_step: int, nonfinite: NonFiniteSteps | None = None, *,
                 old_logp: torch.Tensor | None = None, kept: torch.Tensor | None = None,
-                loss_mask: torch.Tensor | None = None, max_len: int | None = None) -> tuple[dict[str, float], int]:
+                loss_mask: torch.Tensor | None = None, max_len: int | None = None,
+                is_cap: float | None = None) -> tuple[dict[str, float], int]:
     """`cfg.iterations` optimizer steps on one generation under the non-finite policy `nonfinite`
     (trainer.nonfinite; None: a fresh one with the default limit); returns statistics and skipped steps.
 
@@ -44,7 +46,9 @@ def grpo_update(actor: ModelRuntime, batch: RolloutBatch, advantages: torch.Tens
     here when cfg.iterations > 1). kept: bool [B], the rows of the batch (None: all; dynamic sampling
     drops groups); loss_mask: the tokens that train (None: kept rows' response tokens; overlong
     filtering takes truncated rows out, which still count as sequences, as in TRL). max_len:
-    dr_grpo's constant (None: the batch's response width)."""
+    dr_grpo's constant (None: the batch's response width). is_cap: the samples come from an older policy
+    than the actor's (generation.staleness 1): each token's loss weighs min(p_old / p_sampler, is_cap),
+    p_old the actor's before the first iteration (losses.truncated_is_weights)."""
     nonfinite = nonfinite or NonFiniteSteps(RunSection.max_nonfinite_steps)
     kept = torch.ones(batch.mask.shape[0], dtype=torch.bool, device=batch.mask.device) if kept is None else kept
     mask = batch.mask * kept.unsqueeze(1) if loss_mask is None else loss_mask
@@ -63,6 +67,10 @@ def grpo_update(actor: ModelRuntime, batch: RolloutBatch, advantages: torch.Tens
         old = old_logp if old_logp is not None else logp.detach()  # μ = 1: the ratio is 1, the gradient A
         if i == 0:  # the trainer's log-probs against the ones recorded while sampling
             gap = global_masked_mean((logp.detach() - batch.generation_logp).abs(), batch.mask)
+            if is_cap is not None:
+                is_weights, truncated = truncated_is_weights(old, batch.generation_logp, is_cap)
+                weights = weights * is_weights
+                is_stats = global_sum((is_weights * mask).sum().item(), (truncated * mask).sum().item())
         loss, low, high = grpo_loss(logp, old, ref_logp, advantages, cfg.clip, beta, clip_high=cfg.clip_high,
                                     mask=mask, sequence=cfg.loss_type == "gspo")
         total = (loss * weights.to(loss.dtype)).sum()
@@ -80,7 +88,10 @@ def grpo_update(actor: ModelRuntime, batch: RolloutBatch, advantages: torch.Tens
     loss, low, high, kl, entropy = global_sum(*sums[:5])
     per_token = [v / max(n_tokens, 1.0) / cfg.iterations for v in (low, high, kl, entropy)]
     values = (loss / cfg.iterations, per_token[0] + per_token[1], *per_token, sums[5].item() / cfg.iterations, gap)
-    return dict(zip(STATS, values)), skipped
+    stats = dict(zip(STATS, values))
+    if is_cap is not None:
+        stats.update({"is weight": is_stats[0] / n_tokens, "is truncated fraction": is_stats[1] / n_tokens})
+    return stats, skipped
 
 
 def truncated_rows(batch: RolloutBatch, eos_id: int) -> torch.Tensor:
@@ -111,10 +122,11 @@ def advantages_of(cfg: GRPOSection, rewards: torch.Tensor, kept: torch.Tensor, m
 
 def grpo_step(actor: ModelRuntime, reference: ModelRuntime | None, batch: RolloutBatch, rewards: torch.Tensor,
               cfg: GRPOSection, max_len: int, eos_id: int, first_step: int,
-              nonfinite: NonFiniteSteps | None = None) -> dict[str, float]:
+              nonfinite: NonFiniteSteps | None = None, is_cap: float | None = None) -> dict[str, float]:
     """One generation's rewards to its updates: the soft overlong punishment, dynamic sampling's
     dropped groups, overlong filtering's masked rows, the advantages, then grpo_update. `max_len`:
-    generation.max_new_tokens; returns the statistics, the new ones included."""
+    generation.max_new_tokens; is_cap: grpo_update's (samples from an older policy); returns the statistics,
+    the new ones included."""
     extra = {}
     if cfg.overlong_buffer:
         lengths = torch.tensor([len(r) for r in batch.responses], device=rewards.device)
@@ -134,7 +146,7 @@ def grpo_step(actor: ModelRuntime, reference: ModelRuntime | None, batch: Rollou
         old_logp = logprobs(actor, batch)
     advantages = advantages_of(cfg, rewards, kept, batch.mask * kept.unsqueeze(1), old_logp, ref_logp)
     stats, _ = grpo_update(actor, batch, advantages, ref_logp, cfg, first_step, nonfinite, old_logp=old_logp,
-                           kept=kept, loss_mask=loss_mask, max_len=max_len)
+                           kept=kept, loss_mask=loss_mask, max_len=max_len, is_cap=is_cap)
     groups, flat, rows, masked = global_sum(equal.numel(), equal.sum().item(), kept.sum().item(),
                                             truncated.sum().item() if cfg.mask_truncated_completions else 0)
     return {**stats, **extra, "zero-advantage groups": flat / groups,
@@ -178,7 +190,7 @@ class GRPO(OnlineAlgorithm):
         g = self.g
         start = time.perf_counter()
         stats = grpo_step(self.actor, self.reference, batch, rewards, g, self.cfg.generation.max_new_tokens,
-                          self.tokenizer.eos_id, step * g.iterations, nonfinite)
+                          self.tokenizer.eos_id, step * g.iterations, nonfinite, self.is_cap)
         seconds = global_max(time.perf_counter() - start)
         return {**stats, "training tokens/s": global_sum(batch.attention_mask.sum().item() * g.iterations)[0] / seconds}
 

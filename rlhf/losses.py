@@ -137,6 +137,14 @@ def ppo_policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, clip: fl
     return torch.maximum(unclipped_loss, clipped_loss), clipped_loss > unclipped_loss
 
 
+def truncated_is_weights(old_logp: Tensor, sampler_logp: Tensor, cap: float) -> tuple[Tensor, Tensor]:
+    """(weights, truncated) [B, T]: truncated importance sampling (TIS, Yao et al. 2025) for samples drawn by
+    another policy than the one an update starts from: each token's loss weighs min(p_old / p_sampler, cap),
+    detached; `truncated` marks the tokens the cap bounds."""
+    ratio = torch.exp(old_logp.detach() - sampler_logp.detach())
+    return ratio.clamp(max=cap), ratio > cap
+
+
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, clip: float | None) -> Tensor:
     """Per-token 0.5 * max((v - R)^2, (v_old + clamp(v - v_old, -clip, clip) - R)^2), DeepSpeed-Chat's
     critic_loss_fn; clip None or <= 0 gives the plain 0.5 * (v - R)^2."""

@@ -8,11 +8,16 @@ checkpoints, the non-finite policy, preemption and the export around it, as for 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import threading
 import time
 from abc import abstractmethod
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from data.datasets import ResumableBatchSampler
 from data.tokenizer import Tokenizer
@@ -22,14 +27,36 @@ from rlhf.common import ModelRuntime, comm_scalars, global_max, global_sum
 from rlhf.config import RLHFConfig
 from rlhf.data import Prompts, load_prompts, task, write_samples
 from rlhf.rewards import RewardFunctions
-from rlhf.rollout import RolloutBatch, generate, global_stats, model_rewards, response_text, task_rewards
+from rlhf.rollout import (GenerationStats, RolloutBatch, generate, global_stats, model_rewards, response_text, sample,
+                          task_rewards)
 from rlhf.stage import RLHFStage
 from rlhf.tasks import VerifiableTask
+from trainer.config import ConfigError
 from trainer.distributed import DistEnv
 from trainer.memory import peak_bytes
 from trainer.metrics import MetricsLogger
 from trainer.nonfinite import NonFiniteSteps
 from trainer.skeleton import run_stage
+
+
+class RolloutAhead(threading.Thread):
+    """The next step's rollout, sampled on a thread while this step learns (generation.staleness 1)."""
+
+    def __init__(self, work):
+        super().__init__(name="rollout ahead", daemon=True)
+        self.work, self.result, self.error = work, None, None
+
+    def run(self) -> None:
+        try:
+            self.result = self.work()
+        except BaseException as e:  # raised again on the training thread, by collect
+            self.error = e
+
+    def collect(self):
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.result
 
 
 class OnlineAlgorithm(RLHFStage):
@@ -58,6 +85,11 @@ class OnlineAlgorithm(RLHFStage):
             if r.source == "functions" else None
         self.samples_file = self.stage_dir / "samples.jsonl"
         self.last: tuple[RolloutBatch, torch.Tensor] | None = None  # the last step's rollout and rewards
+        # generation.staleness 1: the next step's rollout (its prompt indices, batch, statistics), sampled while
+        # this step learned, from the weights before its update; learned from with truncated importance weights.
+        self.ahead: tuple[list[int], RolloutBatch, GenerationStats] | None = None
+        self.is_cap = cfg.generation.is_cap if cfg.generation.staleness else None
+        self.next_draw = 1  # the step (from 1) whose prompts the sampler yields next
 
     @abstractmethod
     def learn(self, step: int, batch: RolloutBatch, rewards: torch.Tensor,
@@ -95,6 +127,7 @@ class OnlineAlgorithm(RLHFStage):
         """Called once before the first rollout with the step the run starts from."""
 
     def start(self, log: MetricsLogger, step: int) -> None:
+        self.next_draw = step + 1
         self.resumed_at(step)
         micro, world = self.cfg.train.micro_batch_size, self.env.world_size
         log.info(f"{self.name}: {self.headline()} | {self.prompts.source} | world size {world} | {micro * world} "
@@ -116,24 +149,74 @@ class OnlineAlgorithm(RLHFStage):
     def finish(self, log: MetricsLogger) -> None:
         log.info(f"{self.name}: peak memory of rank {self.env.rank}: {peak_bytes(self.env.device) / 2**20:.0f} MB")
 
+    def _draw(self, batches) -> list[int]:
+        """The next step's prompts from the sampler, each repeated samples_per_prompt times."""
+        self.next_draw += 1
+        return [i for i in next(batches) for _ in range(self.samples_per_prompt)]
+
+    def _sampler(self):
+        """A plain copy of the actor with the weights a rollout would sample with now (every rank together)."""
+        return self.actor.full_model(self.actor.runtime.rollout_weights()).eval()
+
+    def _sample(self, model, indices: list[int], step: int) -> tuple[list[int], RolloutBatch, GenerationStats]:
+        """Step `step`'s rollout (from 1) from `model`, with draws of its own: the same on a resume."""
+        generator = torch.Generator(device=self.env.device).manual_seed(
+            hash((self.cfg.train.seed, self.env.rank, step)) % 2**63)
+        prompts = self.prompts
+        return (indices, *sample(model, [prompts.tokens[i] for i in indices], [prompts.texts[i] for i in indices],
+                                 self.cfg.generation, self.tokenizer, generator, self.env.device))
+
+    def _rollout(self, step: int, batches) -> tuple[RolloutBatch, GenerationStats, RolloutAhead | None]:
+        """This step's rollout (from step + 1's prompts) and, under generation.staleness 1, the thread
+        sampling the next one from the weights before this step's update."""
+        if not self.cfg.generation.staleness:
+            indices = self._draw(batches)
+            prompts = self.prompts
+            return (*generate(self.actor, [prompts.tokens[i] for i in indices], [prompts.texts[i] for i in indices],
+                              self.cfg.generation, self.tokenizer), None)
+        model = self._sampler() if self.ahead is None or step + 1 < self.steps else None
+        if self.ahead is None:  # the run's first step: its own rollout, sampled here from the same weights
+            _, batch, gen = self._sample(model, self._draw(batches), step + 1)
+        else:
+            indices, batch, gen = self.ahead
+            if self.next_draw == step + 1:  # resumed: the sampler first yields the prompts sampled ahead
+                drawn = self._draw(batches)
+                if drawn != indices:
+                    raise ConfigError(f"resume: the checkpoint's rollout sampled ahead has other prompts than step "
+                                      f"{step + 1}'s on rank {self.env.rank}; resume with the checkpoint's "
+                                      f"train.seed and ranks, or with generation.staleness 0")
+        thread = None
+        if step + 1 < self.steps:
+            indices = self._draw(batches)
+            thread = RolloutAhead(lambda: self._sample(model, indices, step + 2))
+            thread.start()
+        return batch, gen, thread
+
     def update(self, step: int, batches, nonfinite: NonFiniteSteps, stop_requested: bool) -> dict[str, float]:
-        prompts, tokenizer, task_ = self.prompts, self.tokenizer, self.task
+        tokenizer, task_ = self.tokenizer, self.task
         start = time.perf_counter()
-        indices = [i for i in next(batches) for _ in range(self.samples_per_prompt)]
-        batch, gen = generate(self.actor, [prompts.tokens[i] for i in indices], [prompts.texts[i] for i in indices],
-                              self.cfg.generation, tokenizer)
+        stale = self.ahead is not None  # this step's rollout was sampled before the last update
+        batch, gen, ahead = self._rollout(step, batches)
         generation_mb = comm_scalars(self.models)["cross-node sent (MB)"]
-        generation_seconds = global_max(time.perf_counter() - start)
+        generation_seconds = global_max(gen.seconds if self.cfg.generation.staleness else time.perf_counter() - start)
         rewards, per_function = self.rewards(batch)
         learning = time.perf_counter()
-        metrics = self.learn(step, batch, rewards, nonfinite)
+        try:
+            metrics = self.learn(step, batch, rewards, nonfinite)
+        except BaseException:
+            if ahead is not None:
+                ahead.join()
+            raise
         self.priced_work_took(time.perf_counter() - learning)
-        rows = global_sum(len(indices))[0]
+        self.ahead = ahead.collect() if ahead is not None else None
+        rows = global_sum(batch.tokens.shape[0])[0]
         reward_mean, reward_std = global_stats(rewards)
         metrics = {"reward": reward_mean, "reward std": reward_std, **per_function, **metrics,
                    "response length": global_sum(batch.mask.sum().item())[0] / rows}
         if task_ is not None and self.cfg.reward.source != "task":
             metrics["task reward"] = global_stats(task_rewards(task_, batch, tokenizer))[0]
+        if self.cfg.generation.staleness:
+            metrics["rollout staleness"] = float(stale)
         metrics.update({
             "generation tokens/s": global_sum(gen.new_tokens)[0] / generation_seconds,
             "inference copy (MB)": gen.inference_bytes / 2**20,
@@ -148,6 +231,34 @@ class OnlineAlgorithm(RLHFStage):
                      + "): its updates were skipped")
         self.last = (batch, rewards)
         return metrics
+
+    # --- a rollout sampled ahead is part of the checkpoint: a resume learns from the same samples
+
+    def _ahead_file(self, directory: Path) -> Path:
+        return Path(directory) / f"rollout_ahead_rank{self.env.rank}.safetensors"
+
+    def save_tensors(self, directory) -> None:
+        if self.ahead is None:
+            return
+        indices, batch, gen = self.ahead
+        meta = {"indices": indices, "prompt_len": batch.prompt_len, "responses": batch.responses,
+                "prompt_texts": batch.prompt_texts, "stats": dataclasses.asdict(gen), "world_size": self.env.world_size}
+        save_file({k: getattr(batch, k).cpu().contiguous() for k in AHEAD_TENSORS}, self._ahead_file(directory),
+                  metadata={"rollout": json.dumps(meta)})
+
+    def load_tensors(self, directory) -> None:
+        path = self._ahead_file(directory)
+        if not self.cfg.generation.staleness or not path.is_file():
+            return
+        with safe_open(path, framework="pt", device=str(self.env.device)) as f:
+            meta = json.loads(f.metadata()["rollout"])
+            tensors = {k: f.get_tensor(k) for k in AHEAD_TENSORS}
+        if meta["world_size"] != self.env.world_size:
+            raise ConfigError(f"resume: {path} holds a rollout sampled ahead on {meta['world_size']} ranks, this run "
+                              f"has {self.env.world_size}; resume on as many ranks, or with generation.staleness 0")
+        batch = RolloutBatch(tensors["tokens"], tensors["attention_mask"], meta["prompt_len"], tensors["mask"],
+                             tensors["generation_logp"], meta["responses"], meta["prompt_texts"])
+        self.ahead = (meta["indices"], batch, GenerationStats(**meta["stats"]))
 
     def evaluate(self) -> dict[str, float] | None:
         """The actor on (at most train.eval_batches global batches of) the held-out prompts: the mean
@@ -191,6 +302,9 @@ class OnlineAlgorithm(RLHFStage):
 
     def export(self) -> None:
         self.actor.export(self.stage_dir / "hf", self.cfg.sft_path(), self.tokenizer)
+
+
+AHEAD_TENSORS = ("tokens", "attention_mask", "mask", "generation_logp")  # RolloutBatch's tensors
 
 
 def run_online(algo: OnlineAlgorithm) -> dict:

@@ -24,7 +24,7 @@ from rlhf.common import (ModelRuntime, comm_scalars, global_max, global_sum, loa
 from rlhf.config import PPOSection, RLHFConfig
 from rlhf.data import sft_file
 from rlhf.losses import (approx_kl, entropy_from_logits, gae, kl_controller, ppo_policy_loss, shape_rewards,
-                         value_loss)
+                         truncated_is_weights, value_loss)
 from rlhf.online import OnlineAlgorithm, run_online
 from rlhf.rollout import RolloutBatch, global_masked_mean, global_whiten, logprobs, values_of
 from trainer.config import RunSection
@@ -55,10 +55,13 @@ def make_experience(batch: RolloutBatch, scores: torch.Tensor, old_logp: torch.T
 
 
 def ppo_update(actor: ModelRuntime, critic: ModelRuntime, exp: Experience, cfg: PPOSection, first_step: int,
-               ptx=None, nonfinite: NonFiniteSteps | None = None) -> tuple[dict[str, float], int]:
+               ptx=None, nonfinite: NonFiniteSteps | None = None,
+               is_weights: torch.Tensor | None = None) -> tuple[dict[str, float], int]:
     """`cfg.epochs` passes over the rollout in `cfg.mini_batches` splits, one actor and one critic
     optimizer step each, under the non-finite policy `nonfinite` (trainer.nonfinite; None: a fresh one
-    with the default limit); returns the statistics and how many steps were skipped (non-finite)."""
+    with the default limit); returns the statistics and how many steps were skipped (non-finite).
+    is_weights [B, T]: each token's policy loss weighed (truncated importance sampling of samples from an
+    older policy, losses.truncated_is_weights)."""
     B = exp.batch.tokens.shape[0]
     nonfinite = nonfinite or NonFiniteSteps(RunSection.max_nonfinite_steps)
     updates = cfg.epochs * cfg.mini_batches
@@ -72,6 +75,8 @@ def ppo_update(actor: ModelRuntime, critic: ModelRuntime, exp: Experience, cfg: 
             n_tokens = global_sum(mask.sum().item())[0]
             logp, logits = sequence_logprobs(actor, batch.tokens, batch.attention_mask, batch.prompt_len)
             policy, clipped = ppo_policy_loss(logp, exp.old_logp[rows], exp.advantages[rows], cfg.clip)
+            if is_weights is not None:
+                policy = policy * is_weights[rows]
             actor_loss = (policy * mask).sum() / n_tokens
             if ptx is not None:
                 tokens, labels = ptx()
@@ -207,9 +212,15 @@ class PPO(OnlineAlgorithm):
             old_values = values_of(self.critic, batch)
         exp, kl = make_experience(batch, rewards, old_logp, ref_logp, old_values, self.kl_ctl.coef, self.p)
         experience_mb = comm_scalars(self.models)["cross-node sent (MB)"] - before
+        is_weights, extra = None, {}
+        if self.is_cap is not None:  # the rollout came from the weights before the last update
+            is_weights, truncated = truncated_is_weights(old_logp, batch.generation_logp, self.is_cap)
+            n, weight, cut = global_sum(batch.mask.sum().item(), (is_weights * batch.mask).sum().item(),
+                                        (truncated * batch.mask).sum().item())
+            extra = {"is weight": weight / max(n, 1.0), "is truncated fraction": cut / max(n, 1.0)}
         start = time.perf_counter()
         stats, _ = ppo_update(self.actor, self.critic, exp, self.p, step * self.updates_per_rollout, self.ptx,
-                              nonfinite)
+                              nonfinite, is_weights)
         seconds = global_max(time.perf_counter() - start)
         if self.ema is not None:
             self.ema.update()
@@ -217,7 +228,7 @@ class PPO(OnlineAlgorithm):
         kl_per_sequence = global_sum((kl * batch.mask).sum().item())[0] / rows
         coef = self.kl_ctl.coef
         self.kl_ctl.update(kl_per_sequence, int(rows))
-        return {"kl": kl_per_sequence, "kl coef": coef, **stats,
+        return {"kl": kl_per_sequence, "kl coef": coef, **stats, **extra,
                 "logprob gap": global_masked_mean((old_logp - batch.generation_logp).abs(), batch.mask),
                 "training tokens/s": global_sum(batch.attention_mask.sum().item() * self.p.epochs)[0] / seconds,
                 "cross-node experience (MB)": experience_mb}
@@ -229,10 +240,12 @@ class PPO(OnlineAlgorithm):
         self.kl_ctl.load_state_dict(state["kl_controller"])
 
     def save_tensors(self, directory) -> None:
+        super().save_tensors(directory)
         if self.ema is not None:
             self.ema.save(directory)
 
     def load_tensors(self, directory) -> None:
+        super().load_tensors(directory)
         if self.ema is not None:
             self.ema.load(directory)
 

@@ -8,11 +8,14 @@ response token t for every row and one forward gives all the response log-probs.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
 
 from data.tokenizer import Tokenizer
+from models.generate import decode
+from models.transformer import Transformer
 from rlhf.common import ModelRuntime, global_sum, sequence_logprobs
 from rlhf.config import GenerationSection
 from rlhf.generation import generate_rollouts
@@ -44,16 +47,30 @@ class GenerationStats:
     decode_steps: int
 
 
+def _sampling(cfg: GenerationSection, tokenizer: Tokenizer) -> dict:
+    return {"temperature": cfg.temperature, "top_k": cfg.top_k or None, "top_p": cfg.top_p if cfg.top_p < 1.0 else None,
+            "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+
+
 def generate(actor: ModelRuntime, prompts: list[list[int]], texts: list[str], cfg: GenerationSection,
              tokenizer: Tokenizer, generator: torch.Generator | None = None) -> tuple[RolloutBatch, GenerationStats]:
     """Sample one response per prompt from the actor, its weights gathered once for the rollout
     (`generator`: the draws' own random stream; None: torch's global one)."""
-    out = generate_rollouts(
-        actor.runtime, prompts, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k or None,
-        top_p=cfg.top_p if cfg.top_p < 1.0 else None, eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id,
-        generator=generator, max_bytes=int(cfg.max_gather_mb * 2**20) or None)
+    out = generate_rollouts(actor.runtime, prompts, cfg.max_new_tokens, **_sampling(cfg, tokenizer),
+                            generator=generator, max_bytes=int(cfg.max_gather_mb * 2**20) or None)
     batch = layout(prompts, out.responses, out.logprobs, texts, tokenizer.pad_id, actor.env.device)
     return batch, GenerationStats(out.new_tokens, out.seconds, out.inference_bytes, out.steps)
+
+
+def sample(model: Transformer, prompts: list[list[int]], texts: list[str], cfg: GenerationSection,
+           tokenizer: Tokenizer, generator: torch.Generator, device: torch.device) -> tuple[RolloutBatch, GenerationStats]:
+    """Sample one response per prompt from a plain copy of the actor (ModelRuntime.full_model of
+    runtime.rollout_weights: no runtime, no collective, so it may run on a thread beside training)."""
+    start = time.perf_counter()
+    out = decode(model, prompts, cfg.max_new_tokens, **_sampling(cfg, tokenizer), generator=generator, logprobs=True)
+    batch = layout(prompts, out.tokens, out.logprobs, texts, tokenizer.pad_id, device)
+    copy = sum(p.numel() * p.element_size() for p in model.parameters())
+    return batch, GenerationStats(sum(len(r) for r in out.tokens), time.perf_counter() - start, copy, out.steps)
 
 
 def layout(prompts: list[list[int]], responses: list[list[int]], logps: list[list[float]], texts: list[str],

@@ -354,6 +354,19 @@ class Zero3Engine(Runtime):
             rollout.drop()
             self._rollout, self._phase = None, Phase.FORWARD
 
+    def rollout_weights(self) -> dict[str, torch.Tensor]:
+        """The units gathered the rollout's way (qwZ codes and scales, deltas; `inference_weights`) into
+        the compute dtype, copied out by name: the weights the runtime's own rollout would sample with."""
+        out = {}
+        with self.inference_weights():
+            for u in self.units.values():
+                for slot in u.slots:
+                    module, attr = slot.aliases[0]
+                    tensor = getattr(module, attr).detach().clone()  # the bound full weight, shadowing the piece
+                    for name in slot.alias_names:
+                        out[name] = tensor
+        return out
+
     # ------------------------------------------------------------------ the rest of the Runtime interface
 
     def set_gradient_divide_factor(self, factor: float) -> None:

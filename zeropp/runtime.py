@@ -171,6 +171,12 @@ class Runtime:
         """
         yield InferenceWeights()
 
+    def rollout_weights(self) -> dict[str, torch.Tensor]:
+        """The full weights as a rollout's forwards compute with them, under all their names, copied: what a
+        sampler that keeps generating while training steps on holds (rlhf.online's rollouts ahead). Every
+        rank calls it together. This default copies `full_state_dict` (DDP: the module's own weights)."""
+        return {name: t.detach().clone() for name, t in self.full_state_dict().items()}
+
     def take_notes(self) -> list[str]:
         """What the runtime decided while running that belongs in the log (e.g. a plan it chose on the
         first batch), since the last call."""

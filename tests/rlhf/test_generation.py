@@ -272,6 +272,8 @@ def _zeropp(rank, world):
             out["long_ledger"] = engine.ledger.totals()
             with engine.inference_weights():
                 out["gathered"] = bound_weights(engine.module) if rank == 0 else None
+            snapshot = engine.rollout_weights()  # (rollouts sampled ahead; training after it checked below)
+            out["snapshot"] = {name: snapshot[name] for name in NAMES} if rank == 0 else None
             state = engine.full_state_dict()
             out["state"] = state if rank == 0 else None
     engine.close()
@@ -325,3 +327,11 @@ def test_zeropp_rollout_gathers_qwz_codes_once_and_matches_one_process(results, 
         # the rollout kept the hpZ secondary: the training forward after it stays inside the node
         assert r["step_ledger"]["forward gather"]["cross_node_sent"] == 0
         assert r["fresh_step_ledger"]["forward gather"]["cross_node_sent"] > 0
+
+
+def test_rollout_weights_copy_out_what_the_rollout_computes_with(results):
+    """Engine.rollout_weights, the weights a rollout sampled ahead samples with (rlhf.online), are the qwZ
+    rollout's own gathered weights, bit for bit, under every name; training after it stays bit-exact
+    (test_zeropp_rollout_gathers_qwz_codes_once_and_matches_one_process compares the gradients)."""
+    r = results[0]["zeropp"]
+    assert all(torch.equal(r["snapshot"][name], r["gathered"][name]) for name in NAMES)

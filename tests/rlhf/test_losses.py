@@ -11,7 +11,8 @@ from rlhf.losses import (GRPO_LOSS_TYPES, AdaptiveKLController, FixedKLControlle
                          dpo_loss, entropy_from_logits, equal_reward_groups, gae, grpo_advantages, grpo_loss,
                          grpo_token_weights, kl_controller, kl_estimate, last_token_scores, masked_mean, masked_sum,
                          masked_whiten, pairwise_reward_loss, ppo_policy_loss, reinforce_pp_returns, rloo_advantages,
-                         shape_rewards, soft_overlong_penalty, token_logprobs, value_loss)
+                         shape_rewards, soft_overlong_penalty, token_logprobs, truncated_is_weights,
+                         value_loss)
 
 F64 = torch.float64
 
@@ -158,6 +159,17 @@ def test_ppo_policy_loss_and_clip_flags_match_the_scalar_formula():
         expected_clipped.append(clipped_term < ratio * a)
     assert_close(loss, [expected_loss])
     assert clipped.tolist() == [expected_clipped] == [[False, True, False, True, False, False]]
+
+
+def test_truncated_importance_weights_match_the_scalar_formula():
+    cap = 2.0
+    old = [math.log(0.5), math.log(0.3), math.log(0.9), math.log(0.05)]
+    sampler = [math.log(0.5), math.log(0.6), math.log(0.3), math.log(0.01)]
+    weights, truncated = truncated_is_weights(t([old]).requires_grad_(), t([sampler]), cap)
+    ratios = [math.exp(o - s) for o, s in zip(old, sampler)]  # 1, 0.5, 3, 5
+    assert_close(weights, [[min(r, cap) for r in ratios]])
+    assert truncated.tolist() == [[r > cap for r in ratios]] == [[False, False, True, True]]
+    assert not weights.requires_grad  # a weight on the loss, not a path for its gradient
 
 
 @pytest.mark.parametrize("clip", [0.2, None, 0.0])
