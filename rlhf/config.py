@@ -95,6 +95,9 @@ class GenerationSection:
     # sampled while this one learns (a thread, from a copy of the weights before this step's update), so
     # each update learns from samples one update old, corrected by truncated importance sampling.
     staleness: int = 0
+    # With staleness 1: sample the next rollout on a thread while this step learns (true), or on the training
+    # thread before the update (false: the same samples and updates, nothing overlapped; what overlap buys).
+    overlap: bool = True
     # That correction's cap C: each response token's loss weighs min(pi_old / pi_sampler, C), pi_old the
     # policy before the update, pi_sampler the one that sampled (TIS, Yao et al. 2025; verl's default 2).
     is_cap: float = 2.0

@@ -40,11 +40,16 @@ from trainer.skeleton import run_stage
 
 
 class RolloutAhead(threading.Thread):
-    """The next step's rollout, sampled on a thread while this step learns (generation.staleness 1)."""
+    """The next step's rollout (generation.staleness 1), sampled on a thread while this step learns, or
+    here and now (`overlap` false)."""
 
-    def __init__(self, work):
+    def __init__(self, work, overlap: bool):
         super().__init__(name="rollout ahead", daemon=True)
         self.work, self.result, self.error = work, None, None
+        if overlap:
+            self.start()
+        else:
+            self.run()
 
     def run(self) -> None:
         try:
@@ -53,7 +58,8 @@ class RolloutAhead(threading.Thread):
             self.error = e
 
     def collect(self):
-        self.join()
+        if self.ident is not None:  # started: a thread
+            self.join()
         if self.error is not None:
             raise self.error
         return self.result
@@ -188,8 +194,7 @@ class OnlineAlgorithm(RLHFStage):
         thread = None
         if step + 1 < self.steps:
             indices = self._draw(batches)
-            thread = RolloutAhead(lambda: self._sample(model, indices, step + 2))
-            thread.start()
+            thread = RolloutAhead(lambda: self._sample(model, indices, step + 2), self.cfg.generation.overlap)
         return batch, gen, thread
 
     def update(self, step: int, batches, nonfinite: NonFiniteSteps, stop_requested: bool) -> dict[str, float]:
@@ -204,7 +209,7 @@ class OnlineAlgorithm(RLHFStage):
         try:
             metrics = self.learn(step, batch, rewards, nonfinite)
         except BaseException:
-            if ahead is not None:
+            if ahead is not None and ahead.ident is not None:
                 ahead.join()
             raise
         self.priced_work_took(time.perf_counter() - learning)

@@ -62,8 +62,8 @@ def generate(actor: ModelRuntime, prompts: list[list[int]], texts: list[str], cf
     return batch, GenerationStats(out.new_tokens, out.seconds, out.inference_bytes, out.steps)
 
 
-def sample(model: Transformer, prompts: list[list[int]], texts: list[str], cfg: GenerationSection,
-           tokenizer: Tokenizer, generator: torch.Generator, device: torch.device) -> tuple[RolloutBatch, GenerationStats]:
+def sample(model: Transformer, prompts: list[list[int]], texts: list[str], cfg: GenerationSection, tokenizer: Tokenizer,
+           generator: torch.Generator, device: torch.device) -> tuple[RolloutBatch, GenerationStats]:
     """Sample one response per prompt from a plain copy of the actor (ModelRuntime.full_model of
     runtime.rollout_weights: no runtime, no collective, so it may run on a thread beside training)."""
     start = time.perf_counter()

@@ -32,11 +32,18 @@ PREP = {**ZERO3, "stage": 0}  # one process: no sharding
 # qwZ deltas: each rank keeps its node's copy of the weights and receives only their change, int4 or
 # int2 codes (docs/zeropp.md), so a rollout after an optimizer step syncs the generator with the change.
 ZEROPP_DELTAS = {**ZEROPP, "zero_quantized_weights_delta": True}
-CONFIGS = {"zero3": ("ZeRO-3 (bf16 wire)", ZERO3),
-           "zeropp": ("ZeRO++ (qwZ int8, hpZ, qgZ int4, frozen int8)", ZEROPP),
-           "zeropp-d4": ("ZeRO++ with qwZ int4 deltas", {**ZEROPP_DELTAS, "zero_quantized_weights_bits": 4}),
-           "zeropp-d2": ("ZeRO++ with qwZ int2 deltas", {**ZEROPP_DELTAS, "zero_quantized_weights_bits": 2})}
+D4 = {**ZEROPP_DELTAS, "zero_quantized_weights_bits": 4}
+# key -> (label, zero_optimization, more rlhf.py arguments). The last two sample each step's rollout one
+# update ahead (generation.staleness 1): on a thread while the step learns, or before it (the same samples).
+CONFIGS = {"zero3": ("ZeRO-3 (bf16 wire)", ZERO3, []),
+           "zeropp": ("ZeRO++ (qwZ int8, hpZ, qgZ int4, frozen int8)", ZEROPP, []),
+           "zeropp-d4": ("ZeRO++ with qwZ int4 deltas", D4, []),
+           "zeropp-d2": ("ZeRO++ with qwZ int2 deltas", {**ZEROPP_DELTAS, "zero_quantized_weights_bits": 2}, []),
+           "ahead": ("int4 deltas, rollout sampled ahead, overlapped", D4, ["--generation.staleness", "1"]),
+           "ahead-inline": ("int4 deltas, rollout sampled ahead, not overlapped", D4,
+                            ["--generation.staleness", "1", "--generation.overlap", "false"])}
 SYNC_GOAL = 0.15  # issue 32's R3: the cross-node bytes of a weight sync / the actor's bf16 bytes
+OVERLAP_GOAL = 0.7  # issue 32's R2: the step time overlapped / not, the same staleness-1 recipe
 BASE_CONFIG = ROOT / "configs" / "rlhf_tiny.yaml"
 PRESET = "gpt2-small-cpu"
 # DeepSpeed's ZeRO++ blog (DeepSpeed-Chat RLHF with ZeRO++ vs ZeRO on GPU clusters, models far larger than
@@ -100,7 +107,7 @@ def model_info(sft_dir: Path) -> dict:
 
 def ppo_run(key: str, repeat: int, plan: dict, models: dict, work: Path, cluster) -> dict:
     """One `rlhf.py ppo` run on the cluster: its timed steps' metrics and what the links carried."""
-    label, zero = CONFIGS[key]
+    label, zero, extra = CONFIGS[key]
     out_dir = work / f"{key}-{repeat}"
     cmd = [sys.executable, ROOT / "rlhf.py", "ppo", *common_args(plan, out_dir),
            "--models.sft", models["sft"], "--models.reward", models["reward"],
@@ -108,7 +115,7 @@ def ppo_run(key: str, repeat: int, plan: dict, models: dict, work: Path, cluster
            "--generation.max_new_tokens", str(plan["max_new_tokens"]),
            # the first units' gathers would otherwise leave with the previous step's optimizer step (the rollout
            # keeps them): the whole weight sync in the generation phase, where R3 reads it
-           *runner.zero_args(prefetch_across_steps=False, **zero)]
+           *runner.zero_args(prefetch_across_steps=False, **zero), *extra]
     run = {"key": key, "label": label, "repeat": repeat, **runner.measured_launch(
         cmd, out_dir / "ppo" / "metrics.jsonl", cluster, plan["steps"], plan["warmup"], plan["timeout"])}
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -160,12 +167,14 @@ def ratios(rows: list[dict]) -> dict:
     speedup over ZeRO-3 (R1, "gen_speedup")."""
     find = {r["key"]: r for r in rows if r.get("ok")}.get
     z3, zpp = find("zero3"), find("zeropp")
-    for row in rows:
-        if z3 and row.get("ok"):
+    for row in rows:  # the rows that sample after their update (a rollout ahead's time leaves out its weight gather)
+        if z3 and row.get("ok") and not CONFIGS[row["key"]][2]:
             row["gen_speedup"] = _div(row["gen_tokens_per_s"], z3["gen_tokens_per_s"])
+    ahead, inline = find("ahead"), find("ahead-inline")
+    overlap = {"overlap": _div(ahead["step_ms"], inline["step_ms"])} if ahead and inline else {}
     if not (z3 and zpp):
-        return {}
-    return {"generation": zpp["gen_speedup"],
+        return overlap
+    return {**overlap, "generation": zpp["gen_speedup"],
             "generation_time": _div(z3["gen_s"], zpp["gen_s"]),
             "step": _div(z3["step_ms"], zpp["step_ms"]),
             "training": _div(zpp["train_tokens_per_s"], z3["train_tokens_per_s"]),
@@ -220,7 +229,7 @@ COLUMNS = [("label", "configuration", "{}"), ("setting", "link", "{}"),
 
 def plots(result: dict, out_dir: Path) -> list[Path]:
     rows, rat, paths = [r for r in result["rows"] if r.get("ok")], result.get("ratios") or {}, []
-    if rat:
+    if "generation" in rat:
         series = {"ZeRO-3": [1.0, 1.0, 1.0],
                   "ZeRO++ (ours, CPU emulation)": [rat.get("generation"), rat.get("step"), rat.get("training")],
                   "ZeRO++ (DeepSpeed blog, GPUs)": [DEEPSPEED["generation"], DEEPSPEED["training"],
@@ -247,7 +256,7 @@ def markdown(result: dict) -> str:
         f"tokens, {plan['epochs']} PPO epoch(s) per rollout; SFT and reward models made once ({plan['prep_steps']} "
         f"steps each, {result['prep_seconds']:.0f} s); {plan['repeats']} run(s) per configuration, {plan['steps']} "
         f"PPO steps each, the first {plan['warmup']} not timed.", "", *report.md_table(result["rows"], COLUMNS)]
-    if rat:
+    if "generation" in rat:
         ds_gen, ds_train = (f"{DEEPSPEED[k]:.2f}x" for k in ("generation", "training"))
         table = [("generation throughput (tokens/s)", "generation", "{:.2f}x", ds_gen),
                  ("generation time per step", "generation_time", "{:.2f}x", None),
@@ -258,7 +267,7 @@ def markdown(result: dict) -> str:
                                         for what, key, spec, theirs in table],
                                        [("what", "ZeRO++ / ZeRO-3", "{}"), ("ours", "ours (CPU emulation)", "{}"),
                                         ("theirs", "DeepSpeed's ZeRO++ blog (GPUs)", "{}")])]
-    rows = [r for r in result["rows"] if r.get("ok") and r["key"] != "zero3"]
+    rows = [r for r in result["rows"] if r.get("ok") and r["key"] != "zero3" and not CONFIGS[r["key"]][2]]
     goals = [("R1", "generation tokens/s / ZeRO-3's", "gen_speedup", "{:.2f}", f">= {DEEPSPEED['generation']}",
               lambda v: v >= DEEPSPEED["generation"]),
              ("R3", "cross-node bytes of a rollout's weight sync / the actor's bf16 bytes", "sync_ratio", "{:.3f}",
@@ -268,6 +277,11 @@ def markdown(result: dict) -> str:
         if measured:
             lines += ["", f"- {name}, {what} (goal {goal}): " + "; ".join(
                 f"{label} {spec.format(v)} ({'met' if holds(v) else 'not met'})" for label, v in measured) + "."]
+    if rat.get("overlap") is not None:
+        verdict = "met" if rat["overlap"] <= OVERLAP_GOAL else "not met"
+        lines += ["", f"- R2, PPO step time with the rollout sampled ahead on a thread / sampled ahead before the "
+                      f"update (the same staleness-1 samples and updates; goal <= {OVERLAP_GOAL}): "
+                      f"{rat['overlap']:.2f} ({verdict})."]
     return "\n".join(lines)
 
 

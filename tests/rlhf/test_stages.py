@@ -468,27 +468,20 @@ def test_stages_plan_their_runtime_store_the_plan_and_reuse_it_on_resume(tmp_pat
             assert a[step][key] == b[step][key], (step, key)
 
 
-def _main_ahead_inline(rank, world, argv):
-    """rlhf.py with the rollout sampled ahead on the training thread itself, before the update."""
-    from rlhf import online
-    online.RolloutAhead.start = lambda self: self.run()
-    online.RolloutAhead.join = lambda self, timeout=None: None
-    _main(rank, world, argv)
-
-
 def test_rollouts_sampled_ahead_learn_as_inline_sampling_and_resume_exactly(tmp_path, monkeypatch, capfd):
-    """generation.staleness 1 on 2 ranks under ZeRO++ (rlhf_tiny's qwZ, qgZ): the next rollout sampled on a thread while the update
-    runs gives the same run as sampling it on the training thread first (no race between them); each update
-    after the first learns from samples one update old (importance weights near 1, the log-prob gap above
-    numerical noise); a resume from step 2 repeats steps 3-4 exactly, the rollout sampled ahead restored."""
+    """generation.staleness 1 on 2 ranks under ZeRO++ (rlhf_tiny's qwZ, qgZ): the next rollout sampled on a
+    thread while the update runs gives the same run as sampling it on the training thread first
+    (generation.overlap false: no race between them); each update after the first learns from samples one
+    update old (importance weights near 1, the log-prob gap above numerical noise); a resume from step 2
+    repeats steps 3-4 exactly, the rollout sampled ahead restored."""
     monkeypatch.chdir(ROOT)
     args = ["--reward.source", "task", "--grpo.steps", "4", "--grpo.group_size", "4", "--train.micro_batch_size", "2",
-            "--grpo.lr", "1e-3", "--generation.staleness", "1", "--train.checkpoint_interval", "2", "--zero_optimization.stage", "3",
-            "--zero_optimization.communication_data_type", "fp32"]
+            "--grpo.lr", "1e-3", "--generation.staleness", "1", "--train.checkpoint_interval", "2",
+            "--zero_optimization.stage", "3", "--zero_optimization.communication_data_type", "fp32"]
     threaded, inline, resumed = tmp_path / "threaded", tmp_path / "inline", tmp_path / "resumed"
     run_ranks(_main, world_size=2, args=(["grpo", *_tiny(threaded, *args)],))
     sft = ["--models.sft", str(threaded / "sft" / "hf")]
-    run_ranks(_main_ahead_inline, world_size=2, args=(["grpo", *_tiny(inline, *args, *sft)],))
+    run_ranks(_main, world_size=2, args=(["grpo", *_tiny(inline, *args, *sft, "--generation.overlap", "false")],))
     step2 = threaded / "grpo" / "checkpoints" / "step_00000002"
     assert sorted(p.name for p in step2.glob("rollout_ahead_rank*")) == ["rollout_ahead_rank0.safetensors",
                                                                           "rollout_ahead_rank1.safetensors"]
