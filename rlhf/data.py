@@ -141,6 +141,10 @@ class Prompts:
     valid_indices: np.ndarray
     source: str
 
+    def take(self, indices) -> tuple[list[list[int]], list[str]]:
+        """The tokens and the texts of these prompts."""
+        return [self.tokens[i] for i in indices], [self.texts[i] for i in indices]
+
 
 def _prompt_texts(cfg: RLHFConfig, env: DistEnv) -> tuple[list[str], str]:
     if cfg.data.prompts:

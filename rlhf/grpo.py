@@ -21,10 +21,9 @@ from rlhf.common import (ModelRuntime, global_max, global_sum, load_model, optim
                          reference_of, sequence_logprobs, tokenizer_of, update_label)
 from rlhf.config import GRPOSection, RLHFConfig, reward_scaling
 from rlhf.losses import (entropy_from_logits, equal_reward_groups, grpo_advantages, grpo_loss, grpo_token_weights,
-                         kl_estimate, reinforce_pp_returns, rloo_advantages, soft_overlong_penalty,
-                         truncated_is_weights)
+                         kl_estimate, reinforce_pp_returns, rloo_advantages, soft_overlong_penalty)
 from rlhf.online import OnlineAlgorithm, run_online
-from rlhf.rollout import RolloutBatch, global_masked_mean, global_whiten, logprobs
+from rlhf.rollout import RolloutBatch, global_masked_mean, global_whiten, importance_weights, logprobs
 from trainer.config import RunSection
 from trainer.distributed import DistEnv
 from trainer.nonfinite import NonFiniteSteps
@@ -68,9 +67,8 @@ def grpo_update(actor: ModelRuntime, batch: RolloutBatch, advantages: torch.Tens
         if i == 0:  # the trainer's log-probs against the ones recorded while sampling
             gap = global_masked_mean((logp.detach() - batch.generation_logp).abs(), batch.mask)
             if is_cap is not None:
-                is_weights, truncated = truncated_is_weights(old, batch.generation_logp, is_cap)
+                is_weights, is_stats = importance_weights(old, batch, mask, is_cap)
                 weights = weights * is_weights
-                is_stats = global_sum((is_weights * mask).sum().item(), (truncated * mask).sum().item())
         loss, low, high = grpo_loss(logp, old, ref_logp, advantages, cfg.clip, beta, clip_high=cfg.clip_high,
                                     mask=mask, sequence=cfg.loss_type == "gspo")
         total = (loss * weights.to(loss.dtype)).sum()
@@ -88,10 +86,7 @@ def grpo_update(actor: ModelRuntime, batch: RolloutBatch, advantages: torch.Tens
     loss, low, high, kl, entropy = global_sum(*sums[:5])
     per_token = [v / max(n_tokens, 1.0) / cfg.iterations for v in (low, high, kl, entropy)]
     values = (loss / cfg.iterations, per_token[0] + per_token[1], *per_token, sums[5].item() / cfg.iterations, gap)
-    stats = dict(zip(STATS, values))
-    if is_cap is not None:
-        stats.update({"is weight": is_stats[0] / n_tokens, "is truncated fraction": is_stats[1] / n_tokens})
-    return stats, skipped
+    return dict(zip(STATS, values)) | (is_stats if is_cap is not None else {}), skipped
 
 
 def truncated_rows(batch: RolloutBatch, eos_id: int) -> torch.Tensor:

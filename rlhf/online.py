@@ -168,18 +168,15 @@ class OnlineAlgorithm(RLHFStage):
         """Step `step`'s rollout (from 1) from `model`, with draws of its own: the same on a resume."""
         generator = torch.Generator(device=self.env.device).manual_seed(
             hash((self.cfg.train.seed, self.env.rank, step)) % 2**63)
-        prompts = self.prompts
-        return (indices, *sample(model, [prompts.tokens[i] for i in indices], [prompts.texts[i] for i in indices],
-                                 self.cfg.generation, self.tokenizer, generator, self.env.device))
+        return (indices, *sample(model, *self.prompts.take(indices), self.cfg.generation, self.tokenizer, generator,
+                                 self.env.device))
 
     def _rollout(self, step: int, batches) -> tuple[RolloutBatch, GenerationStats, RolloutAhead | None]:
         """This step's rollout (from step + 1's prompts) and, under generation.staleness 1, the thread
         sampling the next one from the weights before this step's update."""
         if not self.cfg.generation.staleness:
-            indices = self._draw(batches)
-            prompts = self.prompts
-            return (*generate(self.actor, [prompts.tokens[i] for i in indices], [prompts.texts[i] for i in indices],
-                              self.cfg.generation, self.tokenizer), None)
+            return (*generate(self.actor, *self.prompts.take(self._draw(batches)), self.cfg.generation,
+                              self.tokenizer), None)
         model = self._sampler() if self.ahead is None or step + 1 < self.steps else None
         if self.ahead is None:  # the run's first step: its own rollout, sampled here from the same weights
             _, batch, gen = self._sample(model, self._draw(batches), step + 1)
@@ -282,7 +279,7 @@ class OnlineAlgorithm(RLHFStage):
         sums = torch.zeros(5, dtype=torch.float64)  # greedy, sampled, greedy task reward, response tokens, rows
         for _ in range(n):
             indices = next(batches)
-            tokens, texts = [self.prompts.tokens[i] for i in indices], [self.prompts.texts[i] for i in indices]
+            tokens, texts = self.prompts.take(indices)
             for column, settings in ((0, greedy), (1, cfg.generation)):
                 batch, _ = generate(self.actor, tokens, texts, settings, self.tokenizer, generator)
                 sums[column] += self.rewards(batch)[0].double().sum().item()

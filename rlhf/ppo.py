@@ -24,9 +24,9 @@ from rlhf.common import (ModelRuntime, comm_scalars, global_max, global_sum, loa
 from rlhf.config import PPOSection, RLHFConfig
 from rlhf.data import sft_file
 from rlhf.losses import (approx_kl, entropy_from_logits, gae, kl_controller, ppo_policy_loss, shape_rewards,
-                         truncated_is_weights, value_loss)
+                         value_loss)
 from rlhf.online import OnlineAlgorithm, run_online
-from rlhf.rollout import RolloutBatch, global_masked_mean, global_whiten, logprobs, values_of
+from rlhf.rollout import RolloutBatch, global_masked_mean, global_whiten, importance_weights, logprobs, values_of
 from trainer.config import RunSection
 from trainer.distributed import DistEnv
 from trainer.nonfinite import NonFiniteSteps
@@ -214,10 +214,7 @@ class PPO(OnlineAlgorithm):
         experience_mb = comm_scalars(self.models)["cross-node sent (MB)"] - before
         is_weights, extra = None, {}
         if self.is_cap is not None:  # the rollout came from the weights before the last update
-            is_weights, truncated = truncated_is_weights(old_logp, batch.generation_logp, self.is_cap)
-            n, weight, cut = global_sum(batch.mask.sum().item(), (is_weights * batch.mask).sum().item(),
-                                        (truncated * batch.mask).sum().item())
-            extra = {"is weight": weight / max(n, 1.0), "is truncated fraction": cut / max(n, 1.0)}
+            is_weights, extra = importance_weights(old_logp, batch, batch.mask, self.is_cap)
         start = time.perf_counter()
         stats, _ = ppo_update(self.actor, self.critic, exp, self.p, step * self.updates_per_rollout, self.ptx,
                               nonfinite, is_weights)

@@ -19,7 +19,7 @@ from models.transformer import Transformer
 from rlhf.common import ModelRuntime, global_sum, sequence_logprobs
 from rlhf.config import GenerationSection
 from rlhf.generation import generate_rollouts
-from rlhf.losses import last_token_scores
+from rlhf.losses import last_token_scores, truncated_is_weights
 from rlhf.tasks import VerifiableTask
 
 
@@ -125,6 +125,16 @@ def values_of(critic: ModelRuntime, batch: RolloutBatch) -> torch.Tensor:
 def global_masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     total, count = global_sum((x * mask).sum().item(), mask.sum().item())
     return total / count if count else float("nan")
+
+
+def importance_weights(old_logp: torch.Tensor, batch: RolloutBatch, mask: torch.Tensor,
+                       cap: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """The truncated importance weights of a rollout sampled by an older policy (losses.truncated_is_weights,
+    against the log-probs recorded while sampling) and what is logged of them: their mean and the share the
+    cap bounds, over `mask`'s tokens of every rank."""
+    weights, truncated = truncated_is_weights(old_logp, batch.generation_logp, cap)
+    return weights, {"is weight": global_masked_mean(weights, mask),
+                     "is truncated fraction": global_masked_mean(truncated.to(weights.dtype), mask)}
 
 
 def global_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:

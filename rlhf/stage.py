@@ -12,15 +12,14 @@ from typing import Sequence
 from models.transformer import Transformer
 from rlhf.common import ModelRuntime, StageCheckpoint, open_log
 from rlhf.config import RLHFConfig
-from trainer.checkpoint import read_state
 from trainer.config import ConfigError
 from trainer.distributed import DistEnv
-from trainer.memory import baseline_bytes, predicted_peak
+from trainer.loop import plan_zero_optimization
+from trainer.memory import baseline_bytes
 from trainer.metrics import MetricsLogger
-from trainer.precision import compute_dtype
 from trainer.run_dir import RunDir
 from trainer.skeleton import Stage
-from zeropp.autoplan import PlanError, StepTimeCheck, auto_plan
+from zeropp.autoplan import StepTimeCheck
 
 
 class RLHFStage(Stage):
@@ -62,25 +61,14 @@ class RLHFStage(Stage):
         raise ConfigError(f"plan.auto: the {self.name} stage does not say what it trains")
 
     def _auto_plan(self) -> None:
-        """Probe, reuse the resumed checkpoint's plan on the same machine or price the stage's step and
-        choose (zeropp.autoplan.auto_plan, as train.py does); every model of the stage gets the choice."""
-        cfg, device, started = self.cfg, self.env.device, time.perf_counter()
+        """trainer.loop.plan_zero_optimization over what the stage trains; every model of the stage is built
+        with the choice."""
+        cfg, started = self.cfg, time.perf_counter()
         trained, rows, checkpointed = self.trained()
-        dtype = compute_dtype(cfg.train.precision, device)
-        config = trained[0][0].config
-        baseline = baseline_bytes(config, cfg.train.precision, device)
-
-        def memory(zero, states, buffers):
-            return sum(predicted_peak(states, buffers, None, config, rows, cfg.data.max_len, dtype, set(checkpointed),
-                                      baseline, device, zero.compute_dtype, cfg.data.packing).values())
-        path = self.ckpt.resume_path()
-        saved = read_state(path) if path is not None else None
-        try:
-            zero, self.plan, lines = auto_plan(
-                trained, rows, cfg.data.max_len, device, dtype, cfg.zero_optimization, cfg.plan, memory,
-                saved and saved.get("plan"), saved["config"]["zero_optimization"]["stage"] if saved else None)
-        except PlanError as e:
-            raise ConfigError(str(e)) from None
+        zero, self.plan, lines = plan_zero_optimization(
+            trained, rows, cfg.data.max_len, cfg.zero_optimization, cfg.plan, cfg.train.precision, self.env.device,
+            checkpointed, baseline_bytes(trained[0][0].config, cfg.train.precision, self.env.device), cfg.data.packing,
+            self.ckpt.resume_path())
         self.cfg = self.ckpt.cfg = dataclasses.replace(cfg, zero_optimization=zero)
         unpriced = f"; not priced: {self.unpriced}" if self.unpriced else ""
         self.plan_lines = lines + [f"plan: probed and planned in {time.perf_counter() - started:.2f} s{unpriced}"]

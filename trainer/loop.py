@@ -54,7 +54,7 @@ from data.sources import MissingKeyError
 from zeropp import build_runtime
 from zeropp.autoplan import PlanError, StepTimeCheck, auto_plan
 from zeropp.comm import world_comm
-from zeropp.config import ZeroConfigError
+from zeropp.config import PlanConfig, ZeroConfig, ZeroConfigError
 from zeropp.diloco import OUTER_TAG, DiLoCo
 from zeropp.engine import UnsupportedModelError
 from zeropp.topology import TopologyError, ranks_per_node_from_env
@@ -69,6 +69,28 @@ class TrainResult:
     preempted: bool = False  # stopped early by the scheduler's warning signal
     skipped_steps: list[int] = field(default_factory=list)  # steps whose update was skipped (non-finite)
     peak_memory: tuple[int, int] | None = None  # this rank's (measured, predicted) peak bytes
+
+
+def plan_zero_optimization(trained: list[tuple[Transformer, int, int]], rows: int, seq_len: int, zero: ZeroConfig,
+                           plan: PlanConfig, precision: str, device: torch.device, checkpointed, baseline: int,
+                           packing: bool, resumed: Path | None) -> tuple[ZeroConfig, dict, list[str]]:
+    """plan.auto for a run (train.py's trainer, rlhf.py's stages; zeropp.autoplan.auto_plan) that trains
+    `trained` on micro-batches of `rows` x `seq_len` tokens: priced with the trainer's predicted peak memory
+    of the first model (its `checkpointed` blocks, the process' `baseline`), the plan of the checkpoint it
+    resumes (`resumed`) reused on the same machine, else a new one within that checkpoint's stage.
+    -> (the chosen zero_optimization, the plan a checkpoint keeps, the lines to log). Nothing fits: ConfigError."""
+    dtype = compute_dtype(precision, device)
+    config = trained[0][0].config
+
+    def memory(candidate: ZeroConfig, states: dict[str, int], buffers: int) -> int:
+        return sum(predicted_peak(states, buffers, None, config, rows, seq_len, dtype, set(checkpointed), baseline,
+                                  device, candidate.compute_dtype, packing).values())
+    saved = read_state(resumed) if resumed is not None else None
+    try:
+        return auto_plan(trained, rows, seq_len, device, dtype, zero, plan, memory, saved and saved.get("plan"),
+                         saved["config"]["zero_optimization"]["stage"] if saved else None)  # its checkpoint format
+    except PlanError as e:
+        raise ConfigError(str(e)) from None
 
 
 def build_model_config(cfg: Config, vocab_size: int) -> ModelConfig:
@@ -270,30 +292,17 @@ class Trainer:
                 raise
 
     def _auto_plan(self) -> None:
-        """plan.auto (zeropp.autoplan.auto_plan): probe this machine, reuse the resumed checkpoint's plan
-        when it was made on the same machine, else price the candidates with this run's predicted peak
-        memory and choose; zero_optimization becomes the choice, the plan's lines go to the log before
-        the first step."""
-        cfg, device = self.cfg, self.env.device
+        """plan.auto (plan_zero_optimization): zero_optimization becomes the plan's choice (the resumed
+        checkpoint's own on the same machine), the plan's lines go to the log before the first step."""
+        cfg = self.cfg
         self.phase = "plan.auto probes"
-        dtype = compute_dtype(cfg.train.precision, device)
         path = resolve_checkpoint(cfg.resume, cfg.train.out_dir, say=lambda _: None) if cfg.resume else None
-        saved = read_state(path) if path is not None else None
-
-        def memory(zero, states, buffers):
-            return sum(predicted_peak(states, buffers, None, self.model.config, cfg.train.micro_batch_size,
-                                      cfg.data.seq_len, dtype, set(self.checkpointed), self.baseline_memory,
-                                      device, zero.compute_dtype, cfg.data.packing).values())
-        try:
-            config, self.plan, lines = auto_plan(
-                [(self.model, cfg.train.grad_accum, 1)], cfg.train.micro_batch_size, cfg.data.seq_len, device, dtype,
-                cfg.zero_optimization, cfg.plan, memory, saved and saved.get("plan"),
-                saved["config"]["zero_optimization"]["stage"] if saved else None)  # its checkpoint format
-        except PlanError as e:
-            raise ConfigError(str(e)) from None
+        cfg.zero_optimization, self.plan, lines = plan_zero_optimization(
+            [(self.model, cfg.train.grad_accum, 1)], cfg.train.micro_batch_size, cfg.data.seq_len, cfg.zero_optimization,
+            cfg.plan, cfg.train.precision, self.env.device, self.checkpointed, self.baseline_memory, cfg.data.packing,
+            path)
         self.notes += lines
         self.plan_check = StepTimeCheck(self.plan["step_seconds"], cfg.plan.check_after_steps)
-        cfg.zero_optimization = config
         self.phase = "startup"
 
     def _build_model(self) -> tuple[Transformer, WeightSource]:
