@@ -4,17 +4,20 @@ price every candidate runtime configuration, pick the fastest that fits (docs/au
 Probes (`probe`): every rank runs the same timed all-gathers on the runtime's own groups
 (intra_node, inter_node) at two message sizes (bandwidth from the slope, latency from the
 intercept), times a one-block model's forward + backward (the block's share by hooks), an
-optimizer step, the codec and the overlap of compute with an all-gather, and reads its free
-memory; the numbers are all-reduced with MAX (times; memory as its negative), so every rank
-holds the same `Probes` and `choose`, a pure function of them, picks the same plan everywhere:
-no rank decides alone.
+optimizer step, the codec, the overlap of compute with an all-gather and how long a rank waits
+for the slowest after the compute (the jitter), and reads its free memory; the numbers are
+all-reduced with MAX (times; memory as its negative; the jitter averaged), so every rank holds
+the same `Probes` and `choose`, a pure function of them, picks the same plan everywhere: no rank
+decides alone.
 
 Cost model (`price`): a candidate's bytes per step are `zeropp.plan.predicted_step_bytes` of
 its units, built on the meta device on a mesh on paper (no process group, no memory), so they
 are exactly what its runtime would predict. Step time = compute + codec work + communication
-- overlap x the shorter of the two + the optimizer step, where communication = 'sent' minus
-'cross_node_sent' at the intra-node bandwidth + 'cross_node_sent' at the inter-node bandwidth +
-one latency per collective and link level, and the overlap is probed (0 without overlap_comm).
+- overlap x the shorter of the two + the optimizer step + the skew, where communication = 'sent'
+minus 'cross_node_sent' at the intra-node bandwidth + 'cross_node_sent' at the inter-node
+bandwidth + one latency per collective and link level (the step's own all-reduces counted too),
+the overlap is probed (0 without overlap_comm), and the skew is the waiting for the slowest rank
+at each of the k collectives: k x jitter x sqrt(work / k).
 Memory is the trainer's predicted peak (passed in as `memory`) of the candidate's model states
 and buffers.
 """
@@ -49,6 +52,8 @@ LEVELS = ("intra_node", "inter_node")
 PROBE_BYTES = (2**12, 2**18)  # the all-gather chunks per rank: latency from the first, the slope from there to
 PROBE_BYTES_MAX = 2**24  # the second, grown up to this until it takes LINK_SIGNAL times the first's time
 LINK_SIGNAL = 4
+REPS = 3  # timed runs of each probe: the median outvotes one disturbed run (or a shaped link's burst)
+STEP_ALL_REDUCES = 2  # a training step's own collectives: its token counts and its loss (trainer.loop.train_step)
 DELTA_BITS = 8  # qwZ deltas' forward weights: closer to the masters than int8 qwZ's (docs/zeropp.md)
 VOCAB_PROBED = 8192  # the compute probe's one-block model has at most this vocabulary (scaled up from there)
 
@@ -76,6 +81,9 @@ class Probes:
     codec_seconds: float  # quantizing + dequantizing one element (int8, blocks of 256, the full grid)
     overlap: float  # the share of the shorter of compute and communication that hides behind the other
     memory_bytes: int  # available to this rank
+    # how far ranks drift apart: after t seconds of work a rank waits jitter x sqrt(t) seconds, on average, for
+    # the slowest at the next collective (ranks sharing cores drift like a random walk; about 0 with a core each)
+    jitter: float = 0.0
 
     def fingerprint(self) -> dict:
         """What must match for a stored plan to be reused (a resume on the same machine)."""
@@ -92,7 +100,7 @@ class Cost:
     collectives: dict[str, int]  # level -> collectives per step that touch it
     weight_bits: int  # of the weights the forward computes with
     memory_bytes: int
-    terms: dict[str, float]  # compute, codec, intra_node, inter_node, latency (seconds per step)
+    terms: dict[str, float]  # compute, codec, optimizer, intra_node, inter_node, latency, skew (seconds per step)
     step_seconds: float
     states: dict[str, int] = field(default_factory=dict)  # model states by kind (what memory_bytes is made of)
     buffers: int = 0  # and the preallocated buffers
@@ -190,19 +198,33 @@ class _MetaWeights:
         return torch.empty(end - start, device="meta")
 
 
-def _zero3_on_paper(model: nn.Module, cfg: ZeroConfig, probes: Probes):
+class _MetaCopy:
+    """A copy of a model whose parameters are meta tensors (shared ones still shared: Module.to would untie
+    them), made once for all candidates: building units re-registers a model's parameters, `restore` puts the
+    copy's own back."""
+
+    def __init__(self, model: nn.Module):
+        meta = torch.device("meta")
+        self.model = copy.deepcopy(model, {id(p): nn.Parameter(torch.empty_like(p, device=meta), p.requires_grad)
+                                           for p in model.parameters()})
+        self._params = [(m, name, p) for m in self.model.modules() for name, p in m._parameters.items()]
+
+    def restore(self) -> nn.Module:
+        for module, name, p in self._params:
+            module._parameters[name] = p
+        return self.model
+
+
+def _zero3_on_paper(meta_copy: _MetaCopy, cfg: ZeroConfig, probes: Probes):
     """The units, reducer, schedule and buffers a Zero3Engine of `cfg` would build on rank 0,
-    on the meta device over a paper mesh (a copy of the model: building units re-registers its
-    parameters)."""
+    on the meta device over a paper mesh, from the model's meta copy."""
     meta = torch.device("meta")
-    # a copy whose parameters are meta tensors, shared ones still shared (Module.to would untie them)
-    copy_ = copy.deepcopy(model, {id(p): nn.Parameter(torch.empty_like(p, device=meta), p.requires_grad)
-                                  for p in model.parameters()})
+    model = meta_copy.restore()
     mesh = paper_mesh(probes.world_size, probes.ranks_per_node)
     comm = _PaperComm(mesh, cfg.node_aware_collectives, probes.backend)
-    units = build_units(copy_, cfg, mesh, meta, _MetaWeights())
+    units = build_units(model, cfg, mesh, meta, _MetaWeights())
     reducer = _reducer(cfg, comm)
-    groups, resident = schedule_groups(units, len(copy_.blocks))
+    groups, resident = schedule_groups(units, len(model.blocks))
     held = rotating_buffer_count([[u.padded_numel for u in g] for g in groups], cfg)
     pool = BufferPool(groups, resident, held, 2 if cfg.overlap_comm else 1, cfg.compute_dtype, meta, comm)
     return units, reducer, groups, held, pool, mesh
@@ -269,14 +291,15 @@ def price(model: nn.Module, probes: Probes, micro_batches: int = 1, memory=None,
     memory = memory or (lambda config, states, buffers: sum(states.values()) + buffers)
     has_frozen = any(not p.requires_grad for p in model.parameters())
     compute = (probes.block_seconds * len(model.blocks) + probes.head_seconds) * micro_batches
-    out = []
+    out, meta_copy = [], None
     for name, cfg in candidates(base or ZeroConfig(stage=3)).items():
         if cfg.stage == 0:
             step, collectives, states = _ddp_on_paper(model, probes)
             buffers, codec = 0, 0
             stepped = [p.numel() for p in model.parameters() if p.requires_grad]
         else:
-            units, reducer, groups, held, pool, mesh = _zero3_on_paper(model, cfg, probes)
+            meta_copy = meta_copy or _MetaCopy(model)
+            units, reducer, groups, held, pool, mesh = _zero3_on_paper(meta_copy, cfg, probes)
             step = predicted_step_bytes(units, groups, held, reducer.comm, reducer, micro_batches)
             states = unit_state_bytes(units.values(), reducer, offloaded=cfg.offload_optimizer != "none")
             stepped = [piece.numel() for u in units.values() if u.trainable for _, piece, _ in u.params]
@@ -286,17 +309,23 @@ def price(model: nn.Module, probes: Probes, micro_batches: int = 1, memory=None,
                           .values())
             codec = _codec_elements(units, groups, held, cfg, micro_batches, mesh.num_nodes) * probes.codec_seconds
             collectives = _collectives(units, groups, held, mesh, cfg, probes.backend, micro_batches)
+        # the step's own all-reduces, and a sharded runtime's of the gradient norm, on every level with peers
+        own = STEP_ALL_REDUCES + (cfg.stage > 0)
+        collectives = {level: n + own * (probes.bandwidth[level] < math.inf) for level, n in collectives.items()}
         cross = sum(v["cross_node_sent"] for v in step.values())
         intra = sum(v["sent"] for v in step.values()) - cross
         optimizer = probes.optimizer_seconds * sum(stepped) + probes.optimizer_tensor_seconds * len(stepped)
+        work = compute + codec + optimizer
         terms = {"compute": compute, "codec": codec, "optimizer": optimizer,
                  "intra_node": intra / probes.bandwidth["intra_node"],
                  "inter_node": cross / probes.bandwidth["inter_node"],
-                 "latency": sum(collectives[level] * probes.latency[level] for level in LEVELS)}
+                 "latency": sum(collectives[level] * probes.latency[level] for level in LEVELS),
+                 # k collectives cut the work into k pieces; after each a rank waits jitter x sqrt(work / k)
+                 "skew": probes.jitter * math.sqrt(max(collectives.values()) * work)}
         comm = terms["intra_node"] + terms["inter_node"] + terms["latency"]
         hidden = probes.overlap * min(compute + codec, comm) if cfg.overlap_comm else 0.0
-        # the optimizer steps after the last reduction: nothing to hide behind
-        seconds = compute + codec + comm - hidden + optimizer
+        # the optimizer steps after the last reduction: nothing to hide behind; nor is waiting for the slowest rank
+        seconds = compute + codec + comm - hidden + optimizer + terms["skew"]
         out.append(Cost(name, cfg, step, collectives, weight_bits(cfg, has_frozen), memory(cfg, states, buffers), terms,
                         seconds, states, buffers))
     return out
@@ -383,10 +412,11 @@ def _reason(a: Cost, b: Cost) -> str:
 
 # ----------------------------------------------------------------------------- probes
 
-def _timed(fn, reps: int, together=None, warm_up: bool = True) -> float:
+def _timed(fn, reps: int, together=None, warm_up: bool = True, waits: list | None = None) -> float:
     """Seconds of one fn(): the median of `reps` runs, after a warm-up run (first-call setup: gloo's connections,
     kernels' code) unless warm_up is False. together: a barrier every rank passes before each run, so all ranks
-    work at once, as in a training step (ranks that share cores slow each other down there too)."""
+    work at once, as in a training step (ranks that share cores slow each other down there too). waits: gets
+    the seconds of a barrier passed after each run (this rank's wait for the slowest, and the barrier's own)."""
     if warm_up:
         fn()
     times = []
@@ -396,14 +426,28 @@ def _timed(fn, reps: int, together=None, warm_up: bool = True) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
+        if waits is not None:
+            together()
+            waits.append(time.perf_counter() - start - times[-1])
     return statistics.median(times)
+
+
+def _jitter(comm: Comm, waits: list[float], run: float, together) -> float:
+    """Probes.jitter from this rank's `waits` at a barrier after work of `run` seconds: the median wait less a
+    barrier's own time (one right after another), averaged over the ranks (the step waits at each collective
+    for its slowest rank: the ranks' mean wait is what the slowest adds to a step)."""
+    alone = _timed(together, len(waits), together, warm_up=False)
+    mine = max(0.0, statistics.median(waits) - alone) / math.sqrt(max(run, 1e-9))
+    jitter = torch.tensor([mine], dtype=torch.float64, device=comm.device)
+    comm.all_reduce(jitter, group="world", tag="plan probe")
+    return jitter.item() / comm.mesh.world_size
 
 
 def _link(comm: Comm, level: str, device: torch.device, reps: int) -> tuple[float, float]:
     """(bytes/s sent, seconds per collective) of an all-gather over `level`'s group, from the times at a small
-    chunk (the latency) and a large one (the slope between them). The large chunk grows 4x at a time until its
-    time is at least LINK_SIGNAL times the small one's, so the slope is the wire's and not noise, whatever the
-    link. Every rank is in one group of each level and the times are agreed by a MAX all-reduce: all ranks grow
+    chunk (the latency) and a large one (the slope between them). The large chunk grows (at least 4x at a time,
+    to where the slope so far says) until its time is at least LINK_SIGNAL times the small one's, so the slope
+    is the wire's and not noise, whatever the link. Every rank is in one group of each level and the times are agreed by a MAX all-reduce: all ranks grow
     the chunk alike. Only the small chunk is warmed up (the group's connections); the large one's first run,
     which may ride a shaped link's token bucket, is outvoted by the median."""
     n = comm.mesh.size(level)
@@ -421,15 +465,17 @@ def _link(comm: Comm, level: str, device: torch.device, reps: int) -> tuple[floa
     t_small = seconds(small)
     t_large = seconds(large)
     while t_large < LINK_SIGNAL * t_small and large < PROBE_BYTES_MAX:
-        large *= 4
+        # straight to the chunk that the slope so far says takes the signal's time (1.5x that, 4x at least)
+        slope = (t_large - t_small) / (large - small)
+        wanted = small + (LINK_SIGNAL - 1) * t_small / slope if slope > 0 else math.inf
+        large = min(PROBE_BYTES_MAX, max(4 * large, 2 ** math.ceil(math.log2(min(1.5 * wanted, PROBE_BYTES_MAX)))))
         t_large = seconds(large)
     slope = max(t_large - t_small, 1e-9) / ((n - 1) * (large - small))
     return 1 / slope, max(0.0, t_small - (n - 1) * small * slope)
 
 
-def _overlap(comm: Comm, level: str, bandwidth: float, latency: float, work, compute: float, reps: int,
-             together) -> float:
-    """The share of the shorter of `work` (the compute probe, `compute` seconds as probed) and an all-gather
+def _overlap(comm: Comm, level: str, bandwidth: float, latency: float, work, compute: float, together) -> float:
+    """The share of the shorter of `work` (a compute probe's run, `compute` seconds as probed) and an all-gather
     over `level` of about as long that hides behind the other when both run at once, as in a training step: near
     1 where the transfer leaves the processor free (a slow link), lower where the collective itself needs the
     cores the compute runs on (ranks on one machine's loopback). The all-gather alone takes what the link's
@@ -447,7 +493,7 @@ def _overlap(comm: Comm, level: str, bandwidth: float, latency: float, work, com
         work()
         handle.wait()
     alone = latency + (n - 1) * chunk / bandwidth
-    together_ = _timed(both, max(1, reps - 1), together, warm_up=False)  # each run is a compute run and more
+    together_ = _timed(both, 1, together, warm_up=False)  # one run: it is a compute run and more
     return min(1.0, max(0.0, (compute + alone - together_) / min(compute, alone)))
 
 
@@ -474,7 +520,7 @@ def _rng_kept(device: torch.device):
     return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
 
-def probe(mesh: Mesh | None, device: torch.device, compute: ComputeProbe, reps: int = 3) -> Probes:
+def probe(mesh: Mesh | None, device: torch.device, compute: ComputeProbe) -> Probes:
     """Measure this machine (every rank calls it, in the same order): the links per level on `mesh`'s groups,
     the compute (`compute`'s runs), the optimizer, the codec and the memory; reduced over the world (MAX of
     times, MIN of bandwidth, overlap and memory) so all ranks agree. mesh None: one process without a process
@@ -483,17 +529,25 @@ def probe(mesh: Mesh | None, device: torch.device, compute: ComputeProbe, reps: 
     together = comm.barrier if comm else None
     try:
         with _rng_kept(device):
-            links = [_link(comm, level, comm.device, reps) if comm else (math.inf, 0.0) for level in LEVELS]
-            shares = []
-            run = _timed(lambda: shares.append(compute()), reps, together)
-            block = run * statistics.median(shares[1:])  # the warm-up run's left out
+            links = [_link(comm, level, comm.device, REPS) if comm else (math.inf, 0.0) for level in LEVELS]
+            # one sequence's run warms up (first-call setup) and is the overlap probe's work: the full micro-batch
+            # is run only to be timed
+            one_row = lambda: compute(rows=1)  # noqa: E731
+            one_row()
+            one_row_seconds = _timed(one_row, REPS, together, warm_up=False)
+            shares, waits = [], []
+            run = _timed(lambda: shares.append(compute()), REPS, together, warm_up=False,
+                         waits=waits if comm else None)
+            block = run * statistics.median(shares)
+            jitter = _jitter(comm, waits, run, together) if comm else 0.0
             # overlap measured across nodes, else inside the node: a level every rank has alike
             level = next((i for i in (1, 0) if comm and comm.mesh.size(LEVELS[i]) > 1), None)
-            overlap = 1.0 if level is None else _overlap(comm, LEVELS[level], *links[level], compute, run, reps,
+            overlap = 1.0 if level is None else _overlap(comm, LEVELS[level], *links[level], one_row, one_row_seconds,
                                                          together)
             local = torch.tensor([v for bw, lat in links for v in (1 / bw, lat)]
                                  + [block, max(0.0, run - block) * compute.vocab_factor,
-                                    *_optimizer_seconds(device, reps, together), _codec_seconds(device, reps, together),
+                                    *_optimizer_seconds(device, REPS, together),
+                                    _codec_seconds(device, REPS, together),
                                     -overlap,
                                     -available_memory(device, mesh.ranks_per_node if mesh else 1)],
                                  dtype=torch.float64, device=comm.device if comm else "cpu")
@@ -507,7 +561,7 @@ def probe(mesh: Mesh | None, device: torch.device, compute: ComputeProbe, reps: 
     backend = comm.backend if comm else "nccl" if device.type == "cuda" else "gloo"
     return Probes(mesh.world_size if mesh else 1, mesh.ranks_per_node if mesh else 1, name, backend,
                   {level: 1 / v[2 * i] if v[2 * i] else math.inf for i, level in enumerate(LEVELS)},
-                  {level: v[2 * i + 1] for i, level in enumerate(LEVELS)}, *v[4:9], -v[9], int(-v[10]))
+                  {level: v[2 * i + 1] for i, level in enumerate(LEVELS)}, *v[4:9], -v[9], int(-v[10]), jitter)
 
 
 class ComputeProbe:
@@ -551,11 +605,13 @@ class ComputeProbe:
         a, b = self.marks[start], self.marks[end]
         return a.elapsed_time(b) / 1e3 if self.device.type == "cuda" else b - a
 
-    def __call__(self) -> float:
-        """One forward + backward; returns the block's share of its work."""
+    def __call__(self, rows: int | None = None) -> float:
+        """One forward + backward (of the first `rows` sequences: all by default); returns the block's share
+        of its work."""
+        tokens = self.tokens[:rows]
         self._mark("run")
         with torch.autocast(self.device.type, self.dtype, enabled=self.dtype != torch.float32):
-            loss = lm_loss(self.model(self.tokens[:, :-1]), self.tokens[:, 1:])
+            loss = lm_loss(self.model(tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
         self._mark("run done")
         if self.device.type == "cuda":

@@ -200,8 +200,48 @@ def test_probes_are_the_same_on_every_rank():
         assert 0 < probes["bandwidth"][level] < math.inf and probes["latency"][level] >= 0
     for measured in ("block_seconds", "head_seconds", "optimizer_seconds", "codec_seconds", "memory_bytes"):
         assert probes[measured] > 0, measured
-    assert 0 <= probes["overlap"] <= 1
+    assert 0 <= probes["overlap"] <= 1 and probes["jitter"] >= 0
     assert (probes["world_size"], probes["ranks_per_node"], probes["device"]) == (4, 2, "cpu")
+
+
+DRIFT = 0.02  # seconds: rank r works BASE_WORK + r x DRIFT
+BASE_WORK = 0.02
+
+
+def _drifting_ranks(rank, world):
+    mesh = build_mesh(ranks_per_node=2, thread_groups=False)
+    comm = autoplan.Comm(mesh)
+    waits = []
+    run = autoplan._timed(lambda: time.sleep(BASE_WORK + rank * DRIFT), 3, comm.barrier, waits=waits)
+    jitter = autoplan._jitter(comm, waits, run, comm.barrier)
+    comm.close()
+    mesh.close()
+    return jitter
+
+
+def test_the_jitter_probe_measures_how_long_ranks_wait_for_the_slowest():
+    """Rank r works r x DRIFT longer than rank 0: at the collective after it, rank r waits (3 - r) x DRIFT for
+    rank 3; the jitter is the ranks' mean of wait / sqrt(work), the same on every rank."""
+    jitters = run_ranks(_drifting_ranks, 4, ranks_per_node=2)
+    assert all(j == jitters[0] for j in jitters)
+    expected = sum((3 - r) * DRIFT / math.sqrt(BASE_WORK + r * DRIFT) for r in range(4)) / 4
+    assert jitters[0] == pytest.approx(expected, rel=0.3)
+
+
+def test_waiting_for_the_slowest_rank_adds_to_the_step_per_collective():
+    """With jitter j a step of work w and k collectives waits k x j x sqrt(w / k): DDP's k is its one
+    gradient bucket (a 25 MB bucket holds this model's gradients) and the step's own two all-reduces (token
+    counts, loss); a sharded runtime's has more (its gathers and reductions, and the gradient norm's)."""
+    still, drifting = _probes(100 * MBIT), dataclasses.replace(_probes(100 * MBIT), jitter=0.01)
+    before = {c.name: c for c in price(_model(), still, base=BASE)}
+    for c in price(_model(), drifting, base=BASE):
+        work = c.terms["compute"] + c.terms["codec"] + c.terms["optimizer"]
+        waits = (c.terms["skew"] / 0.01) ** 2 / work
+        assert c.step_seconds == pytest.approx(before[c.name].step_seconds + c.terms["skew"]), c.name
+        if c.name == "DDP":
+            assert waits == pytest.approx(1 + autoplan.STEP_ALL_REDUCES)
+        else:
+            assert waits > 2 * len(_model().blocks) + autoplan.STEP_ALL_REDUCES + 1, c.name  # a gather, a reduce a block
 
 
 class _SimulatedLink:
