@@ -45,6 +45,7 @@ from zeropp.config import PlanConfig, ZeroConfig, ZeroConfigError
 from zeropp.engine import Zero3Engine
 from zeropp.plan import build_units, predicted_step_bytes, rotating_buffer_count, schedule_groups, unit_gathers
 from zeropp.plan import model_state_bytes as unit_state_bytes
+from zeropp.reducers import TAG as REDUCE_TAG
 from zeropp.runtime import Timings
 from zeropp.topology import Mesh, _blocks, build_mesh
 
@@ -53,6 +54,7 @@ PROBE_BYTES = (2**12, 2**18)  # the all-gather chunks per rank: latency from the
 PROBE_BYTES_MAX = 2**24  # the second, grown up to this until it takes LINK_SIGNAL times the first's time
 LINK_SIGNAL = 4
 REPS = 3  # timed runs of each probe: the median outvotes one disturbed run (or a shaped link's burst)
+DDP_BUCKET_BYTES = 25 * 2**20  # zeropp.ddp's gradient buckets
 STEP_ALL_REDUCES = 2  # a training step's own collectives: its token counts and its loss (trainer.loop.train_step)
 DELTA_BITS = 8  # qwZ deltas' forward weights: closer to the masters than int8 qwZ's (docs/zeropp.md)
 VOCAB_PROBED = 8192  # the compute probe's one-block model has at most this vocabulary (scaled up from there)
@@ -237,11 +239,28 @@ def _reducer(cfg: ZeroConfig, comm):
     return Zero3Engine._build_reducer(engine)
 
 
-def _collectives(units, groups, held, mesh, cfg, backend, micro_batches) -> dict[str, int]:
+def _collectives(units, groups, held, mesh, cfg, backend, micro_batches, tags=None) -> dict[str, int]:
+    """Collectives per link level of a step (of its `tags` only, where given)."""
     counting = _CountingComm(mesh, cfg.node_aware_collectives, backend)
     counted = predicted_step_bytes(units, groups, held, counting, _reducer(cfg, counting), micro_batches)
+    counted = {tag: v for tag, v in counted.items() if tags is None or tag in tags}
     return {"intra_node": sum(v["sent"] for v in counted.values()),
             "inter_node": sum(v["cross_node_sent"] for v in counted.values())}
+
+
+EXPOSED_TAGS = ("forward gather", REDUCE_TAG)
+
+
+def _exposed(units, groups, held, reducer, mesh, cfg, backend) -> tuple[dict, dict[str, int]]:
+    """(bytes by tag, collectives per level) that no compute can hide: the forward waits for the gathers of
+    the resident units (embeddings, norms) and of the first block group, the optimizer step for their
+    gradients' reduction (block 0 is the backward's last): one pass' worth."""
+    first = {id(u) for u in groups[0]} if groups else set()
+    blocks = {id(u) for g in groups for u in g}
+    edge = {name: u for name, u in units.items() if id(u) in first or id(u) not in blocks}
+    step = predicted_step_bytes(edge, groups, held, reducer.comm, reducer, 1)
+    return ({tag: v for tag, v in step.items() if tag in EXPOSED_TAGS},
+            _collectives(edge, groups, held, mesh, cfg, backend, 1, EXPOSED_TAGS))
 
 
 def _codec_elements(units, groups, held, cfg: ZeroConfig, micro_batches: int, nodes: int) -> int:
@@ -264,9 +283,10 @@ def _codec_elements(units, groups, held, cfg: ZeroConfig, micro_batches: int, no
     return total
 
 
-def _ddp_on_paper(model: nn.Module, probes: Probes) -> tuple[dict, dict, dict[str, int]]:
+def _ddp_on_paper(model: nn.Module, probes: Probes) -> tuple[dict, dict, dict[str, int], tuple]:
     """DDP's step bytes (one fp32 all-reduce of the gradients, Comm.record_all_reduce's ring
-    volume; its buckets' rounding left out), collectives (25 MB buckets) and model states."""
+    volume; its buckets' rounding left out), collectives (25 MB buckets), model states and what of
+    the step's communication is exposed (`_exposed`'s)."""
     params = list(model.parameters())
     n_all, trainable = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
     mesh = paper_mesh(probes.world_size, probes.ranks_per_node)
@@ -274,12 +294,15 @@ def _ddp_on_paper(model: nn.Module, probes: Probes) -> tuple[dict, dict, dict[st
     grads = 4 * trainable
     step = {"gradient reduce": {"sent": 2 * (n - 1) * grads // n, "cross_node_sent": 2 * remote * grads // n}} \
         if n > 1 else {}
-    buckets = -(-grads // (25 * 2**20)) if n > 1 else 0
+    buckets = -(-grads // DDP_BUCKET_BYTES) if n > 1 else 0
     collectives = {"intra_node": buckets * (mesh.ranks_per_node > 1), "inter_node": buckets * (remote > 0)}
     states = {"weights": 4 * n_all, "gradients": grads, "optimizer states": 2 * grads}
     if n > 1:
         states["gradient buckets"] = grads
-    return step, collectives, states
+    # the last bucket's all-reduce (the first layers' gradients, made last) has no backward left to hide behind
+    last = min(grads, DDP_BUCKET_BYTES) / grads if grads else 0
+    exposed = {tag: {k: int(v * last) for k, v in volume.items()} for tag, volume in step.items()}
+    return step, collectives, states, (exposed, {level: int(c > 0) for level, c in collectives.items()})
 
 
 def price(model: nn.Module, probes: Probes, micro_batches: int = 1, memory=None,
@@ -294,7 +317,7 @@ def price(model: nn.Module, probes: Probes, micro_batches: int = 1, memory=None,
     out, meta_copy = [], None
     for name, cfg in candidates(base or ZeroConfig(stage=3)).items():
         if cfg.stage == 0:
-            step, collectives, states = _ddp_on_paper(model, probes)
+            step, collectives, states, exposed = _ddp_on_paper(model, probes)
             buffers, codec = 0, 0
             stepped = [p.numel() for p in model.parameters() if p.requires_grad]
         else:
@@ -309,26 +332,35 @@ def price(model: nn.Module, probes: Probes, micro_batches: int = 1, memory=None,
                           .values())
             codec = _codec_elements(units, groups, held, cfg, micro_batches, mesh.num_nodes) * probes.codec_seconds
             collectives = _collectives(units, groups, held, mesh, cfg, probes.backend, micro_batches)
-        # the step's own all-reduces, and a sharded runtime's of the gradient norm, on every level with peers
-        own = STEP_ALL_REDUCES + (cfg.stage > 0)
-        collectives = {level: n + own * (probes.bandwidth[level] < math.inf) for level, n in collectives.items()}
-        cross = sum(v["cross_node_sent"] for v in step.values())
-        intra = sum(v["sent"] for v in step.values()) - cross
+            exposed = _exposed(units, groups, held, reducer, mesh, cfg, probes.backend)
+        # the step's own all-reduces, and a sharded runtime's of the gradient norm, on every level with peers:
+        # between passes or after the last reduction, nothing hides them
+        own = {level: (STEP_ALL_REDUCES + (cfg.stage > 0)) * (probes.bandwidth[level] < math.inf) for level in LEVELS}
+        collectives = {level: collectives[level] + own[level] for level in LEVELS}
+        exposed = exposed[0], {level: exposed[1][level] + own[level] for level in LEVELS}
         optimizer = probes.optimizer_seconds * sum(stepped) + probes.optimizer_tensor_seconds * len(stepped)
         work = compute + codec + optimizer
         terms = {"compute": compute, "codec": codec, "optimizer": optimizer,
-                 "intra_node": intra / probes.bandwidth["intra_node"],
-                 "inter_node": cross / probes.bandwidth["inter_node"],
-                 "latency": sum(collectives[level] * probes.latency[level] for level in LEVELS),
+                 **_wire_seconds(step, collectives, probes),
+                 "exposed": sum(_wire_seconds(*exposed, probes).values()),  # of the three before
                  # k collectives cut the work into k pieces; after each a rank waits jitter x sqrt(work / k)
                  "skew": probes.jitter * math.sqrt(max(collectives.values()) * work)}
         comm = terms["intra_node"] + terms["inter_node"] + terms["latency"]
-        hidden = probes.overlap * min(compute + codec, comm) if cfg.overlap_comm else 0.0
+        hidden = probes.overlap * min(compute + codec, comm - terms["exposed"]) if cfg.overlap_comm else 0.0
         # the optimizer steps after the last reduction: nothing to hide behind; nor is waiting for the slowest rank
         seconds = compute + codec + comm - hidden + optimizer + terms["skew"]
         out.append(Cost(name, cfg, step, collectives, weight_bits(cfg, has_frozen), memory(cfg, states, buffers), terms,
                         seconds, states, buffers))
     return out
+
+
+def _wire_seconds(step: dict[str, dict[str, int]], collectives: dict[str, int], probes: Probes) -> dict[str, float]:
+    """Seconds on the wire by level ('sent' less 'cross_node_sent' inside the node, 'cross_node_sent' across) and
+    the collectives' latency."""
+    cross = sum(v["cross_node_sent"] for v in step.values())
+    intra = sum(v["sent"] for v in step.values()) - cross
+    return {"intra_node": intra / probes.bandwidth["intra_node"], "inter_node": cross / probes.bandwidth["inter_node"],
+            "latency": sum(collectives[level] * probes.latency[level] for level in LEVELS)}
 
 
 def price_step(trained: list[tuple[nn.Module, int, int]], probes: Probes, memory=None,

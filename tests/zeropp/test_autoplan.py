@@ -301,18 +301,40 @@ def test_the_compute_probe_times_the_block_apart_from_the_rest():
 
 
 def test_the_probed_overlap_hides_the_shorter_of_compute_and_communication():
-    """Fully overlapped, a step costs the longer of compute (+ codec) and communication; with no
-    overlap their sum; the optimizer is added either way; a config without overlap_comm hides
-    nothing whatever the probe says. At 100 Mbit/s some candidates are wire-bound, some not."""
+    """Fully overlapped, a step costs the longer of compute (+ codec) and the communication that can hide
+    (all but the exposed part), plus the exposed part; with no overlap their sum; the optimizer is added either
+    way; a config without overlap_comm hides nothing whatever the probe says. At 100 Mbit/s some candidates are
+    wire-bound, some not."""
     for overlap in (0.0, 0.5, 1.0):
         probes = dataclasses.replace(_probes(100 * MBIT), overlap=overlap)
         for base in (BASE, dataclasses.replace(BASE, overlap_comm=False)):
             for c in price(_model(), probes, base=base):
                 work = c.terms["compute"] + c.terms["codec"]
                 comm = c.terms["intra_node"] + c.terms["inter_node"] + c.terms["latency"]
-                hidden = overlap * min(work, comm) if c.config.overlap_comm else 0.0
+                assert 0 < c.terms["exposed"] < comm or c.name == "DDP", c.name
+                hidden = overlap * min(work, comm - c.terms["exposed"]) if c.config.overlap_comm else 0.0
                 assert c.step_seconds == pytest.approx(work + comm - hidden + c.terms["optimizer"]), c.name
                 assert c.terms["optimizer"] > 0 and c.terms["compute"] == pytest.approx(4 * 2e-3 + 1e-3)
+
+
+def test_only_the_edges_of_a_step_are_exposed():
+    """What no compute hides is the resident units' and the first block's gathers and reductions (and the
+    step's own all-reduces): the same for a model of 4 blocks and of 8, whose communication doubles in the
+    blocks. DDP's one bucket is reduced after the whole backward: all of it is exposed."""
+    probes = _probes(100 * MBIT)
+    deeper = _model()
+    with torch.device("meta"):
+        deeper = Transformer(ModelConfig.from_preset("llama-tiny", n_layer=8))
+    four, eight = ({c.name: c for c in price(m, probes, base=BASE)} for m in (_model(), deeper))
+
+    def comm(c):
+        return c.terms["intra_node"] + c.terms["inter_node"] + c.terms["latency"]
+    for name, c in four.items():
+        if name == "DDP":
+            assert c.terms["exposed"] == pytest.approx(comm(c))
+        else:
+            assert eight[name].terms["exposed"] == pytest.approx(c.terms["exposed"], rel=1e-3), name  # (padding)
+            assert comm(eight[name]) - eight[name].terms["exposed"] > 2 * (comm(c) - c.terms["exposed"]), name
 
 
 def test_a_resume_on_the_same_machine_keeps_its_plan():
