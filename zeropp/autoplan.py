@@ -16,8 +16,9 @@ are exactly what its runtime would predict. Step time = compute + codec work + c
 - overlap x the shorter of the two + the optimizer step + the skew, where communication = 'sent'
 minus 'cross_node_sent' at the intra-node bandwidth + 'cross_node_sent' at the inter-node
 bandwidth + one latency per collective and link level (the step's own all-reduces counted too),
-the overlap is probed (0 without overlap_comm), and the skew is the waiting for the slowest rank
-at each of the k collectives: k x jitter x sqrt(work / k).
+the overlap is probed (0 without overlap_comm) and hides nothing of the exposed communication
+(the gathers the forward starts with, the reductions the optimizer waits for), and the skew is
+the waiting for the slowest rank at each of the k collectives: k x jitter x sqrt(work / k).
 Memory is the trainer's predicted peak (passed in as `memory`) of the candidate's model states
 and buffers.
 """
@@ -102,7 +103,9 @@ class Cost:
     collectives: dict[str, int]  # level -> collectives per step that touch it
     weight_bits: int  # of the weights the forward computes with
     memory_bytes: int
-    terms: dict[str, float]  # compute, codec, optimizer, intra_node, inter_node, latency, skew (seconds per step)
+    # seconds per step: compute, codec, optimizer, intra_node, inter_node, latency, exposed (of the three before),
+    # skew
+    terms: dict[str, float]
     step_seconds: float
     states: dict[str, int] = field(default_factory=dict)  # model states by kind (what memory_bytes is made of)
     buffers: int = 0  # and the preallocated buffers
@@ -479,9 +482,9 @@ def _link(comm: Comm, level: str, device: torch.device, reps: int) -> tuple[floa
     """(bytes/s sent, seconds per collective) of an all-gather over `level`'s group, from the times at a small
     chunk (the latency) and a large one (the slope between them). The large chunk grows (at least 4x at a time,
     to where the slope so far says) until its time is at least LINK_SIGNAL times the small one's, so the slope
-    is the wire's and not noise, whatever the link. Every rank is in one group of each level and the times are agreed by a MAX all-reduce: all ranks grow
-    the chunk alike. Only the small chunk is warmed up (the group's connections); the large one's first run,
-    which may ride a shaped link's token bucket, is outvoted by the median."""
+    is the wire's and not noise, whatever the link. Every rank is in one group of each level and the times are
+    agreed by a MAX all-reduce: all ranks grow the chunk alike. Only the small chunk is warmed up (the group's
+    connections); the large one's first run, which may ride a shaped link's token bucket, is outvoted by the median."""
     n = comm.mesh.size(level)
     if n == 1:
         return math.inf, 0.0
@@ -554,9 +557,9 @@ def _rng_kept(device: torch.device):
 
 def probe(mesh: Mesh | None, device: torch.device, compute: ComputeProbe) -> Probes:
     """Measure this machine (every rank calls it, in the same order): the links per level on `mesh`'s groups,
-    the compute (`compute`'s runs), the optimizer, the codec and the memory; reduced over the world (MAX of
-    times, MIN of bandwidth, overlap and memory) so all ranks agree. mesh None: one process without a process
-    group, no link to measure."""
+    the compute (`compute`'s runs), the jitter, the optimizer, the codec and the memory; reduced over the world
+    (MAX of times, MIN of bandwidth, overlap and memory, the mean jitter) so all ranks agree. mesh None: one process
+    without a process group, no link to measure."""
     comm = Comm(mesh) if mesh is not None else None
     together = comm.barrier if comm else None
     try:
