@@ -12,13 +12,15 @@ decides alone.
 
 Cost model (`price`): a candidate's bytes per step are `zeropp.plan.predicted_step_bytes` of
 its units, built on the meta device on a mesh on paper (no process group, no memory), so they
-are exactly what its runtime would predict. Step time = compute + codec work + communication
-- overlap x the shorter of the two + the optimizer step + the skew, where communication = 'sent'
-minus 'cross_node_sent' at the intra-node bandwidth + 'cross_node_sent' at the inter-node
-bandwidth + one latency per collective and link level (the step's own all-reduces counted too),
-the overlap is probed (0 without overlap_comm) and hides nothing of the exposed communication
-(the gathers the forward starts with, the reductions the optimizer waits for), and the skew is
-the waiting for the slowest rank at each of the k collectives: k x jitter x sqrt(work / k).
+are exactly what its runtime would predict. Step time = compute + codec work + the optimizer
+step + the longer of the visible communication and the skew. Communication = 'sent' minus
+'cross_node_sent' at the intra-node bandwidth + 'cross_node_sent' at the inter-node bandwidth
++ one latency per collective and link level (the step's own all-reduces counted too); visible
+is what overlap x the shorter of it and compute leaves (the overlap is probed, 0 without
+overlap_comm, and hides nothing of the exposed communication: the gathers the forward starts
+with, the reductions the optimizer waits for). The skew is the waiting for the slowest rank at
+each of the k collectives, k x jitter x sqrt(work / k): a rank waits for the slowest and for the
+wire at the same collectives, so the step pays the longer of the two, not their sum.
 Memory is the trainer's predicted peak (passed in as `memory`) of the candidate's model states
 and buffers.
 """
@@ -104,7 +106,7 @@ class Cost:
     weight_bits: int  # of the weights the forward computes with
     memory_bytes: int
     # seconds per step: compute, codec, optimizer, intra_node, inter_node, latency, exposed (of the three before),
-    # skew
+    # hidden (of them, behind compute), skew
     terms: dict[str, float]
     step_seconds: float
     states: dict[str, int] = field(default_factory=dict)  # model states by kind (what memory_bytes is made of)
@@ -345,13 +347,14 @@ def price(model: nn.Module, probes: Probes, micro_batches: int = 1, memory=None,
         work = compute + codec + optimizer
         terms = {"compute": compute, "codec": codec, "optimizer": optimizer,
                  **_wire_seconds(step, collectives, probes),
-                 "exposed": sum(_wire_seconds(*exposed, probes).values()),  # of the three before
-                 # k collectives cut the work into k pieces; after each a rank waits jitter x sqrt(work / k)
-                 "skew": probes.jitter * math.sqrt(max(collectives.values()) * work)}
+                 "exposed": sum(_wire_seconds(*exposed, probes).values())}  # of the three before
         comm = terms["intra_node"] + terms["inter_node"] + terms["latency"]
-        hidden = probes.overlap * min(compute + codec, comm - terms["exposed"]) if cfg.overlap_comm else 0.0
-        # the optimizer steps after the last reduction: nothing to hide behind; nor is waiting for the slowest rank
-        seconds = compute + codec + comm - hidden + optimizer + terms["skew"]
+        terms["hidden"] = probes.overlap * min(compute + codec, comm - terms["exposed"]) if cfg.overlap_comm else 0.0
+        # k collectives cut the work into k pieces; after each a rank waits jitter x sqrt(work / k)
+        terms["skew"] = probes.jitter * math.sqrt(max(collectives.values()) * work)
+        # the optimizer steps after the last reduction: nothing to hide behind; a rank waits for the slowest rank
+        # and for the wire at the same collectives: the longer of the two
+        seconds = compute + codec + optimizer + max(comm - terms["hidden"], terms["skew"])
         out.append(Cost(name, cfg, step, collectives, weight_bits(cfg, has_frozen), memory(cfg, states, buffers), terms,
                         seconds, states, buffers))
     return out
@@ -704,11 +707,12 @@ def auto_plan(trained: list[tuple[nn.Module, int, int]], rows: int, seq_len: int
 # ----------------------------------------------------------------------------- the checkpoint
 
 def plan_state(plan: Plan, probes: Probes) -> dict:
-    """What state.json keeps of a plan: the choice, its prediction, every candidate's, and the machine it was
-    made on."""
+    """What state.json keeps of a plan: the choice, its prediction, every candidate's (and by term), and the
+    machine it was made on."""
     return {"chosen": plan.chosen.name, "config": dataclasses.asdict(plan.chosen.config),
             "step_seconds": plan.chosen.step_seconds, "memory_bytes": plan.chosen.memory_bytes,
-            "machine": probes.fingerprint(), "predicted": {c.name: c.step_seconds for c in plan.costs}}
+            "machine": probes.fingerprint(), "predicted": {c.name: c.step_seconds for c in plan.costs},
+            "terms": {c.name: c.terms for c in plan.costs}}
 
 
 def reuse(saved: dict | None, probes: Probes) -> tuple[ZeroConfig | None, str]:
