@@ -3,9 +3,10 @@
 A model too big for one rank is built on the meta device (shapes only, no storage); a
 sharded runtime then asks a weight source for just the slices this rank keeps
 (`read(name, start, end)`: elements [start, end) of the flattened parameter), and a
-replicated one materializes the model from it, one parameter at a time. Two sources:
-`InitWeights` (a fresh model: `Transformer.init_parameter`) and `models.hf.HFCheckpointWeights`
-(a Hugging Face checkpoint read slice by slice). Parameters that are not on the meta device
+replicated one materializes the model from it, one parameter at a time. Three sources:
+`InitWeights` (a fresh model: `Transformer.init_parameter`), `StateDictWeights` (tensors in
+memory, e.g. a runtime's gathered weights) and `models.hf.HFCheckpointWeights` (a Hugging Face
+checkpoint read slice by slice). Parameters that are not on the meta device
 (e.g. LoRA adapters made in memory) are their own source.
 """
 
@@ -34,6 +35,20 @@ class InitWeights:
         values = torch.empty(self.shapes[name], dtype=torch.float32)
         self.model.init_parameter(name, values)
         return values.reshape(-1)[start:end]
+
+
+class StateDictWeights:
+    """Weights already in memory by parameter name (a state dict; a tied weight under any of its names):
+    a copy of a model built from them pays no initialization it then overwrites."""
+
+    def __init__(self, state: dict[str, torch.Tensor], what: str):
+        self.state, self.what = state, what
+
+    def read(self, name: str, start: int, end: int) -> torch.Tensor:
+        if name not in self.state:
+            raise KeyError(f"{self.what} has no weight {name!r} (it has {len(self.state)}, e.g. "
+                           f"{sorted(self.state)[:4]})")
+        return self.state[name].reshape(-1)[start:end]
 
 
 def parameter_aliases(model: nn.Module) -> dict[int, list[tuple[nn.Module, str, str]]]:

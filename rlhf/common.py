@@ -21,7 +21,7 @@ from models.config import ModelConfig
 from models.hf import hf_model_on_meta, save_hf_checkpoint
 from models.lora import adapters_disabled, apply_lora, merge_lora
 from models.transformer import Transformer, score_model_from
-from models.weights import WeightSource
+from models.weights import StateDictWeights, WeightSource, materialize
 from rlhf.config import RLHFConfig
 from rlhf.losses import token_logprobs
 from trainer.activation_checkpointing import apply_activation_checkpointing
@@ -164,13 +164,12 @@ class ModelRuntime:
     def full_model(self, weights: dict[str, torch.Tensor] | None = None) -> Transformer:
         """A plain copy of the model, adapters merged, with `weights` (runtime.rollout_weights' or
         full_state_dict's names; None: the current masters, full_state_dict); every rank calls it."""
-        model = Transformer(self.config).to(self.env.device)
-        if self.lora is not None:
-            apply_lora(model, self.lora.targets, self.lora.r, self.lora.alpha)
-        missing, _ = model.load_state_dict(self.runtime.full_state_dict() if weights is None else weights, strict=False)
-        if missing:  # (more names are fine: a tied weight comes under each of its names)
-            raise RuntimeError(f"{self.name}: the runtime's weights lack {missing[:4]}")
-        return merge_lora(model)
+        with torch.device("meta"):  # built on no storage: every parameter comes from the weights
+            model = Transformer(self.config)
+            if self.lora is not None:
+                apply_lora(model, self.lora.targets, self.lora.r, self.lora.alpha)
+        state = self.runtime.full_state_dict() if weights is None else weights
+        return merge_lora(materialize(model, StateDictWeights(state, f"{self.name}'s runtime"), self.env.device))
 
     def export(self, path: Path, tokenizer_dir: str | Path | None, tokenizer: Tokenizer | None) -> None:
         """Write the current weights as a Hugging Face directory (every rank calls it)."""

@@ -5,7 +5,6 @@ under <out_dir>/<stage>/checkpoints, the log under <out_dir>/<stage>, the ledger
 from __future__ import annotations
 
 import dataclasses
-import time
 from pathlib import Path
 from typing import Sequence
 
@@ -63,15 +62,14 @@ class RLHFStage(Stage):
     def _auto_plan(self) -> None:
         """trainer.loop.plan_zero_optimization over what the stage trains; every model of the stage is built
         with the choice."""
-        cfg, started = self.cfg, time.perf_counter()
+        cfg = self.cfg
         trained, rows, checkpointed = self.trained()
         zero, self.plan, lines = plan_zero_optimization(
             trained, rows, cfg.data.max_len, cfg.zero_optimization, cfg.plan, cfg.train.precision, self.env.device,
             checkpointed, baseline_bytes(trained[0][0].config, cfg.train.precision, self.env.device), cfg.data.packing,
             self.ckpt.resume_path())
         self.cfg = self.ckpt.cfg = dataclasses.replace(cfg, zero_optimization=zero)
-        unpriced = f"; not priced: {self.unpriced}" if self.unpriced else ""
-        self.plan_lines = lines + [f"plan: probed and planned in {time.perf_counter() - started:.2f} s{unpriced}"]
+        self.plan_lines = lines[:-1] + [lines[-1] + (f"; not priced: {self.unpriced}" if self.unpriced else "")]
         self.plan_check = StepTimeCheck(self.plan["step_seconds"], cfg.plan.check_after_steps,
                                         scope=f"{self.priced}, timed alone" if self.unpriced else "")
 

@@ -241,7 +241,6 @@ class Trainer:
             started = time.perf_counter()
             self._auto_plan()
             self.plan_seconds = time.perf_counter() - started
-            self.notes.append(f"plan: probed and planned in {self.plan_seconds:.2f} s")
         # DiLoCo: the runtime over its site's ranks only (zeropp.diloco); the default builder's keyword,
         # so the benchmarks' builders see it only where DiLoCo is on.
         sites = {"site_size": cfg.diloco.site_size or ranks_per_node_from_env(self.env.world_size)} \

@@ -50,7 +50,7 @@ from zeropp.plan import build_units, predicted_step_bytes, rotating_buffer_count
 from zeropp.plan import model_state_bytes as unit_state_bytes
 from zeropp.reducers import TAG as REDUCE_TAG
 from zeropp.runtime import Timings
-from zeropp.topology import Mesh, _blocks, build_mesh
+from zeropp.topology import Mesh, _blocks, build_mesh, ranks_per_node_from_env
 
 LEVELS = ("intra_node", "inter_node")
 PROBE_BYTES = (2**12, 2**18)  # the all-gather chunks per rank: latency from the first, the slope from there to
@@ -91,8 +91,16 @@ class Probes:
     jitter: float = 0.0
 
     def fingerprint(self) -> dict:
-        """What must match for a stored plan to be reused (a resume on the same machine)."""
-        return {"world_size": self.world_size, "ranks_per_node": self.ranks_per_node, "device": self.device}
+        return fingerprint(self.world_size, self.ranks_per_node, self.device)
+
+
+def fingerprint(world_size: int, ranks_per_node: int, device: str) -> dict:
+    """What must match for a stored plan to be reused (a resume on the same machine): known before any probe."""
+    return {"world_size": world_size, "ranks_per_node": ranks_per_node, "device": device}
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 @dataclass
@@ -595,7 +603,7 @@ def probe(mesh: Mesh | None, device: torch.device, compute: ComputeProbe) -> Pro
         if comm:
             comm.close()
     v = local.tolist()
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    name = device_name(device)
     backend = comm.backend if comm else "nccl" if device.type == "cuda" else "gloo"
     return Probes(mesh.world_size if mesh else 1, mesh.ranks_per_node if mesh else 1, name, backend,
                   {level: 1 / v[2 * i] if v[2 * i] else math.inf for i, level in enumerate(LEVELS)},
@@ -688,20 +696,25 @@ def auto_plan(trained: list[tuple[nn.Module, int, int]], rows: int, seq_len: int
     (the compute probe runs the first model's block at `rows` x `seq_len`), reuse `saved` (a resumed
     checkpoint's plan) when it was made on this machine, else price the step and choose under `settings`'
     constraints, among the candidates of `stage` where a checkpoint fixes it. -> (the zero_optimization to
-    build, the plan a checkpoint keeps, the lines to log before the first step). PlanError: nothing fits."""
+    build, the plan a checkpoint keeps, the lines to log before the first step, the last saying how long it
+    took). PlanError: nothing fits. A plan reused is not probed for: the machine's fingerprint needs no probe,
+    and every rank reads the same checkpoint, so all skip alike."""
+    started = time.perf_counter()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    here = fingerprint(world, min(base.ranks_per_node or ranks_per_node_from_env(world), world), device_name(device))
+    config, note = reuse(saved, here)
+    if config is not None:
+        return config, saved, [note, f"plan: read in {time.perf_counter() - started:.2f} s, nothing probed"]
     mesh = build_mesh(ranks_per_node=base.ranks_per_node, thread_groups=False) if dist.is_initialized() else None
     try:
         probes = probe(mesh, device, ComputeProbe(trained[0][0], rows, seq_len, device, dtype))
     finally:
         if mesh is not None:
             mesh.close()
-    config, note = reuse(saved, probes)
-    lines = [note] if note else []  # reused or re-planned, first
-    if config is not None:
-        return config, saved, lines
     plan = choose(price_step(trained, probes, memory, base), settings.min_weight_bits,
                   int(settings.memory_cap_gb * 2**30) or probes.memory_bytes, stage)
-    return plan.chosen.config, plan_state(plan, probes), lines + plan.lines()
+    return plan.chosen.config, plan_state(plan, probes), ([note] if note else []) + plan.lines() + [
+        f"plan: probed and planned in {time.perf_counter() - started:.2f} s"]
 
 
 # ----------------------------------------------------------------------------- the checkpoint
@@ -715,15 +728,15 @@ def plan_state(plan: Plan, probes: Probes) -> dict:
             "terms": {c.name: c.terms for c in plan.costs}}
 
 
-def reuse(saved: dict | None, probes: Probes) -> tuple[ZeroConfig | None, str]:
-    """(the stored plan's config, what to log) where a checkpoint's plan was made on this machine
+def reuse(saved: dict | None, machine: dict) -> tuple[ZeroConfig | None, str]:
+    """(the stored plan's config, what to log) where a checkpoint's plan was made on this `machine`
     (the same fingerprint); (None, why) where it must be planned anew."""
     if saved is None:
         return None, ""
-    if saved["machine"] == probes.fingerprint():
+    if saved["machine"] == machine:
         return stored_config(saved), (f"plan: {saved['chosen']} reused from the checkpoint (same machine: "
                                       f"{saved['machine']})")
-    return None, f"plan: the machine changed ({saved['machine']} -> {probes.fingerprint()}): re-planned"
+    return None, f"plan: the machine changed ({saved['machine']} -> {machine}): re-planned"
 
 
 class StepTimeCheck:

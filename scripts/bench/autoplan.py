@@ -10,9 +10,10 @@ configuration in turn (`--worker`), so the cell pays torch's start-up once. The 
 then the run with `--plan.auto true` and nothing else chosen. Measured: the median step time after the
 warm-up of each run; the auto run's predicted step time (A3) and the seconds its probes and planning took (A4).
 A1 compares auto with the fastest hand configuration its fidelity floor allows (plan.min_weight_bits 8: no
-int4 weights), both measured anew in a second launch, best-auto-auto-best (the sweep picked the best as the
-fastest of nine noisy runs: its sweep time is biased low); A2 compares the sweep's auto run with plain ZeRO-3
-(`--zero_optimization.stage 3`).
+int4 weights), A2 with plain ZeRO-3 (`--zero_optimization.stage 3`), all three measured anew in a second launch,
+best-auto-ZeRO-3-ZeRO-3-auto-best (the sweep picked the best as the fastest of nine noisy runs: its sweep time is
+biased low; one run against one is the machine's noise against its noise). A3 and A4 use every auto run of the
+cell (three: each probes and plans anew).
 """
 
 from __future__ import annotations
@@ -158,7 +159,10 @@ def run(args, progress=print) -> dict:
     return result
 
 
-REPEAT = ("best", AUTO, AUTO, "best")  # A1's second launch per cell: the sweep's best and auto in ABBA order
+BASELINE = "ZeRO-3"  # A2's: plain ZeRO-3 defaults
+# the second launch per cell: the sweep's best, auto and plain ZeRO-3 measured anew side by side, each at the same
+# mean position (best-auto-ZeRO-3-ZeRO-3-auto-best; best-auto-auto-best where the best is ZeRO-3)
+REPEAT = ("best", AUTO, BASELINE, BASELINE, AUTO, "best")
 
 
 def best_allowed(rows: list[dict], bits: dict[str, int]) -> dict | None:
@@ -168,14 +172,15 @@ def best_allowed(rows: list[dict], bits: dict[str, int]) -> dict | None:
 
 
 def repeat_configs(rows: list[dict], configs: dict[str, list[str]], bits: dict[str, int]) -> dict[str, list[str]]:
-    """A1's repeat: the sweep's best and auto again, best-auto-auto-best. The best's own sweep time is the
-    fastest of nine noisy runs, biased low; measured anew beside auto it is not. Nothing where auto or every
-    allowed run failed."""
+    """A1's and A2's repeat: the sweep's best, auto and plain ZeRO-3 again (REPEAT's order). The best's own sweep
+    time is the fastest of nine noisy runs, biased low, and one run of each is noise against noise; measured anew
+    twice each, side by side, they are not. Nothing where auto or every allowed run failed."""
     best = best_allowed(rows, bits)
     if best is None or not any(r["name"] == AUTO and r["ok"] for r in rows):
         return {}
-    return {f"repeat {i + 1}: {best['name'] if who == 'best' else AUTO}":
-            configs[best["name"] if who == "best" else AUTO] for i, who in enumerate(REPEAT)}
+    order = [best["name"] if who == "best" else who for who in REPEAT
+             if not (who == BASELINE and best["name"] == BASELINE)]
+    return {f"repeat {i + 1}: {name}": configs[name] for i, name in enumerate(order)}
 
 
 def repeated(rows: list[dict], who: str) -> list[float]:
@@ -195,30 +200,39 @@ def cell_words(rows: list[dict], bits: dict[str, int]) -> str:
 
 
 def cells(result: dict) -> list[dict]:
-    """A1-A4 per cell: auto's step time against the fastest allowed hand configuration and plain ZeRO-3, its
-    prediction against its measurement, its planning time in steps."""
+    """A1-A4 per cell: auto's step time against the fastest allowed hand configuration and plain ZeRO-3 (both from
+    the repeat, where it ran), its prediction against its measurement and its planning time in steps (over every
+    auto run of the cell: each probes and plans anew)."""
     bits, out = result.get("weight_bits", {}), []
     keys = dict.fromkeys((r["setting"], r["model"], r["micro_batch"]) for r in result["rows"])
     for key in keys:
         here = [r for r in result["rows"] if (r["setting"], r["model"], r["micro_batch"]) == key]
         rows = {r["name"]: r for r in here if "repeat_of" not in r}
-        auto, zero3, best = rows.get(AUTO), rows.get("ZeRO-3"), best_allowed(list(rows.values()), bits)
+        auto, zero3, best = rows.get(AUTO), rows.get(BASELINE), best_allowed(list(rows.values()), bits)
         cell = dict(zip(("setting", "model", "micro_batch"), key), ok=bool(auto and auto["ok"] and best))
         if cell["ok"]:
-            again = {who: repeated(here, who) for who in (AUTO, best["name"])}
-            if all(again.values()):  # A1 from the repeat, where it ran: both measured anew, side by side
+            again = {who: repeated(here, who) for who in (AUTO, best["name"], BASELINE)}
+            if again[AUTO] and again[best["name"]]:  # A1 from the repeat, where it ran: measured anew, side by side
                 cell.update(auto_again_ms=statistics.mean(again[AUTO]),
                             best_again_ms=statistics.mean(again[best["name"]]))
-            predicted_ms = auto["plan"]["step_seconds"] * 1e3
+            if again[AUTO] and again[BASELINE]:
+                cell.update(zero3_again_ms=statistics.mean(again[BASELINE]))
+            autos = [auto] + [r for r in here if r.get("repeat_of") == AUTO and r["ok"]]
+            measured = statistics.mean(r["step_ms"] for r in autos)
+            predicted_ms = statistics.mean(r["plan"]["step_seconds"] for r in autos) * 1e3
             same = rows.get(auto["plan"]["chosen"])  # the chosen configuration's own hand run: the run-to-run noise
             if same and same["ok"]:
                 cell.update(chosen_hand_ms=same["step_ms"], choice=same["step_ms"] / best["step_ms"])
+            if "zero3_again_ms" in cell:
+                a2 = cell["auto_again_ms"] / cell["zero3_again_ms"]
+            else:
+                a2 = auto["step_ms"] / zero3["step_ms"] if zero3 and zero3["ok"] else None
             cell.update(chosen=auto["plan"]["chosen"], auto_ms=auto["step_ms"], best=best["name"],
                         best_ms=best["step_ms"], a1_sweep=auto["step_ms"] / best["step_ms"],
                         a1=cell["auto_again_ms"] / cell["best_again_ms"] if "auto_again_ms" in cell else None,
-                        a2=auto["step_ms"] / zero3["step_ms"] if zero3 and zero3["ok"] else None,
-                        predicted_ms=predicted_ms, a3=predicted_ms / auto["step_ms"],
-                        plan_s=auto["plan_seconds"], a4=auto["plan_seconds"] * 1e3 / auto["step_ms"])
+                        a2=a2, auto_runs=len(autos), auto_mean_ms=measured, predicted_ms=predicted_ms,
+                        a3=predicted_ms / measured, plan_s=statistics.mean(r["plan_seconds"] for r in autos),
+                        a4=statistics.mean(r["plan_seconds"] for r in autos) * 1e3 / measured)
         out.append(cell)
     return out
 
@@ -239,7 +253,9 @@ COLUMNS = [("setting", "link", "{}"), ("model", "model", "{}"), ("micro_batch", 
            ("auto_again_ms", "repeat: auto ms", "{:.0f}"), ("best_again_ms", "repeat: best ms", "{:.0f}"),
            ("a1", "A1 repeat: auto / best (<= 1.05)", "{:.3f}"),
            ("chosen_hand_ms", "chosen, hand run ms", "{:.0f}"), ("choice", "chosen's hand run / best", "{:.3f}"),
-           ("a2", "A2 auto / ZeRO-3 (<= 1.0)", "{:.3f}"), ("predicted_ms", "predicted ms", "{:.0f}"),
+           ("zero3_again_ms", "repeat: ZeRO-3 ms", "{:.0f}"), ("a2", "A2 auto / ZeRO-3 (<= 1.0)", "{:.3f}"),
+           ("auto_runs", "auto runs", "{}"), ("auto_mean_ms", "auto, all runs ms", "{:.0f}"),
+           ("predicted_ms", "predicted ms", "{:.0f}"),
            ("a3", "A3 predicted / measured (±15%)", "{:.2f}"), ("plan_s", "plan s", "{:.2f}"),
            ("a4", "A4 plan / step (<= 3)", "{:.2f}")]
 
@@ -250,10 +266,11 @@ def markdown(result: dict) -> str:
     lines = [f"Setup: 2 emulated nodes x 2 ranks; {words}; 128 tokens per sequence; {plan['precision']} compute; "
              f"{plan['steps']} steps per run, the median of the last {plan['steps'] - plan['warmup']}. The hand sweep "
              f"is every configuration the planner prices; A1's best is the fastest at {FLOOR}-bit or wider weights "
-             f"(the planner's default floor), run again with auto in a second launch, best-auto-auto-best (the "
-             f"fastest of nine noisy runs is biased low; A1 is the mean of the two fresh auto runs over the mean of "
-             f"the two fresh best runs); A2's baseline `--zero_optimization.stage 3`; A2-A4 from the sweep's auto "
-             f"run.", ""]
+             f"(the planner's default floor), run again with auto and plain ZeRO-3 (`--zero_optimization.stage 3`, "
+             f"A2's baseline) in a second launch, best-auto-ZeRO-3-ZeRO-3-auto-best (the fastest of nine noisy runs "
+             f"is biased low, and one run against one is noise against noise; A1 and A2 are the means of the two "
+             f"fresh runs of each); A3 and A4 over every auto run of the cell (the sweep's and the repeat's, each "
+             f"probing and planning anew): the mean prediction over the mean measured step.", ""]
     cell_rows = cells(result) if result["rows"] else []
     lines += report.md_table(cell_rows, COLUMNS)
     for key, what in (("a1", "A1"), ("a2", "A2"), ("a3", "A3"), ("a4", "A4")):

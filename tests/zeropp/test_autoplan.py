@@ -352,11 +352,11 @@ def test_a_resume_on_the_same_machine_keeps_its_plan():
     saved = json.loads(json.dumps(plan_state(plan, slow)))
     fast = _probes(100_000 * MBIT)
     assert choose(price(_model(), fast, base=BASE), min_weight_bits=8).chosen.name != plan.chosen.name
-    kept, note = reuse(saved, fast)
+    kept, note = reuse(saved, fast.fingerprint())
     assert kept == plan.chosen.config and "reused" in note
-    replanned, note = reuse(saved, _probes(100 * MBIT, world=8))
+    replanned, note = reuse(saved, _probes(100 * MBIT, world=8).fingerprint())
     assert replanned is None and "machine changed" in note and "'world_size': 8" in note
-    assert reuse(None, fast) == (None, "")
+    assert reuse(None, fast.fingerprint()) == (None, "")
 
 
 def test_step_time_check_warns_on_a_large_miss():
@@ -378,7 +378,7 @@ def _train_with_log(rank, world, argv):
 @pytest.mark.slow
 def test_the_trainer_plans_logs_stores_and_reuses_its_plan(corpus, tmp_path):  # noqa: F811
     """2 nodes x 1 rank: the plan is logged before the first step and stored; a resume on the same
-    layout reuses it and repeats the run; on one process the run re-plans, keeping the
+    layout reuses it without probing and repeats the run; on one process the run re-plans, keeping the
     checkpoint's stage (its format)."""
     cache, auto = tmp_path / "cache", ("--plan.auto", "true", "--plan.check_after_steps", "2",
                                        "--zero_optimization.ranks_per_node", "1", "--train.micro_batch_size", "2",
@@ -395,6 +395,7 @@ def test_the_trainer_plans_logs_stores_and_reuses_its_plan(corpus, tmp_path):  #
     argv = tiny_args(corpus, tmp_path / "b", cache, *auto, "--resume", str(step2))
     resumed, log = run_ranks(_train_with_log, 2, args=(argv,), ranks_per_node=1)[0]
     assert f"plan: {state['plan']['chosen']} reused from the checkpoint" in log
+    assert "nothing probed" in log and "probed and planned" not in log  # the fingerprint needs no probe
     assert {s: resumed[s] for s in (3, 4)} == {s: losses[s] for s in (3, 4)}
 
     with contextlib.redirect_stdout(io.StringIO()) as out:
