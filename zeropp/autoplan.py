@@ -50,7 +50,7 @@ from zeropp.plan import build_units, predicted_step_bytes, rotating_buffer_count
 from zeropp.plan import model_state_bytes as unit_state_bytes
 from zeropp.reducers import TAG as REDUCE_TAG
 from zeropp.runtime import Timings
-from zeropp.topology import Mesh, _blocks, build_mesh, ranks_per_node_from_env
+from zeropp.topology import Mesh, _blocks, build_mesh, data_parallel_ranks_per_node
 
 LEVELS = ("intra_node", "inter_node")
 PROBE_BYTES = (2**12, 2**18)  # the all-gather chunks per rank: latency from the first, the slope from there to
@@ -701,7 +701,7 @@ def auto_plan(trained: list[tuple[nn.Module, int, int]], rows: int, seq_len: int
     and every rank reads the same checkpoint, so all skip alike."""
     started = time.perf_counter()
     world = dist.get_world_size() if dist.is_initialized() else 1
-    here = fingerprint(world, min(base.ranks_per_node or ranks_per_node_from_env(world), world), device_name(device))
+    here = fingerprint(world, data_parallel_ranks_per_node(base.ranks_per_node, world), device_name(device))
     config, note = reuse(saved, here)
     if config is not None:
         return config, saved, [note, f"plan: read in {time.perf_counter() - started:.2f} s, nothing probed"]

@@ -51,6 +51,12 @@ def ranks_per_node_from_env(world_size: int) -> int:
     return world_size
 
 
+def data_parallel_ranks_per_node(ranks_per_node: int | None, dp_world: int, tp: int = 1) -> int:
+    """DP ranks per node as build_mesh lays them out: `ranks_per_node`, else the launcher's (its ranks per node /
+    tp), at most the data-parallel world. Needs no process group: plan.auto's machine fingerprint is this."""
+    return min(ranks_per_node or max(1, ranks_per_node_from_env(dp_world * tp) // tp), dp_world)
+
+
 def world_timeout() -> timedelta | None:
     """The default group's collective timeout (init_process_group's), or None where it cannot be
     read: torch gives a new group its backend's default (30 minutes on gloo) unless told."""
@@ -186,8 +192,7 @@ def build_mesh(ranks_per_node: int | None = None, secondary_size: int | None = N
     if tp < 1 or site_size % tp:
         raise TopologyError(f"tensor parallel size {tp} does not divide the world size {site_size}")
     dp_world, tp_index = site_size // tp, me % tp
-    rpn = ranks_per_node or max(1, ranks_per_node_from_env(world) // tp)
-    rpn = min(rpn, dp_world)
+    rpn = data_parallel_ranks_per_node(ranks_per_node, dp_world, tp)
     if dp_world % rpn:
         raise TopologyError(f"ranks_per_node={rpn} does not divide the data-parallel world size {dp_world}")
     sec = secondary_size or rpn

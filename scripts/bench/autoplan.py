@@ -220,6 +220,7 @@ def cells(result: dict) -> list[dict]:
             autos = [auto] + [r for r in here if r.get("repeat_of") == AUTO and r["ok"]]
             measured = statistics.mean(r["step_ms"] for r in autos)
             predicted_ms = statistics.mean(r["plan"]["step_seconds"] for r in autos) * 1e3
+            plan_s = statistics.mean(r["plan_seconds"] for r in autos)
             same = rows.get(auto["plan"]["chosen"])  # the chosen configuration's own hand run: the run-to-run noise
             if same and same["ok"]:
                 cell.update(chosen_hand_ms=same["step_ms"], choice=same["step_ms"] / best["step_ms"])
@@ -231,8 +232,7 @@ def cells(result: dict) -> list[dict]:
                         best_ms=best["step_ms"], a1_sweep=auto["step_ms"] / best["step_ms"],
                         a1=cell["auto_again_ms"] / cell["best_again_ms"] if "auto_again_ms" in cell else None,
                         a2=a2, auto_runs=len(autos), auto_mean_ms=measured, predicted_ms=predicted_ms,
-                        a3=predicted_ms / measured, plan_s=statistics.mean(r["plan_seconds"] for r in autos),
-                        a4=statistics.mean(r["plan_seconds"] for r in autos) * 1e3 / measured)
+                        a3=predicted_ms / measured, plan_s=plan_s, a4=plan_s * 1e3 / measured)
         out.append(cell)
     return out
 
