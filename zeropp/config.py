@@ -54,6 +54,10 @@ class GradientCompression:
     error_dtype: Literal["fp32", "bf16"] = "fp32"
     # The common seed of the random directions (every rank draws the same ones).
     seed: int = 0
+    # Rounds of each unit (bucket) reduced exactly before compression starts: the steep first steps
+    # (the lr warm-up) uncompressed, as torch's PowerSGD (start_powerSGD_iter) and DeepSpeed's 1-bit
+    # Adam (freeze_step) do. 0: compressed from the first round. SEPARATE and G-SEPARATE.
+    warmup_rounds: int = 0
     # G-SEPARATE: every adapt_interval rounds a unit also runs one exact reduce and measures the
     # cosine similarity of its reconstructed and exact mean gradient; above target_cosine its
     # ratio doubles (up to max_ratio) and beta grows, below it the ratio halves (down to
@@ -77,8 +81,9 @@ class GradientCompression:
         if self.method == "powersgd":
             return f"PowerSGD rank {self.powersgd_rank}"
         feedback = f"error feedback beta {self.beta}, reset {self.reset_interval}" if self.beta else "no error feedback"
+        warmup = f", the first {self.warmup_rounds} rounds exact" if self.warmup_rounds else ""
         return (f"{'G-SEPARATE' if self.method == 'g-separate' else 'SEPARATE'} CR {self.ratio} "
-                f"({self.projection}, {self.reconstruction}, {feedback})")
+                f"({self.projection}, {self.reconstruction}, {feedback}{warmup})")
 
     def validate(self, stage: int) -> None:
         key = "zero_optimization.gradient_compression"
@@ -110,6 +115,9 @@ class GradientCompression:
                 f"reconstruction=contractive for the paper's beta 0.95")
         if self.reset_interval < 0:
             raise ZeroConfigError(f"{key}.reset_interval={self.reset_interval}: must be >= 0 (0: never reset)")
+        if self.warmup_rounds < 0:
+            raise ZeroConfigError(f"{key}.warmup_rounds={self.warmup_rounds}: must be >= 0 (0: compress from the "
+                                  f"first round)")
         if self.method == "g-separate":
             if self.reconstruction != "contractive":
                 raise ZeroConfigError(f"{key}.method=g-separate adapts beta in [0.90, 0.99], which needs "

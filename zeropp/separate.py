@@ -37,7 +37,7 @@ import torch
 
 from zeropp.comm import CallbackWork, Comm
 from zeropp.config import DTYPES, GradientCompression
-from zeropp.reducers import TAG, ErrorFeedback, GradientReducer
+from zeropp.reducers import TAG, ErrorFeedback, ExactReduceScatter, GradientReducer
 from zeropp.runtime import Timings
 
 _DRAW_NUMEL = 1 << 22  # Gaussian directions generated per draw (16 MB of fp32)
@@ -223,6 +223,15 @@ class Separate:
         """Whether the round about to run for `key` is one where G-SEPARATE measures the cosine."""
         return self.cfg.method == "g-separate" and (self.feedback.round(key) + 1) % self.cfg.adapt_interval == 0
 
+    def exact_round(self, key: str) -> bool:
+        """Whether the round about to run for `key` is one of its first `warmup_rounds`, reduced exactly:
+        if so it is counted here (compress() is not called for it), and nothing is lost, so the error
+        stays zero."""
+        if self.feedback.round(key) >= self.cfg.warmup_rounds:
+            return False
+        self.feedback.rounds[key] = self.feedback.round(key) + 1
+        return True
+
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -269,10 +278,13 @@ class ProjectedReduce(GradientReducer):
                  qgz: GradientReducer | None = None):
         self.comm, self.compressor, self.wire_dtype, self.timings = comm, compressor, wire_dtype, timings
         self.qgz = qgz  # zeropp.qgz.QuantizedReduce: when set, the projections go through it instead
+        self.exact = qgz or ExactReduceScatter(comm, wire_dtype)  # the warm-up rounds' reduce under ZeRO
         self.cosines: dict[str, float] = {}  # G-SEPARATE: each unit's (bucket's) last measured cosine
         self.notes: list[str] = []  # G-SEPARATE's adaptations, for the log (take_notes)
 
     def reduce(self, unit, shard, grad, async_op):
+        if self.compressor.exact_round(unit):  # warm-up: the runtime's own reduce (qgZ's, or the reduce-scatter)
+            return self.exact.reduce(unit, shard, grad, async_op)
         world, rank = self.comm.mesh.size("dp"), self.comm.mesh.group_rank("dp")
         exact = exact_work = None
         if self.compressor.adapt_round(unit):  # the raw gradient's exact mean, before e is added
@@ -311,6 +323,8 @@ class ProjectedReduce(GradientReducer):
     def all_reduce(self, key: str, buffer: torch.Tensor) -> torch.futures.Future:
         """DDP: replace `buffer` (a whole bucket, already divided) by the reconstruction of its sum
         over the ranks; returns the future DDP's comm hook hands back."""
+        if self.compressor.exact_round(key):  # warm-up: DDP's own all-reduce
+            return self.comm.all_reduce(buffer, tag=TAG, async_op=True).get_future().then(lambda _: buffer)
         exact = exact_work = None
         if self.compressor.adapt_round(key):
             exact = buffer.clone()

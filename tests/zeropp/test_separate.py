@@ -108,6 +108,7 @@ def test_g_separate_adapts_ratio_and_beta_within_bounds():
     (dict(method="g-separate", min_ratio=32, reconstruction="contractive"), "min_ratio"),
     (dict(method="g-separate"), "contractive"),
     (dict(method="separate", beta=0.95), "diverges"),  # the paper's beta with its unbiased reconstruction
+    (dict(method="separate", warmup_rounds=-1), "warmup_rounds=-1"),
 ])
 def test_invalid_settings_are_named(kw, match):
     with pytest.raises(ZeroConfigError, match=match):
@@ -242,6 +243,21 @@ def test_zero3_traffic_is_one_ratio_th_and_resume_is_bit_exact(tmp_path):
         assert max(abs(a - b) / b for a, b in zip(losses, ref_losses)) < 0.02
 
 
+def test_warmup_rounds_are_the_exact_reduce_then_compression_starts_and_resumes(tmp_path):
+    """warmup_rounds 3 on 2 x 2 ranks (bf16 wire): the first three rounds are ZeRO-3's own reduce-scatter,
+    so the losses up to step 4 (after three updates) are plain ZeRO-3's bit for bit and the first step moves
+    its bytes; from round 4 the gradient is projected; a run resumed after step 3 (its round counters saved)
+    starts compressing at the same round."""
+    plain = run_ranks(_train, 4, args=(GradientCompression(), 6, "bf16"), ranks_per_node=2)
+    warm = separate(ratio=8, block_size=256, warmup_rounds=3)
+    results = run_ranks(_train, 4, args=(warm, 6, "bf16", tmp_path / "ckpt"), ranks_per_node=2)
+    for (plain_losses, _, plain_first, *_), (losses, again, first_step, _, state, _, _) in zip(plain, results):
+        assert losses[:4] == plain_losses[:4] and losses[5] != plain_losses[5]
+        assert first_step["gradient reduce"] == plain_first["gradient reduce"]
+        assert again == losses[3:]
+        assert {int(v) for k, v in state.items() if k.endswith(".round")} == {6}
+
+
 def test_g_separate_measures_the_cosine_and_adapts_per_unit():
     """adapt_interval 2: every second round each unit also reduces exactly; with ratio 1 the
     reconstruction is the exact mean (cosine 1), at 16 it is far from it, and the ratios move; every
@@ -309,6 +325,17 @@ def test_ddp_hook_ratio_one_is_exact_and_resume_is_bit_exact(tmp_path):
         assert again == losses[3:]
         assert (tmp_path / "ckpt" / f"reducer_rank{rank:05d}.safetensors").is_file()  # ZeRO's file, too
         assert max(abs(a - b) / b for a, b in zip(losses, reference("gpt2-tiny", 6)[0])) < 0.02
+
+
+def test_ddp_warmup_rounds_all_reduce_exactly_then_compress():
+    """Under DDP the warm-up rounds are the bucket's plain all-reduce: the first two updates are plain DDP's
+    (losses 1-3 equal to its), the third is projected."""
+    plain = run_ranks(_ddp, 2, args=(GradientCompression(), 4))
+    warm = run_ranks(_ddp, 2, args=(separate(ratio=8, block_size=256, warmup_rounds=2), 4))
+    for (plain_losses, *_), (losses, _, _, state) in zip(plain, warm):
+        assert max(abs(a - b) / b for a, b in zip(losses[:3], plain_losses[:3])) < 1e-6
+        assert abs(losses[3] - plain_losses[3]) / plain_losses[3] > 1e-5
+        assert {int(v) for k, v in state.items() if k.endswith(".round")} == {4}
 
 
 def test_ddp_g_separate_measures_the_cosine_and_adapts_per_bucket():
