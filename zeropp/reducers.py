@@ -114,6 +114,10 @@ class ErrorFeedback:
         self._open[key] = memory
         return True
 
+    def count_exact(self, key: str) -> None:
+        """A round of `key` that sent its gradient exactly (a compressor's warm-up): counted, nothing lost."""
+        self.rounds[key] = self.round(key) + 1
+
     def loss_buffer(self, key: str, numel: int, device: torch.device) -> torch.Tensor:
         """Where the round under way may write h - C(h) (fp32, flat) for end(): with memory 0 (and fp32
         errors) the error buffer itself, which the loss simply replaces; otherwise new scratch."""

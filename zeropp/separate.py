@@ -229,7 +229,7 @@ class Separate:
         stays zero."""
         if self.feedback.round(key) >= self.cfg.warmup_rounds:
             return False
-        self.feedback.rounds[key] = self.feedback.round(key) + 1
+        self.feedback.count_exact(key)
         return True
 
     # ------------------------------------------------------------------ state
@@ -270,7 +270,8 @@ class ProjectedReduce(GradientReducer):
     all_reduce()  DDP's comm hook: a bucket is one row; its projections are all-reduced (in the
                   bucket's dtype) and every rank reconstructs the whole bucket.
     G-SEPARATE's measuring rounds also reduce the exact gradient and measure the cosine between
-    it and the reconstruction, which adapts the unit's ratio and beta."""
+    it and the reconstruction, which adapts the unit's ratio and beta. The first `warmup_rounds`
+    of each unit (bucket) are the runtime's own exact reduce instead."""
 
     stateful = True
 
@@ -278,13 +279,13 @@ class ProjectedReduce(GradientReducer):
                  qgz: GradientReducer | None = None):
         self.comm, self.compressor, self.wire_dtype, self.timings = comm, compressor, wire_dtype, timings
         self.qgz = qgz  # zeropp.qgz.QuantizedReduce: when set, the projections go through it instead
-        self.exact = qgz or ExactReduceScatter(comm, wire_dtype)  # the warm-up rounds' reduce under ZeRO
+        self.warmup_reduce = qgz or ExactReduceScatter(comm, wire_dtype)  # ZeRO's own, for warmup_rounds
         self.cosines: dict[str, float] = {}  # G-SEPARATE: each unit's (bucket's) last measured cosine
         self.notes: list[str] = []  # G-SEPARATE's adaptations, for the log (take_notes)
 
     def reduce(self, unit, shard, grad, async_op):
         if self.compressor.exact_round(unit):  # warm-up: the runtime's own reduce (qgZ's, or the reduce-scatter)
-            return self.exact.reduce(unit, shard, grad, async_op)
+            return self.warmup_reduce.reduce(unit, shard, grad, async_op)
         world, rank = self.comm.mesh.size("dp"), self.comm.mesh.group_rank("dp")
         exact = exact_work = None
         if self.compressor.adapt_round(unit):  # the raw gradient's exact mean, before e is added
