@@ -244,13 +244,13 @@ def test_zero3_traffic_is_one_ratio_th_and_resume_is_bit_exact(tmp_path):
 
 
 def test_warmup_rounds_are_the_exact_reduce_then_compression_starts_and_resumes(tmp_path):
-    """warmup_rounds 3 on 2 x 2 ranks (bf16 wire): the first three rounds are ZeRO-3's own reduce-scatter,
+    """warmup_rounds 3 on 2 ranks (bf16 wire): the first three rounds are ZeRO-3's own reduce-scatter,
     so the losses up to step 4 (after three updates) are plain ZeRO-3's bit for bit and the first step moves
     its bytes; from round 4 the gradient is projected; a run resumed after step 3 (its round counters saved)
     starts compressing at the same round."""
-    plain = run_ranks(_train, 4, args=(GradientCompression(), 6, "bf16"), ranks_per_node=2)
+    plain = run_ranks(_train, 2, args=(GradientCompression(), 6, "bf16"))
     warm = separate(ratio=8, block_size=256, warmup_rounds=3)
-    results = run_ranks(_train, 4, args=(warm, 6, "bf16", tmp_path / "ckpt"), ranks_per_node=2)
+    results = run_ranks(_train, 2, args=(warm, 6, "bf16", tmp_path / "ckpt"))
     for (plain_losses, _, plain_first, *_), (losses, again, first_step, _, state, _, _) in zip(plain, results):
         assert losses[:4] == plain_losses[:4] and losses[5] != plain_losses[5]
         assert first_step["gradient reduce"] == plain_first["gradient reduce"]
