@@ -319,54 +319,37 @@ TERM = {"PREEMPT_SIGNAL": "TERM", "REQUEUE_ON_PREEMPT": "1"}
 
 
 @needs_slurm
-def test_sigterm_to_the_whole_batch_step_saves_requeues_and_resumes_under_torchrun(cluster, tmp_path):
+def test_sigterm_to_the_whole_batch_step_saves_a_diloco_run_with_its_exchange_in_flight_and_resumes(cluster, tmp_path):
     """Issue 19, defect 11 (a, c, e). With PREEMPT_SIGNAL=TERM, `scancel --full --signal=TERM`
     signals the batch shell's process group: the shell traps it and forwards it to the ranks;
     srun, in a process group of its own, does not get it (it would SIGKILL every rank); the
     torchrun agents leave SIGTERM to their ranks (--signals-to-handle without it) instead of
-    shutting them down and exiting 143. One checkpoint, exit 0, requeued, resumed, logged."""
+    shutting them down and exiting 143. One checkpoint, exit 0, requeued, resumed, logged.
+    The run is DiLoCo over ZeRO++ with diloco.site_size 0: a site per Slurm node
+    (SLURM_NTASKS_PER_NODE), 2 fragments of H 2 and delay 1, so an exchange is in flight after
+    every step: the checkpoint holds it with each rank's outer state, and the resumed run ends."""
     out = tmp_path / "out"
     job = cluster.submit(tmp_path / "logs", "train.py", *SHORT, "--train.out_dir", str(out), "--resume", "auto",
-                         "--train.preempt_signal", "SIGTERM", env=TERM)
+                         "--train.preempt_signal", "SIGTERM",
+                         "--diloco.enabled", "true", "--diloco.inner_steps", "2", "--diloco.fragments", "2",
+                         "--diloco.delay", "1", "--diloco.mixing", "0.5", "--diloco.compression", "int4", env=TERM)
     _wait_for_steps(job, out, 2)
     cluster.run("scancel", "--full", "--signal=TERM", str(job.id))
-    info = job.wait(timeout=120)
-    log = job.text()
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "1", log[-4000:]
-    assert "launch: received SIGTERM; forwarding it to the ranks" in log and "forcing job termination" not in log
-    match = re.search(r"preempted at step (\d+): saved checkpoint (\S+)", log)
-    assert match, log[-4000:]
-    step = int(match.group(1))
-    assert "requeueing job" in log
-    # The resumed run says which checkpoint it loaded, and continues from it.
-    assert f"resumed from checkpoint {match.group(2)} (step {step}," in log, log[-4000:]
-    assert sorted(losses(out)) == list(range(1, 9))
-
-
-@needs_slurm
-def test_diloco_takes_a_site_per_node_and_resumes_with_its_exchange_in_flight(cluster, tmp_path):
-    """DiLoCo over ZeRO++ with diloco.site_size 0: a site per Slurm node (SLURM_NTASKS_PER_NODE),
-    2 fragments of H 2 and delay 1, so an exchange is in flight after every step. Preempted
-    (USR1), it saves that exchange with each rank's outer state, is requeued and resumes to the end."""
-    out = tmp_path / "out"
-    job = cluster.submit(tmp_path / "logs", "train.py", *SHORT, "--train.out_dir", str(out), "--resume", "auto",
-                         "--diloco.enabled", "true", "--diloco.inner_steps", "2", "--diloco.fragments", "2",
-                         "--diloco.delay", "1", "--diloco.mixing", "0.5", "--diloco.compression", "int4",
-                         env={"REQUEUE_ON_PREEMPT": "1"})
-    _wait_for_steps(job, out, 2)
-    cluster.run("scancel", "--batch", "--signal=USR1", str(job.id))
     info = job.wait(timeout=150)
     log = job.text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "1", log[-4000:]
+    assert "launch: received SIGTERM; forwarding it to the ranks" in log and "forcing job termination" not in log
     assert "DiLoCo on: 2 sites x 2 ranks, H 2, 2 fragments" in log, log[-4000:]
     match = re.search(r"preempted at step (\d+): saved checkpoint (\S+)", log)
     assert match, log[-4000:]
-    saved = Path(match.group(2))
+    step, saved = int(match.group(1)), Path(match.group(2))
+    assert "requeueing job" in log
     assert sorted(p.name for p in saved.glob("site*")) == ["site000", "site001"]
     for rank in range(4):  # fragment (step % 2 == 0: 0, else 1) sent after the saved step, due after the next
-        step = int(match.group(1))
         in_flight = load_file(str(saved / f"diloco_rank{rank:05d}.safetensors"))["in_flight"].tolist()
         assert in_flight == [[step % 2, step + 1]], (rank, in_flight)
+    # The resumed run says which checkpoint it loaded, and continues from it.
+    assert f"resumed from checkpoint {saved} (step {step}," in log, log[-4000:]
     assert sorted(losses(out)) == list(range(1, 9))
 
 
