@@ -13,14 +13,18 @@ decides alone.
 Cost model (`price`): a candidate's bytes per step are `zeropp.plan.predicted_step_bytes` of
 its units, built on the meta device on a mesh on paper (no process group, no memory), so they
 are exactly what its runtime would predict. Step time = compute + codec work + the optimizer
-step + the longer of the visible communication and the skew. Communication = 'sent' minus
-'cross_node_sent' at the intra-node bandwidth + 'cross_node_sent' at the inter-node bandwidth
-+ one latency per collective and link level (the step's own all-reduces counted too); visible
-is what overlap x the shorter of it and compute leaves (the overlap is probed, 0 without
-overlap_comm, and hides nothing of the exposed communication: the gathers the forward starts
-with, the reductions the optimizer waits for). The skew is the waiting for the slowest rank at
-each of the k collectives, k x jitter x sqrt(work / k): a rank waits for the slowest and for the
-wire at the same collectives, so the step pays the longer of the two, not their sum.
+step + the longer of the visible communication and the skew + what of the skew the wire does not
+hide. Communication = 'sent' minus 'cross_node_sent' at the intra-node bandwidth + 'cross_node_sent'
+at the inter-node bandwidth + one latency per collective and link level (the step's own
+all-reduces counted too); visible is what overlap x the shorter of it and compute leaves (the
+overlap is probed, 0 without overlap_comm, and hides nothing of the exposed communication: the
+gathers the forward starts with, the reductions the optimizer waits for). The skew is the waiting
+for the slowest rank at each of the k collectives, k x jitter x sqrt(work / k). A rank waits for the
+slowest and for the wire at the same collectives: where the wire is slow the drift hides in its wait
+(the others' bytes are in flight meanwhile), but the processors' part of the communication (loopback
+copies inside a node, a link as fast as the node's own) starts only when the last rank arrives, so
+the step pays the longer of the visible communication and the skew plus the shorter of the skew and
+that processor-bound part: their sum on one machine's loopback, their maximum over a slow wire.
 Memory is the trainer's predicted peak (passed in as `memory`) of the candidate's model states
 and buffers.
 """
@@ -114,7 +118,7 @@ class Cost:
     weight_bits: int  # of the weights the forward computes with
     memory_bytes: int
     # seconds per step: compute, codec, optimizer, intra_node, inter_node, latency, exposed (of the three before),
-    # hidden (of them, behind compute), skew
+    # hidden (of them, behind compute), skew, processor_bound (of the visible, the processors' work)
     terms: dict[str, float]
     step_seconds: float
     states: dict[str, int] = field(default_factory=dict)  # model states by kind (what memory_bytes is made of)
@@ -358,14 +362,27 @@ def price(model: nn.Module, probes: Probes, micro_batches: int = 1, memory=None,
                  "exposed": sum(_wire_seconds(*exposed, probes).values())}  # of the three before
         comm = terms["intra_node"] + terms["inter_node"] + terms["latency"]
         terms["hidden"] = probes.overlap * min(compute + codec, comm - terms["exposed"]) if cfg.overlap_comm else 0.0
+        visible = comm - terms["hidden"]
         # k collectives cut the work into k pieces; after each a rank waits jitter x sqrt(work / k)
         terms["skew"] = probes.jitter * math.sqrt(max(collectives.values()) * work)
-        # the optimizer steps after the last reduction: nothing to hide behind; a rank waits for the slowest rank
-        # and for the wire at the same collectives: the longer of the two
-        seconds = compute + codec + optimizer + max(comm - terms["hidden"], terms["skew"])
+        terms["processor_bound"] = visible * _processor_share(terms, probes)
+        # the optimizer steps after the last reduction: nothing to hide behind. A rank waits for the slowest rank
+        # and for the wire at the same collectives (the longer of the two), then for the collective's processor
+        # work, which starts when the last rank arrives
+        seconds = work + max(visible, terms["skew"]) + min(terms["processor_bound"], terms["skew"])
         out.append(Cost(name, cfg, step, collectives, weight_bits(cfg, has_frozen), memory(cfg, states, buffers), terms,
                         seconds, states, buffers))
     return out
+
+
+def _processor_share(terms: dict[str, float], probes: Probes) -> float:
+    """The share of a step's communication that is the processors' work rather than the wire's: all of it inside
+    a node (loopback copies on the cores the ranks compute on), and of the cross-node part as much as that link
+    is as fast as the node's own (1 where the nodes are ranks of one machine, about 0 over a slow wire)."""
+    comm = terms["intra_node"] + terms["inter_node"] + terms["latency"]
+    inside, across = probes.bandwidth["intra_node"], probes.bandwidth["inter_node"]
+    like_inside = min(1.0, across / inside) if math.isfinite(inside) and math.isfinite(across) else 0.0
+    return (terms["intra_node"] + like_inside * terms["inter_node"]) / comm if comm > 0 else 0.0
 
 
 def _wire_seconds(step: dict[str, dict[str, int]], collectives: dict[str, int], probes: Probes) -> dict[str, float]:
