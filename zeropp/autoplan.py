@@ -21,10 +21,10 @@ overlap is probed, 0 without overlap_comm, and hides nothing of the exposed comm
 gathers the forward starts with, the reductions the optimizer waits for). The skew is the waiting
 for the slowest rank at each of the k collectives, k x jitter x sqrt(work / k). A rank waits for the
 slowest and for the wire at the same collectives: where the wire is slow the drift hides in its wait
-(the others' bytes are in flight meanwhile), but the processors' part of the communication (loopback
-copies inside a node, a link as fast as the node's own) starts only when the last rank arrives, so
-the step pays the longer of the visible communication and the skew plus the shorter of the skew and
-that processor-bound part: their sum on one machine's loopback, their maximum over a slow wire.
+(the others' bytes are in flight meanwhile), but the rest starts only when the last rank arrives:
+the collectives' latency, loopback copies inside a node, a link as fast as the node's own. So the
+step pays the longer of the visible communication and the skew plus the shorter of the skew and that
+processor-bound part: their sum on one machine's loopback, nearly their maximum over a slow wire.
 Memory is the trainer's predicted peak (passed in as `memory`) of the candidate's model states
 and buffers.
 """
@@ -376,13 +376,14 @@ def price(model: nn.Module, probes: Probes, micro_batches: int = 1, memory=None,
 
 
 def _processor_share(terms: dict[str, float], probes: Probes) -> float:
-    """The share of a step's communication that is the processors' work rather than the wire's: all of it inside
-    a node (loopback copies on the cores the ranks compute on), and of the cross-node part as much as that link
-    is as fast as the node's own (1 where the nodes are ranks of one machine, about 0 over a slow wire)."""
+    """The share of a step's communication that cannot start before the last rank arrives: the latency (a
+    collective's rounds need every member), the transfers inside a node (loopback copies on the cores the ranks
+    compute on), and of the cross-node transfers as much as that link is as fast as the node's own (all where
+    the nodes are ranks of one machine, about none over a slow wire, which carries the early ranks' bytes)."""
     comm = terms["intra_node"] + terms["inter_node"] + terms["latency"]
     inside, across = probes.bandwidth["intra_node"], probes.bandwidth["inter_node"]
     like_inside = min(1.0, across / inside) if math.isfinite(inside) and math.isfinite(across) else 0.0
-    return (terms["intra_node"] + like_inside * terms["inter_node"]) / comm if comm > 0 else 0.0
+    return (terms["intra_node"] + terms["latency"] + like_inside * terms["inter_node"]) / comm if comm > 0 else 0.0
 
 
 def _wire_seconds(step: dict[str, dict[str, int]], collectives: dict[str, int], probes: Probes) -> dict[str, float]:
