@@ -118,7 +118,7 @@ class Cost:
     weight_bits: int  # of the weights the forward computes with
     memory_bytes: int
     # seconds per step: compute, codec, optimizer, intra_node, inter_node, latency, exposed (of the three before),
-    # hidden (of them, behind compute), skew, processor_bound (of the visible, the processors' work)
+    # hidden (of them, behind compute), skew, processor_bound (of the visible, what waits for the last rank)
     terms: dict[str, float]
     step_seconds: float
     states: dict[str, int] = field(default_factory=dict)  # model states by kind (what memory_bytes is made of)
