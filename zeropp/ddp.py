@@ -101,12 +101,16 @@ class DDPRuntime(Runtime):
         self.comm.record_all_reduce("gradient reduce", buffer.dtype, numel * buffer.element_size())
         return future
 
-    def _separate_hook(self, _, bucket):
-        """Each bucket is one row of blocks: all-reduce its projections, reconstruct it whole."""
+    def _separate_hook(self, state, bucket):
+        """Each bucket is one row of blocks: all-reduce its projections, reconstruct it whole (in the
+        compressor's warm-up rounds the plain all-reduce)."""
+        key = f"bucket{bucket.index()}"
+        if self.reducer.compressor.exact_round(key):
+            return self._all_reduce_hook(state, bucket)
         buffer = bucket.buffer()
         if self.gradient_divide_factor != 1:
             buffer.div_(self.gradient_divide_factor)
-        return self.reducer.all_reduce(f"bucket{bucket.index()}", buffer)
+        return self.reducer.all_reduce(key, buffer)
 
     def __call__(self, *args, **kwargs):
         return (self._ddp or self.module)(*args, **kwargs)

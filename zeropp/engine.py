@@ -280,10 +280,11 @@ class Zero3Engine(Runtime):
             qgz = QuantizedReduce(self.comm, cfg.zero_quantized_gradients_bits, cfg.zero_quantization_block_size,
                                   cfg.zero_quantized_gradients_hops or (2 if self.mesh.num_nodes > 1 else 1),
                                   cfg.zero_quantized_gradients_stages, feedback)
+        own = qgz or ExactReduceScatter(self.comm, self.comm_dtype)
         if cfg.gradient_compression.separate:  # SEPARATE's projections, through qgZ when it is on
             return ProjectedReduce(self.comm, Separate(cfg.gradient_compression, self.device), self.comm_dtype,
-                                   self.timings, qgz)
-        return qgz or ExactReduceScatter(self.comm, self.comm_dtype)
+                                   self.timings, qgz, warmup_reduce=own)
+        return own
 
     def _reduce(self, unit: Unit) -> None:
         unit.wait_reduce(self.timings)  # a temporary buffer's earlier reduce (rare path)

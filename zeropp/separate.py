@@ -37,7 +37,7 @@ import torch
 
 from zeropp.comm import CallbackWork, Comm
 from zeropp.config import DTYPES, GradientCompression
-from zeropp.reducers import TAG, ErrorFeedback, ExactReduceScatter, GradientReducer
+from zeropp.reducers import TAG, ErrorFeedback, GradientReducer
 from zeropp.runtime import Timings
 
 _DRAW_NUMEL = 1 << 22  # Gaussian directions generated per draw (16 MB of fp32)
@@ -271,15 +271,16 @@ class ProjectedReduce(GradientReducer):
                   bucket's dtype) and every rank reconstructs the whole bucket.
     G-SEPARATE's measuring rounds also reduce the exact gradient and measure the cosine between
     it and the reconstruction, which adapts the unit's ratio and beta. The first `warmup_rounds`
-    of each unit (bucket) are the runtime's own exact reduce instead."""
+    of each unit (bucket) are the runtime's own exact reduce instead: `warmup_reduce` under ZeRO,
+    DDP's plain all-reduce hook (its hook asks `compressor.exact_round` before calling all_reduce)."""
 
     stateful = True
 
     def __init__(self, comm: Comm, compressor: Separate, wire_dtype: torch.dtype, timings: Timings,
-                 qgz: GradientReducer | None = None):
+                 qgz: GradientReducer | None = None, warmup_reduce: GradientReducer | None = None):
         self.comm, self.compressor, self.wire_dtype, self.timings = comm, compressor, wire_dtype, timings
         self.qgz = qgz  # zeropp.qgz.QuantizedReduce: when set, the projections go through it instead
-        self.warmup_reduce = qgz or ExactReduceScatter(comm, wire_dtype)  # ZeRO's own, for warmup_rounds
+        self.warmup_reduce = warmup_reduce  # ZeRO: the runtime's own reducer, for reduce()'s warm-up rounds
         self.cosines: dict[str, float] = {}  # G-SEPARATE: each unit's (bucket's) last measured cosine
         self.notes: list[str] = []  # G-SEPARATE's adaptations, for the log (take_notes)
 
@@ -324,8 +325,6 @@ class ProjectedReduce(GradientReducer):
     def all_reduce(self, key: str, buffer: torch.Tensor) -> torch.futures.Future:
         """DDP: replace `buffer` (a whole bucket, already divided) by the reconstruction of its sum
         over the ranks; returns the future DDP's comm hook hands back."""
-        if self.compressor.exact_round(key):  # warm-up: DDP's own all-reduce
-            return self.comm.all_reduce(buffer, tag=TAG, async_op=True).get_future().then(lambda _: buffer)
         exact = exact_work = None
         if self.compressor.adapt_round(key):
             exact = buffer.clone()
