@@ -199,7 +199,7 @@ class _PaperComm:
     """Comm's arithmetic over a paper mesh: its own volume(), no transport; the shard orders the
     units and buffers read, set by Comm.set_layout itself."""
 
-    volume = Comm.volume
+    volume, all_reduce_volume = Comm.volume, Comm.all_reduce_volume
     __init__ = Comm.set_layout
 
 
@@ -301,18 +301,17 @@ def _codec_elements(units, groups, held, cfg: ZeroConfig, micro_batches: int, no
 
 
 def _ddp_on_paper(model: nn.Module, probes: Probes) -> tuple[dict, dict, dict[str, int], tuple]:
-    """DDP's step bytes (one fp32 all-reduce of the gradients, Comm.record_all_reduce's ring
-    volume; its buckets' rounding left out), collectives (25 MB buckets), model states and what of
+    """DDP's step bytes (one fp32 ring all-reduce of the gradients, as Comm ledgers it; its buckets'
+    rounding left out), collectives (25 MB buckets), model states and what of
     the step's communication is exposed (`_exposed`'s)."""
     params = list(model.parameters())
     n_all, trainable = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
     mesh = paper_mesh(probes.world_size, probes.ranks_per_node)
-    n, remote = mesh.world_size, mesh.remote_members("dp")
-    grads = 4 * trainable
-    step = {"gradient reduce": {"sent": 2 * (n - 1) * grads // n, "cross_node_sent": 2 * remote * grads // n}} \
-        if n > 1 else {}
+    n, grads = mesh.world_size, 4 * trainable
+    sent, cross = _PaperComm(mesh, False, probes.backend).all_reduce_volume(grads)
+    step = {"gradient reduce": {"sent": sent, "cross_node_sent": cross}} if n > 1 else {}
     buckets = -(-grads // DDP_BUCKET_BYTES) if n > 1 else 0
-    collectives = {"intra_node": buckets * (mesh.ranks_per_node > 1), "inter_node": buckets * (remote > 0)}
+    collectives = {"intra_node": buckets * (mesh.ranks_per_node > 1), "inter_node": buckets * (mesh.num_nodes > 1)}
     states = {"weights": 4 * n_all, "gradients": grads, "optimizer states": 2 * grads}
     if n > 1:
         states["gradient buckets"] = grads

@@ -444,10 +444,18 @@ class Comm:
 
     def record_all_reduce(self, tag: str, dtype: torch.dtype, nbytes: int, group: str = "dp") -> None:
         """Ledger an all-reduce of `nbytes` over `group` (also one that a library hook issues itself)."""
-        n, cross = self.mesh.size(group), self.mesh.remote_members(group)
-        volume = 2 * (n - 1) * nbytes // n  # ring all-reduce: reduce-scatter + all-gather
-        cross_volume = 2 * cross * nbytes // n
+        volume, cross_volume = self.all_reduce_volume(nbytes, group)
         self.ledger.record(tag, dtype, volume, volume, cross_volume, cross_volume)
+
+    def all_reduce_volume(self, nbytes: int, group: str = "dp") -> tuple[int, int]:
+        """(bytes sent, of which cross-node) by this rank in a ring all-reduce of `nbytes` over `group`: each
+        member sends 2 (n - 1) / n of the tensor to the next (reduce-scatter, then all-gather); the ring's hops
+        that leave a node carry it across, one per node where the group's nodes are contiguous. The cross-node
+        bytes are this rank's share of those, the group's average: the sender on the crossing hop varies by
+        rank, and a node's link carries what its ranks' shares add up to (measured on the emulated cluster)."""
+        n = self.mesh.size(group)
+        volume = 2 * (n - 1) * nbytes // n
+        return volume, volume * self.mesh.ring_crossings(group) // n
 
     def close(self) -> None:
         if self._executor is not None:

@@ -211,15 +211,13 @@ class DiLoCo:
     def predicted_step_bytes(self) -> dict[str, dict[str, int]]:
         """The outer exchange's bytes this rank sends, amortized over the H inner steps of a cycle (F
         syncs of a fragment each)."""
-        n, numel, bits = self.mesh.sites, self.fragment, self.config.bits
-        cross = self.mesh.remote_members("cross_site")
-        if bits is None:  # a ring all-reduce (zeropp.comm.Comm.record_all_reduce)
-            nbytes = 4 * numel
-            sent, cross_sent = 2 * (n - 1) * nbytes // n, 2 * cross * nbytes // n
-        else:
+        numel, bits = self.fragment, self.config.bits
+        if bits is None:  # a ring all-reduce
+            sent, cross_sent = self.comm.all_reduce_volume(4 * numel, "cross_site")
+        else:  # the codes and scales all-gathered
             block = self.config.compression_block_size
-            chunk = packed_bytes(numel, bits, block) + 4 * num_blocks(numel, block)
-            sent, cross_sent = (n - 1) * chunk, cross * chunk
+            sent, cross_sent = self.comm.volume(packed_bytes(numel, bits, block) + 4 * num_blocks(numel, block),
+                                                "cross_site")
         if self.parts > 1:  # the new weights gathered inside the site
             inside, inside_cross = self.comm.volume(4 * numel)
             sent, cross_sent = sent + inside, cross_sent + inside_cross

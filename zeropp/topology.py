@@ -151,6 +151,13 @@ class Mesh:
         node = self.global_ranks[self.rank] // per_node  # in the world, not the site
         return sum(self.global_rank(name, m) // per_node != node for m in self._members[name])
 
+    def ring_crossings(self, name: str) -> int:
+        """How many hops of a ring over group `name` (member to the next in group-rank order, the last back
+        to the first: gloo's and NCCL's ring all-reduce) go from one node to another."""
+        per_node = self.ranks_per_node * self.tp_size
+        nodes = [self.global_rank(name, m) // per_node for m in self._members[name]]
+        return sum(a != b for a, b in zip(nodes, nodes[1:] + nodes[:1]))
+
     def describe(self) -> str:
         """The layout; the secondary partition only where one was asked for (hpZ), not the
         node-sized default plain ZeRO-3 never uses."""

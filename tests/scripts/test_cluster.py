@@ -50,20 +50,27 @@ COLLECTIVES = textwrap.dedent("""
     import torch, torch.distributed as dist
     from zeropp.comm import Comm
     from zeropp.topology import build_mesh
-    numel, iters, node_aware, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
+    numel, iters, mode, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     mesh = build_mesh()  # torchrun's LOCAL_WORLD_SIZE ranks per node
-    comm = Comm(mesh, node_aware=node_aware)
-    shard = torch.full((numel,), float(mesh.rank))
-    gathered = torch.empty(numel * mesh.world_size)
-    for _ in range(iters):
-        comm.all_gather(gathered, shard, node_aware=True)
-    ok = all(gathered[p * numel] == r for p, r in enumerate(comm.gather_order or range(mesh.world_size)))
-    full, mine = torch.ones(numel * mesh.world_size), torch.zeros(numel)
-    for _ in range(iters):
-        comm.reduce_scatter(mine, full, accumulate=True)
-    ok = ok and bool((mine == iters * mesh.world_size).all())
+    comm = Comm(mesh, node_aware=mode == "1")
+    ok = True
+    if mode == "all-reduce":
+        full = torch.empty(numel * mesh.world_size)
+        for _ in range(iters):
+            comm.all_reduce(full.fill_(1.0), tag="all-reduce")
+            ok = ok and bool((full == mesh.world_size).all())
+    else:  # "1": node-aware, "0": flat
+        shard = torch.full((numel,), float(mesh.rank))
+        gathered = torch.empty(numel * mesh.world_size)
+        for _ in range(iters):
+            comm.all_gather(gathered, shard, node_aware=True)
+        ok = all(gathered[p * numel] == r for p, r in enumerate(comm.gather_order or range(mesh.world_size)))
+        full, mine = torch.ones(numel * mesh.world_size), torch.zeros(numel)
+        for _ in range(iters):
+            comm.reduce_scatter(mine, full, accumulate=True)
+        ok = ok and bool((mine == iters * mesh.world_size).all())
     comm.close()
     with open(f"{out}/rank{mesh.rank}.json", "w") as f:
         json.dump({"ok": ok, "node_aware": comm.node_aware, "ledger": comm.ledger.totals()}, f)
@@ -141,28 +148,38 @@ def test_allreduce_across_two_nodes_at_20mbit(tmp_path):
 
 def test_node_aware_collectives_cross_each_node_boundary_once(tmp_path):
     """2 nodes x 2 ranks: the node-aware all-gather and reduce-scatter send (N - 1)/N = 0.5 of
-    the model's bytes out of each node, measured on the link; gloo's flat ring sends 0.75."""
+    the model's bytes out of each node, measured on the link; gloo's flat ring sends 0.75. An
+    all-reduce, a ring over the 4 ranks, sends 2 (N - 1)/N = 1.5 of the tensor out of each node
+    (one hop of the ring leaves it), what the ledger's cross-node bytes of the node's ranks add up to."""
     script = tmp_path / "collectives.py"
     script.write_text(COLLECTIVES)
     numel, iters = 256 * 1024, 4
     model = 4 * numel * 4 * iters  # 4 ranks' fp32 shards, per collective, over the iterations
     sent = {}
     with EmulatedCluster(nodes=2, rate="1gbit", run_dir=tmp_path / "run") as cluster:
-        for node_aware in (1, 0):
+        for node_aware in (1, 0, "all-reduce"):
             out = tmp_path / str(node_aware)
             out.mkdir()
             result = cluster.run([sys.executable, str(script), numel, iters, node_aware, out], nproc_per_node=2,
                                  timeout=120, cwd=tmp_path, env={"PYTHONPATH": ROOT})
             assert result.returncode == 0, result.node_outputs
             ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
-            assert all(r["ok"] and r["node_aware"] == bool(node_aware) for r in ranks)
+            assert all(r["ok"] and r["node_aware"] == (node_aware == 1) for r in ranks)
+            if node_aware == "all-reduce":
+                ring = [lb["tx"] / model for lb in result.link_bytes]
+                ledger = [sum(r["ledger"]["all-reduce"]["cross_node_sent"] for r in ranks[2 * k:2 * k + 2])
+                          for k in range(2)]
+                assert ledger == [1.5 * model] * 2
+                continue
             # both collectives together: 2 x model bytes, of which each node sends a share
             sent[node_aware] = [lb["tx"] / (2 * model) for lb in result.link_bytes]
             ledger = sum(r["ledger"][tag]["cross_node_sent"] for r in ranks[:2] for tag in ("all-gather", "reduce-scatter"))
             if node_aware:  # the ledger counts what node 0 sends across: exactly half the model, twice
                 assert ledger == model
     _assert_gone(cluster)
-    print("share of the model each node sends, node-aware / flat:", sent)
+    print("share of the model each node sends, node-aware / flat:", sent, "all-reduce:", ring)
+    for share in ring:
+        assert 1.5 <= share < 1.6, ring
     for share in sent[1]:
         assert 0.5 <= share < 0.56, sent  # the bytes themselves plus TCP/IP headers
     for share in sent[0]:
