@@ -258,16 +258,25 @@ def test_waiting_for_the_slowest_rank_hides_in_the_wires_wait_not_in_the_process
 
 class _SimulatedLink:
     """A comm over a link of `latency` seconds and `bandwidth` bytes/s sent, on a clock of its own: each
-    all-gather moves the clock on by what the link takes (the probe reads that clock), each chunk seen kept."""
+    all-gather moves the clock on by what the link takes (the probe reads that clock), those in flight together
+    by one latency, each chunk seen kept (those in flight together as one)."""
 
     def __init__(self, latency, bandwidth, n=2):
-        self.latency, self.bandwidth, self.now, self.chunks = latency, bandwidth, 0.0, []
+        self.latency, self.bandwidth, self.now, self.chunks, self.in_flight = latency, bandwidth, 0.0, [], 0
         self.mesh = types.SimpleNamespace(size=lambda level: n)
         self.n = n
 
-    def all_gather(self, out, shard, group, tag):
-        self.chunks.append(shard.numel())
-        self.now += self.latency + (self.n - 1) * shard.numel() / self.bandwidth
+    def all_gather(self, out, shard, group, tag, async_op):
+        self.now += (self.latency if not self.in_flight else 0) + (self.n - 1) * shard.numel() / self.bandwidth
+        if self.in_flight:
+            self.chunks[-1] += shard.numel()
+        else:
+            self.chunks.append(shard.numel())
+        self.in_flight += 1
+        return types.SimpleNamespace(wait=self._done)
+
+    def _done(self):
+        self.in_flight -= 1
 
     def all_reduce(self, tensor, group, tag, op):
         pass  # one rank: the MAX is its own
