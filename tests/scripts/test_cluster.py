@@ -157,24 +157,24 @@ def test_node_aware_collectives_cross_each_node_boundary_once(tmp_path):
     model = 4 * numel * 4 * iters  # 4 ranks' fp32 shards, per collective, over the iterations
     sent = {}
     with EmulatedCluster(nodes=2, rate="1gbit", run_dir=tmp_path / "run") as cluster:
-        for node_aware in (1, 0, "all-reduce"):
-            out = tmp_path / str(node_aware)
+        for mode in (1, 0, "all-reduce"):  # node-aware gathers, flat ones, an all-reduce
+            out = tmp_path / str(mode)
             out.mkdir()
-            result = cluster.run([sys.executable, str(script), numel, iters, node_aware, out], nproc_per_node=2,
+            result = cluster.run([sys.executable, str(script), numel, iters, mode, out], nproc_per_node=2,
                                  timeout=120, cwd=tmp_path, env={"PYTHONPATH": ROOT})
             assert result.returncode == 0, result.node_outputs
             ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
-            assert all(r["ok"] and r["node_aware"] == (node_aware == 1) for r in ranks)
-            if node_aware == "all-reduce":
+            assert all(r["ok"] and r["node_aware"] == (mode == 1) for r in ranks)
+            if mode == "all-reduce":
                 ring = [lb["tx"] / model for lb in result.link_bytes]
                 ledger = [sum(r["ledger"]["all-reduce"]["cross_node_sent"] for r in ranks[2 * k:2 * k + 2])
                           for k in range(2)]
                 assert ledger == [1.5 * model] * 2
                 continue
             # both collectives together: 2 x model bytes, of which each node sends a share
-            sent[node_aware] = [lb["tx"] / (2 * model) for lb in result.link_bytes]
+            sent[mode] = [lb["tx"] / (2 * model) for lb in result.link_bytes]
             ledger = sum(r["ledger"][tag]["cross_node_sent"] for r in ranks[:2] for tag in ("all-gather", "reduce-scatter"))
-            if node_aware:  # the ledger counts what node 0 sends across: exactly half the model, twice
+            if mode:  # the ledger counts what node 0 sends across: exactly half the model, twice
                 assert ledger == model
     _assert_gone(cluster)
     print("share of the model each node sends, node-aware / flat:", sent, "all-reduce:", ring)
