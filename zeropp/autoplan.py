@@ -62,6 +62,7 @@ PROBE_BYTES_MAX = 2**24  # the second, grown up to this until it takes LINK_SIGN
 LINK_SIGNAL = 4
 LINK_IN_FLIGHT = 2  # the large chunk goes as this many all-gathers of a part each, in flight together
 REPS = 3  # timed runs of each probe: the median outvotes one disturbed run (or a shaped link's burst)
+LATENCY_REPS = 9  # runs of the link probe's small chunk, of which the fastest is the latency
 DDP_BUCKET_BYTES = 25 * 2**20  # zeropp.ddp's gradient buckets
 STEP_ALL_REDUCES = 2  # a training step's own collectives: its token counts and its loss (trainer.loop.train_step)
 DELTA_BITS = 8  # qwZ deltas' forward weights: closer to the masters than int8 qwZ's (docs/zeropp.md)
@@ -476,9 +477,10 @@ def _reason(a: Cost, b: Cost) -> str:
 
 # ----------------------------------------------------------------------------- probes
 
-def _timed(fn, reps: int, together=None, warm_up: bool = True, waits: list | None = None) -> float:
-    """Seconds of one fn(): the median of `reps` runs, after a warm-up run (first-call setup: gloo's connections,
-    kernels' code) unless warm_up is False. together: a barrier every rank passes before each run, so all ranks
+def _timed(fn, reps: int, together=None, warm_up: bool = True, waits: list | None = None,
+           stat=statistics.median) -> float:
+    """Seconds of one fn(): `stat` (the median) of `reps` runs, after a warm-up run (first-call setup: gloo's
+    connections, kernels' code) unless warm_up is False. together: a barrier every rank passes before each run, so all ranks
     work at once, as in a training step (ranks that share cores slow each other down there too). waits: gets
     the seconds of a barrier passed after each run (this rank's wait for the slowest, and the barrier's own)."""
     if warm_up:
@@ -493,7 +495,7 @@ def _timed(fn, reps: int, together=None, warm_up: bool = True, waits: list | Non
         if waits is not None:
             together()
             waits.append(time.perf_counter() - start - times[-1])
-    return statistics.median(times)
+    return stat(times)
 
 
 def _jitter(comm: Comm, waits: list[float], run: float, together) -> float:
@@ -517,7 +519,9 @@ def _link(comm: Comm, level: str, device: torch.device, reps: int) -> tuple[floa
     The large chunk goes as LINK_IN_FLIGHT all-gathers of a part each, in flight together, as a step keeps its
     gathers and reductions (prefetched, asynchronous): one at a time, the link idles at each end of each (measured
     at 10 Mbit/s, 2 x 2 ranks: 2.9-4.4 Mbit/s a rank one at a time, 4.1-5.0 with two in flight; the two ranks'
-    share of the link is 5)."""
+    share of the link is 5). The small chunk's time is the fastest of LATENCY_REPS runs: the link's own round
+    trip; a rank descheduled while it waits (ranks sharing cores) is the skew's, which the jitter probe measures
+    (the median of three put 0.2-4.0 ms on one machine's links, and 110 ms of latency into a 260 ms step)."""
     n = comm.mesh.size(level)
     if n == 1:
         return math.inf, 0.0
@@ -529,7 +533,9 @@ def _link(comm: Comm, level: str, device: torch.device, reps: int) -> tuple[floa
         def run():
             for handle in [comm.all_gather(out, shard, group=level, tag="plan probe", async_op=True) for out in outs]:
                 handle.wait()
-        t = torch.tensor([_timed(run, reps, warm_up=in_flight == 1)], dtype=torch.float64, device=device)
+        for_latency = in_flight == 1  # the small chunk
+        t = torch.tensor([_timed(run, LATENCY_REPS if for_latency else reps, warm_up=for_latency,
+                                 stat=min if for_latency else statistics.median)], dtype=torch.float64, device=device)
         comm.all_reduce(t, group="world", tag="plan probe", op=dist.ReduceOp.MAX)
         return t.item()
     small, large = PROBE_BYTES
