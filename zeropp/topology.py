@@ -88,6 +88,7 @@ class Mesh:
     _members: dict[str, list[int]] = field(default_factory=dict)  # name -> DP ranks (tp: global ranks)
     _groups: dict[tuple[str, bool], object] = field(default_factory=dict)  # (name, thread) -> process group
     _created: list = field(default_factory=list)  # the groups build_mesh made for it: close() destroys them
+    _nodes: dict[str, list[int]] = field(default_factory=dict)  # name -> each member's node (nodes_of's cache)
 
     def close(self) -> None:
         """Destroy the process groups built for this mesh (never the default group). A process that builds
@@ -144,18 +145,25 @@ class Mesh:
         me = dist.get_rank() if name in GLOBAL_GROUPS else self.rank
         return self._members[name].index(me)
 
+    def nodes_of(self, name: str) -> list[int]:
+        """The node (in the world, not the site) of each member of group `name`, in group-rank order; computed
+        once per group (the ledger reads it at every collective). Global ranks are node-major too: a node
+        holds ranks_per_node x tp_size of them."""
+        if name not in self._nodes:
+            per_node = self.ranks_per_node * self.tp_size
+            self._nodes[name] = [self.global_rank(name, m) // per_node for m in self._members[name]]
+        return self._nodes[name]
+
     def remote_members(self, name: str) -> int:
         """How many members of group `name` sit on another node than this rank (the ledger's cross-node
-        share). Global ranks are node-major too: a node holds ranks_per_node x tp_size of them."""
-        per_node = self.ranks_per_node * self.tp_size
-        node = self.global_ranks[self.rank] // per_node  # in the world, not the site
-        return sum(self.global_rank(name, m) // per_node != node for m in self._members[name])
+        share)."""
+        node = self.global_ranks[self.rank] // (self.ranks_per_node * self.tp_size)
+        return sum(n != node for n in self.nodes_of(name))
 
     def ring_crossings(self, name: str) -> int:
         """How many hops of a ring over group `name` (member to the next in group-rank order, the last back
         to the first: gloo's and NCCL's ring all-reduce) go from one node to another."""
-        per_node = self.ranks_per_node * self.tp_size
-        nodes = [self.global_rank(name, m) // per_node for m in self._members[name]]
+        nodes = self.nodes_of(name)
         return sum(a != b for a, b in zip(nodes, nodes[1:] + nodes[:1]))
 
     def describe(self) -> str:
