@@ -480,9 +480,10 @@ def _reason(a: Cost, b: Cost) -> str:
 def _timed(fn, reps: int, together=None, warm_up: bool = True, waits: list | None = None,
            stat=statistics.median) -> float:
     """Seconds of one fn(): `stat` (the median) of `reps` runs, after a warm-up run (first-call setup: gloo's
-    connections, kernels' code) unless warm_up is False. together: a barrier every rank passes before each run, so all ranks
-    work at once, as in a training step (ranks that share cores slow each other down there too). waits: gets
-    the seconds of a barrier passed after each run (this rank's wait for the slowest, and the barrier's own)."""
+    connections, kernels' code) unless warm_up is False. together: a barrier every rank passes before each run,
+    so all ranks work at once, as in a training step (ranks that share cores slow each other down there too).
+    waits: gets the seconds of a barrier passed after each run (this rank's wait for the slowest, and the
+    barrier's own)."""
     if warm_up:
         fn()
     times = []
@@ -526,27 +527,28 @@ def _link(comm: Comm, level: str, device: torch.device, reps: int) -> tuple[floa
     if n == 1:
         return math.inf, 0.0
 
-    def seconds(chunk: int, in_flight: int = 1) -> float:
+    def seconds(chunk: int, in_flight: int, runs: int, stat, warm_up: bool = False) -> float:
         shard = torch.zeros(chunk // in_flight, dtype=torch.uint8, device=device)
         outs = [torch.empty(n * shard.numel(), dtype=torch.uint8, device=device) for _ in range(in_flight)]
 
         def run():
             for handle in [comm.all_gather(out, shard, group=level, tag="plan probe", async_op=True) for out in outs]:
                 handle.wait()
-        for_latency = in_flight == 1  # the small chunk
-        t = torch.tensor([_timed(run, LATENCY_REPS if for_latency else reps, warm_up=for_latency,
-                                 stat=min if for_latency else statistics.median)], dtype=torch.float64, device=device)
+        t = torch.tensor([_timed(run, runs, warm_up=warm_up, stat=stat)], dtype=torch.float64, device=device)
         comm.all_reduce(t, group="world", tag="plan probe", op=dist.ReduceOp.MAX)
         return t.item()
+
+    def bandwidth_run(chunk: int) -> float:
+        return seconds(chunk, LINK_IN_FLIGHT, reps, statistics.median)
     small, large = PROBE_BYTES
-    t_small = seconds(small)
-    t_large = seconds(large, LINK_IN_FLIGHT)
+    t_small = seconds(small, 1, LATENCY_REPS, min, warm_up=True)
+    t_large = bandwidth_run(large)
     while t_large < LINK_SIGNAL * t_small and large < PROBE_BYTES_MAX:
         # straight to the chunk that the slope so far says takes the signal's time (1.5x that, 4x at least)
         slope = (t_large - t_small) / (large - small)
         wanted = small + (LINK_SIGNAL - 1) * t_small / slope if slope > 0 else math.inf
         large = min(PROBE_BYTES_MAX, max(4 * large, 2 ** math.ceil(math.log2(min(1.5 * wanted, PROBE_BYTES_MAX)))))
-        t_large = seconds(large, LINK_IN_FLIGHT)
+        t_large = bandwidth_run(large)
     slope = max(t_large - t_small, 1e-9) / ((n - 1) * (large - small))
     return 1 / slope, max(0.0, t_small - (n - 1) * small * slope)
 
