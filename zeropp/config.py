@@ -50,6 +50,12 @@ class GradientCompression:
     # that never lengthens the gradient, which error feedback needs (docs/separate.md: with the
     # unbiased one the error's expected square grows by (1 - beta)^2 + (CR - 1) beta^2 per round).
     reconstruction: Literal["unbiased", "contractive"] = "unbiased"
+    # Adam's second moment takes each gradient element's square minus the variance the projection
+    # added to it (estimated from its block's reconstructed norm; at least 1% of it is kept) instead
+    # of the plain square, so the projection's noise does not shrink every step (docs/separate.md).
+    # With the unbiased reconstruction under ZeRO (DDP's buckets are not the optimizer's parameters);
+    # needs an optimizer with Adam's state (exp_avg_sq, betas): torch's Adam / AdamW.
+    variance_correction: bool = True
     # Dtype of the per-rank error buffer (with beta > 0: one copy of the model per rank, not sharded).
     error_dtype: Literal["fp32", "bf16"] = "fp32"
     # The common seed of the random directions (every rank draws the same ones).
@@ -77,13 +83,18 @@ class GradientCompression:
     def separate(self) -> bool:
         return self.method in ("separate", "g-separate")
 
-    def describe(self) -> str:
+    def describe(self, stage: int) -> str:
         if self.method == "powersgd":
             return f"PowerSGD rank {self.powersgd_rank}"
         feedback = f"error feedback beta {self.beta}, reset {self.reset_interval}" if self.beta else "no error feedback"
         warmup = f", the first {self.warmup_rounds} rounds exact" if self.warmup_rounds else ""
+        corrected = ", Adam's second moment corrected for its variance" if self.corrects_variance(stage) else ""
         return (f"{'G-SEPARATE' if self.method == 'g-separate' else 'SEPARATE'} CR {self.ratio} "
-                f"({self.projection}, {self.reconstruction}, {feedback}{warmup})")
+                f"({self.projection}, {self.reconstruction}, {feedback}{warmup}{corrected})")
+
+    def corrects_variance(self, stage: int) -> bool:
+        """Whether variance_correction runs: ZeRO's reduce with the unbiased reconstruction."""
+        return self.separate and self.variance_correction and self.reconstruction == "unbiased" and stage == 3
 
     def validate(self, stage: int) -> None:
         key = "zero_optimization.gradient_compression"
@@ -229,7 +240,7 @@ class ZeroConfig:
     def describe(self) -> str:
         """E.g. "ZeRO-3 + qwZ int8 + hpZ + qgZ int4 (bf16 communication)", or "DDP"."""
         if self.stage == 0:
-            return "DDP" + (f" + {self.gradient_compression.describe()}" if self.gradient_compression.enabled else "")
+            return "DDP" + (f" + {self.gradient_compression.describe(0)}" if self.gradient_compression.enabled else "")
         parts = ["ZeRO-3"]
         if self.zero_quantized_weights:
             deltas = " deltas" if self.zero_quantized_weights_delta else ""
@@ -239,7 +250,7 @@ class ZeroConfig:
         if self.zero_quantized_gradients:
             parts.append(f"qgZ int{self.zero_quantized_gradients_bits}")
         if self.gradient_compression.enabled:
-            parts.append(self.gradient_compression.describe())
+            parts.append(self.gradient_compression.describe(self.stage))
         if self.zero_quantized_nontrainable_weights:
             parts.append(f"frozen weights int{self.zero_quantized_weights_bits}")
         if self.offload_optimizer != "none":

@@ -127,6 +127,14 @@ class Separate:
         out = self._reconstruct(p, rnd.key, rnd.index, chunk, rnd.block).reshape(-1)[:rnd.numel]
         return out.mul_(rnd.directions / rnd.block) if self.contractive else out
 
+    def variance_per_norm(self, block: int, m: int) -> float:
+        """Var[ĝ_i] / |ĝ_B|² for the unbiased reconstruction ĝ of a block B of b elements from m projections.
+        hadamard: Var[ĝ_i] = (b - m) / (m (b - 1)) (|x|² - x_i²) and E|ĝ_B|² = (b / m) |x|²;
+        gaussian: Var[ĝ_i] = (|x|² + x_i²) / m and E|ĝ_B|² = (1 + (b + 1) / m) |x|²; x_i² is left out."""
+        if self.cfg.projection == "hadamard":
+            return (block - m) / (block * (block - 1)) if block > 1 else 0.0
+        return 1 / (block + m + 1)
+
     def _block(self, numel: int) -> int:
         """Elements per block: the configured size, smaller for a chunk that is smaller."""
         if self.cfg.projection == "hadamard":
@@ -282,10 +290,12 @@ class ProjectedReduce(GradientReducer):
         self.qgz = qgz  # zeropp.qgz.QuantizedReduce: when set, the projections go through it instead
         self.warmup_reduce = warmup_reduce  # ZeRO: the runtime's own reducer, for reduce()'s warm-up rounds
         self.cosines: dict[str, float] = {}  # G-SEPARATE: each unit's (bucket's) last measured cosine
+        self.layouts: dict[str, tuple[int, int] | None] = {}  # unit -> its last round's (b, m); None: exact
         self.notes: list[str] = []  # G-SEPARATE's adaptations, for the log (take_notes)
 
     def reduce(self, unit, shard, grad, async_op):
         if self.compressor.exact_round(unit):  # warm-up: the runtime's own reduce (qgZ's, or the reduce-scatter)
+            self.layouts[unit] = None
             return self.warmup_reduce.reduce(unit, shard, grad, async_op)
         world, rank = self.comm.mesh.size("dp"), self.comm.mesh.group_rank("dp")
         exact = exact_work = None
@@ -296,6 +306,7 @@ class ProjectedReduce(GradientReducer):
         with self.timings.timer("gradient compression"):
             rnd = self.compressor.compress(unit, grad.view(world, -1))
         per_chunk = rnd.projections.shape[1]
+        self.layouts[unit] = (rnd.block, rnd.directions)
         if self.qgz is None:
             summed = torch.zeros(per_chunk, device=shard.device)
             work = self.comm.reduce_scatter(summed, rnd.projections.to(self.wire_dtype).reshape(-1), tag=TAG,
@@ -353,6 +364,49 @@ class ProjectedReduce(GradientReducer):
         self.compressor.adapt(key, cosine)
         self.notes.append(f"G-SEPARATE {key}: cosine {cosine:.3f} -> ratio {self.compressor.ratios[key]}, "
                           f"beta {self.compressor.betas[key]:.4f} (round {self.compressor.feedback.round(key)})")
+
+    def variance(self, unit: str, grad_shard: torch.Tensor) -> torch.Tensor | None:
+        """Per element of this rank's reduced (and clipped) gradient shard of `unit`, the variance its
+        reconstruction added, estimated from the norm of the element's block; None after an exact round."""
+        layout = self.layouts.get(unit)
+        if layout is None:
+            return None
+        block, m = layout
+        numel, blocks = grad_shard.numel(), -(-grad_shard.numel() // layout[0])
+        squares = torch.zeros(blocks * block, device=grad_shard.device)
+        squares[:numel] = grad_shard.square()
+        per_block = squares.view(blocks, block).sum(1).mul_(self.compressor.variance_per_norm(block, m))
+        return per_block.repeat_interleave(block)[:numel]
+
+    def correct_second_moment(self, optimizer: torch.optim.Optimizer, units) -> None:
+        """variance_correction, as an optimizer step pre-hook. Adam's second moment averages g², which
+        here holds the projection's variance Var[g] too (about CR times the signal's), so every step
+        shrinks; instead it is made
+            v <- max(β2 v + (1 - β2) (g² - Var[g]),  (1 - β1) / (1 + β1) Var[g])
+        an average of the variance-free square, never below the share of Var[g] that Adam's first
+        moment still carries (its stationary variance). v is shifted beforehand so that torch's own
+        update v <- β2 v + (1 - β2) g² lands there: its kernels (for-loop, fused, on the host when
+        offloaded) run unchanged. An element without state yet (its first step) keeps g²."""
+        betas = {id(p): group["betas"] for group in optimizer.param_groups for p in group["params"]}
+        for u in units:
+            variance = self.variance(u.name, u.grad_shard) if u.trainable else None
+            if variance is None:
+                continue
+            base = u.grad_shard.storage_offset()
+            for _, piece, view in u.params:
+                state = optimizer.state.get(piece)
+                if not state or piece.grad is None:
+                    continue
+                if "exp_avg_sq" not in state:
+                    raise TypeError(f"gradient_compression.variance_correction corrects Adam's second moment, but "
+                                    f"{type(optimizer).__name__} keeps no exp_avg_sq: use torch's Adam/AdamW or set "
+                                    f"zero_optimization.gradient_compression.variance_correction false")
+                start = view.storage_offset() - base
+                var, g = variance[start:start + view.numel()], piece.grad
+                b1, b2 = betas[id(piece)]
+                v, plain = state["exp_avg_sq"], g.square().mul_(1 - b2)  # plain: what torch adds to β2 v
+                wanted = torch.maximum(v * b2 + plain - var * (1 - b2), var * ((1 - b1) / (1 + b1)))
+                v.copy_(wanted.sub_(plain).div_(b2))
 
     def take_notes(self) -> list[str]:
         notes, self.notes = self.notes, []

@@ -48,6 +48,63 @@ def test_reconstruction_is_unbiased(projection, reconstruction):
     assert (one - h[0] * scale).norm() > 0.5 * h.norm() * scale  # one round is far: the mean converges
 
 
+@pytest.mark.parametrize("projection", ["hadamard", "gaussian"])
+def test_variance_estimate_matches_the_reconstruction_error(projection):
+    """variance_correction's estimate of Var[ĝ_i] from the reconstruction's own block norm, summed over
+    a block and averaged over rounds, equals the measured squared error sum |ĝ - h|^2 of the same rounds
+    (to the x_i^2 terms it leaves out, a factor b / (b -/+ 1), and Monte-Carlo noise)."""
+    h = torch.randn(1, 200, generator=torch.Generator().manual_seed(1)) * torch.linspace(0.1, 3, 200)
+    compressor = Separate(separate(ratio=8, block_size=64, projection=projection), CPU)
+    reducer = ProjectedReduce(None, compressor, torch.float32, Timings())
+    error = estimate = 0.0
+    for _ in range(400):
+        rnd = compressor.compress("unit", h.clone())
+        reconstruction = compressor.decompress(rnd, rnd.projections[0], 0)
+        reducer.layouts["unit"] = (rnd.block, rnd.directions)
+        error += float((reconstruction - h[0]).square().sum())
+        estimate += float(reducer.variance("unit", reconstruction).sum())
+    assert estimate == pytest.approx(error, rel=0.06)
+
+
+def test_second_moment_correction_is_adamw_on_the_corrected_square():
+    """The step pre-hook shifts exp_avg_sq so that torch's AdamW, whatever its kernel, ends the step with
+    v = max(β2 v + (1 - β2)(g^2 - Var), (1 - β1) / (1 + β1) Var): three steps against AdamW written out by
+    hand, on a piece that starts inside a block (the variance follows the unit's blocks, not the piece's);
+    the first step, without state yet, is plain AdamW."""
+    from types import SimpleNamespace
+    gen = torch.Generator().manual_seed(2)
+    grads = [torch.randn(96, generator=gen) * (1 + t) for t in range(3)]
+    master, grad_shard = torch.randn(96, generator=gen), torch.zeros(96)
+    piece = torch.nn.Parameter(master[40:96].clone())
+    unit = SimpleNamespace(name="unit", grad_shard=grad_shard, trainable=True, params=[(None, piece, grad_shard[40:])])
+    compressor = Separate(separate(ratio=4, block_size=32), CPU)
+    reducer = ProjectedReduce(None, compressor, torch.float32, Timings())
+    reducer.layouts["unit"] = (32, 8)
+    lr, (b1, b2), eps, decay = 0.01, (0.9, 0.95), 1e-8, 0.1
+    optimizer = torch.optim.AdamW([piece], lr=lr, betas=(b1, b2), eps=eps, weight_decay=decay, foreach=False)
+    optimizer.register_step_pre_hook(lambda *_: reducer.correct_second_moment(optimizer, [unit]))
+    p, m, v = master[40:].clone(), torch.zeros(56), torch.zeros(56)
+    for t, g in enumerate(grads, start=1):
+        grad_shard.copy_(g)
+        piece.grad = grad_shard[40:]
+        optimizer.step()
+        norms = g.view(3, 32).square().sum(1).repeat_interleave(32)[40:]  # blocks [32, 64) and [64, 96)
+        var = norms * (32 - 8) / (32 * 31)
+        square = g[40:].square()
+        p.mul_(1 - lr * decay)
+        m = b1 * m + (1 - b1) * g[40:]
+        if t == 1:  # no state yet
+            v = (1 - b2) * square
+        else:
+            v = torch.maximum(b2 * v + (1 - b2) * (square - var), (1 - b1) / (1 + b1) * var)
+        p -= lr / (1 - b1 ** t) * m / ((v / (1 - b2 ** t)).sqrt() + eps)
+        torch.testing.assert_close(optimizer.state[piece]["exp_avg_sq"], v, rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(piece.detach(), p, rtol=1e-5, atol=1e-7)
+        floored = v == (1 - b1) / (1 + b1) * var
+        if t > 1:  # both sides of the max are exercised
+            assert 0 < int(floored.sum()) < v.numel()
+
+
 def test_ratio_one_hadamard_is_orthogonal_and_exact():
     h = torch.randn(3, 77)
     compressor = Separate(separate(ratio=1, block_size=32), CPU)
