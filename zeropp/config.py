@@ -50,9 +50,9 @@ class GradientCompression:
     # that never lengthens the gradient, which error feedback needs (docs/separate.md: with the
     # unbiased one the error's expected square grows by (1 - beta)^2 + (CR - 1) beta^2 per round).
     reconstruction: Literal["unbiased", "contractive"] = "unbiased"
-    # Adam's second moment takes each gradient element's square minus the variance the projection
-    # added to it (estimated from its block's reconstructed norm; at least 1% of it is kept) instead
-    # of the plain square, so the projection's noise does not shrink every step (docs/separate.md).
+    # Adam's second moment averages each gradient element's square minus the variance the projection
+    # added to it (estimated from its block's reconstructed norm), floored at the share of that variance
+    # the first moment still carries, so the projection's noise does not shrink every step (docs/separate.md).
     # With the unbiased reconstruction under ZeRO (DDP's buckets are not the optimizer's parameters);
     # needs an optimizer with Adam's state (exp_avg_sq, betas): torch's Adam / AdamW.
     variance_correction: bool = True
@@ -88,7 +88,7 @@ class GradientCompression:
             return f"PowerSGD rank {self.powersgd_rank}"
         feedback = f"error feedback beta {self.beta}, reset {self.reset_interval}" if self.beta else "no error feedback"
         warmup = f", the first {self.warmup_rounds} rounds exact" if self.warmup_rounds else ""
-        corrected = ", Adam's second moment corrected for its variance" if self.corrects_variance(stage) else ""
+        corrected = ", Adam's second moment without the projection's variance" if self.corrects_variance(stage) else ""
         return (f"{'G-SEPARATE' if self.method == 'g-separate' else 'SEPARATE'} CR {self.ratio} "
                 f"({self.projection}, {self.reconstruction}, {feedback}{warmup}{corrected})")
 

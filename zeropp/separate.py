@@ -372,7 +372,8 @@ class ProjectedReduce(GradientReducer):
         if layout is None:
             return None
         block, m = layout
-        numel, blocks = grad_shard.numel(), -(-grad_shard.numel() // layout[0])
+        numel = grad_shard.numel()
+        blocks = -(-numel // block)
         squares = torch.zeros(blocks * block, device=grad_shard.device)
         squares[:numel] = grad_shard.square()
         per_block = squares.view(blocks, block).sum(1).mul_(self.compressor.variance_per_norm(block, m))
