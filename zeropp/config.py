@@ -54,8 +54,10 @@ class GradientCompression:
     # added to it (estimated from its block's reconstructed norm), floored at the share of that variance
     # the first moment still carries, so the projection's noise does not shrink every step (docs/separate.md).
     # With the unbiased reconstruction under ZeRO (DDP's buckets are not the optimizer's parameters);
-    # needs an optimizer with Adam's state (exp_avg_sq, betas): torch's Adam / AdamW.
-    variance_correction: bool = True
+    # needs an optimizer with Adam's state (exp_avg_sq, betas): torch's Adam / AdamW. Off by default: it
+    # restores Adam's step size, which helps where the lr is below uncompressed training's best and
+    # costs where it is above; best lr against best lr it changes nothing measurable (docs/separate.md).
+    variance_correction: bool = False
     # Dtype of the per-rank error buffer (with beta > 0: one copy of the model per rank, not sharded).
     error_dtype: Literal["fp32", "bf16"] = "fp32"
     # The common seed of the random directions (every rank draws the same ones).

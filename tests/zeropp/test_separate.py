@@ -249,6 +249,7 @@ def _save(runtime, optimizer, directory, rank):
 def _train(rank, world, compression, steps, wire="fp32", directory=None):
     cfg = ZeroConfig(stage=3, communication_data_type=wire, gradient_compression=compression)
     engine, optimizer = make_engine(make_model("gpt2-tiny"), cfg, ranks_per_node=2)
+    optimizer = engine.attach_optimizer(optimizer)  # as the trainer does: variance_correction's hook
     data = batches(steps)
     engine.ledger.reset()
     losses = [train_step(engine, optimizer, data[0], rank, world)]
@@ -265,6 +266,7 @@ def _train(rank, world, compression, steps, wire="fp32", directory=None):
     engine.close()
     if directory is not None:
         resumed, resumed_optimizer = make_engine(make_model("gpt2-tiny"), cfg, ranks_per_node=2)
+        resumed_optimizer = resumed.attach_optimizer(resumed_optimizer)
         resumed.load(directory, resumed_optimizer)
         again = [train_step(resumed, resumed_optimizer, sample, rank, world) for sample in data[steps // 2:]]
         resumed.close()
@@ -304,12 +306,16 @@ def test_warmup_rounds_are_the_exact_reduce_then_compression_starts_and_resumes(
     """warmup_rounds 3 on 2 ranks (bf16 wire): the first three rounds are ZeRO-3's own reduce-scatter,
     so the losses up to step 4 (after three updates) are plain ZeRO-3's bit for bit and the first step moves
     its bytes; from round 4 the gradient is projected; a run resumed after step 3 (its round counters saved)
-    starts compressing at the same round."""
+    starts compressing at the same round (with variance_correction's step pre-hook, which keeps no state of
+    its own)."""
     plain = run_ranks(_train, 2, args=(GradientCompression(), 6, "bf16"))
-    warm = separate(ratio=8, block_size=256, warmup_rounds=3)
+    warm = separate(ratio=8, block_size=256, warmup_rounds=3, variance_correction=True)
     results = run_ranks(_train, 2, args=(warm, 6, "bf16", tmp_path / "ckpt"))
-    for (plain_losses, _, plain_first, *_), (losses, again, first_step, _, state, _, _) in zip(plain, results):
+    uncorrected = run_ranks(_train, 2, args=(separate(ratio=8, block_size=256, warmup_rounds=3), 6, "bf16"))
+    for (plain_losses, _, plain_first, *_), (losses, again, first_step, _, state, _, _), other in zip(
+            plain, results, uncorrected):
         assert losses[:4] == plain_losses[:4] and losses[5] != plain_losses[5]
+        assert losses[:4] == other[0][:4] and losses[4] != other[0][4]  # the hook acts from the 1st compressed step
         assert first_step["gradient reduce"] == plain_first["gradient reduce"]
         assert again == losses[3:]
         assert {int(v) for k, v in state.items() if k.endswith(".round")} == {6}
