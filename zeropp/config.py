@@ -56,7 +56,7 @@ class GradientCompression:
     # With the unbiased reconstruction under ZeRO (DDP's buckets are not the optimizer's parameters);
     # needs an optimizer with Adam's state (exp_avg_sq, betas): torch's Adam / AdamW. Off by default: it
     # restores Adam's step size, which helps where the lr is below uncompressed training's best and
-    # costs where it is above; best lr against best lr it changes nothing measurable (docs/separate.md).
+    # costs where it is above; best lr against best lr it does not help (docs/separate.md).
     variance_correction: bool = False
     # Dtype of the per-rank error buffer (with beta > 0: one copy of the model per rank, not sharded).
     error_dtype: Literal["fp32", "bf16"] = "fp32"
