@@ -2,6 +2,7 @@
 against one-process computations."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -71,7 +72,6 @@ def test_second_moment_correction_is_adamw_on_the_corrected_square():
     v = max(β2 v + (1 - β2)(g^2 - Var), (1 - β1) / (1 + β1) Var): three steps against AdamW written out by
     hand, on a piece that starts inside a block (the variance follows the unit's blocks, not the piece's);
     the first step, without state yet, is plain AdamW."""
-    from types import SimpleNamespace
     gen = torch.Generator().manual_seed(2)
     grads = [torch.randn(96, generator=gen) * (1 + t) for t in range(3)]
     master, grad_shard = torch.randn(96, generator=gen), torch.zeros(96)
