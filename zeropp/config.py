@@ -85,18 +85,16 @@ class GradientCompression:
     def separate(self) -> bool:
         return self.method in ("separate", "g-separate")
 
-    def describe(self, stage: int) -> str:
+    def describe(self) -> str:
         if self.method == "powersgd":
             return f"PowerSGD rank {self.powersgd_rank}"
         feedback = f"error feedback beta {self.beta}, reset {self.reset_interval}" if self.beta else "no error feedback"
         warmup = f", the first {self.warmup_rounds} rounds exact" if self.warmup_rounds else ""
-        corrected = ", Adam's second moment without the projection's variance" if self.corrects_variance(stage) else ""
+        corrected = ", Adam's second moment without the projection's variance" if self.variance_correction else ""
         return (f"{'G-SEPARATE' if self.method == 'g-separate' else 'SEPARATE'} CR {self.ratio} "
                 f"({self.projection}, {self.reconstruction}, {feedback}{warmup}{corrected})")
 
-    def corrects_variance(self, stage: int) -> bool:
-        """Whether variance_correction runs: ZeRO's reduce with the unbiased reconstruction."""
-        return self.separate and self.variance_correction and self.reconstruction == "unbiased" and stage == 3
+
 
     def validate(self, stage: int) -> None:
         key = "zero_optimization.gradient_compression"
@@ -128,6 +126,11 @@ class GradientCompression:
                 f"reconstruction=contractive for the paper's beta 0.95")
         if self.reset_interval < 0:
             raise ZeroConfigError(f"{key}.reset_interval={self.reset_interval}: must be >= 0 (0: never reset)")
+        if self.variance_correction and (stage != 3 or self.reconstruction != "unbiased"):
+            raise ZeroConfigError(f"{key}.variance_correction corrects Adam's second moment for the unbiased "
+                                  f"reconstruction's variance under ZeRO-3 (got zero_optimization.stage {stage}, "
+                                  f"reconstruction {self.reconstruction}): DDP's buckets are not the optimizer's "
+                                  f"parameters, and the contractive reconstruction is no unbiased estimate")
         if self.warmup_rounds < 0:
             raise ZeroConfigError(f"{key}.warmup_rounds={self.warmup_rounds}: must be >= 0 (0: compress from the "
                                   f"first round)")
@@ -242,7 +245,7 @@ class ZeroConfig:
     def describe(self) -> str:
         """E.g. "ZeRO-3 + qwZ int8 + hpZ + qgZ int4 (bf16 communication)", or "DDP"."""
         if self.stage == 0:
-            return "DDP" + (f" + {self.gradient_compression.describe(0)}" if self.gradient_compression.enabled else "")
+            return "DDP" + (f" + {self.gradient_compression.describe()}" if self.gradient_compression.enabled else "")
         parts = ["ZeRO-3"]
         if self.zero_quantized_weights:
             deltas = " deltas" if self.zero_quantized_weights_delta else ""
@@ -252,7 +255,7 @@ class ZeroConfig:
         if self.zero_quantized_gradients:
             parts.append(f"qgZ int{self.zero_quantized_gradients_bits}")
         if self.gradient_compression.enabled:
-            parts.append(self.gradient_compression.describe(self.stage))
+            parts.append(self.gradient_compression.describe())
         if self.zero_quantized_nontrainable_weights:
             parts.append(f"frozen weights int{self.zero_quantized_weights_bits}")
         if self.offload_optimizer != "none":

@@ -167,7 +167,7 @@ class DDPRuntime(Runtime):
         if self.mesh is None:
             return "one process"
         compression = self.config.gradient_compression
-        reduce = compression.describe(0) if compression.enabled else "fp32 all-reduce"
+        reduce = compression.describe() if compression.enabled else "fp32 all-reduce"
         return f"DDP ({reduce}) | topology: {self.mesh.describe()}"
 
     def zero3_cross_node_bytes(self, micro_batches: int = 1) -> dict[str, int]:

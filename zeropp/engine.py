@@ -308,7 +308,7 @@ class Zero3Engine(Runtime):
             for group in optimizer.param_groups:
                 if "fused" in group:
                     group.update(fused=True, foreach=False)
-        if self.config.gradient_compression.corrects_variance(stage=3):
+        if self.config.gradient_compression.separate and self.config.gradient_compression.variance_correction:
             units = list(self.units.values())
             optimizer.register_step_pre_hook(lambda *_: self.reducer.correct_second_moment(optimizer, units))
         optimizer.register_step_post_hook(lambda *_: self._after_step())
