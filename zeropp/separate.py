@@ -365,19 +365,17 @@ class ProjectedReduce(GradientReducer):
         self.notes.append(f"G-SEPARATE {key}: cosine {cosine:.3f} -> ratio {self.compressor.ratios[key]}, "
                           f"beta {self.compressor.betas[key]:.4f} (round {self.compressor.feedback.round(key)})")
 
-    def variance(self, unit: str, grad_shard: torch.Tensor) -> torch.Tensor | None:
-        """Per element of this rank's reduced (and clipped) gradient shard of `unit`, the variance its
-        reconstruction added, estimated from the norm of the element's block; None after an exact round."""
+    def variance(self, unit: str, squares: torch.Tensor) -> torch.Tensor | None:
+        """Per element of this rank's reduced (and clipped) gradient shard of `unit`, given its squares, the
+        variance its reconstruction added, estimated from the norm of the element's block; None after an
+        exact round."""
         layout = self.layouts.get(unit)
         if layout is None:
             return None
         block, m = layout
-        numel = grad_shard.numel()
-        blocks = -(-numel // block)
-        squares = torch.zeros(blocks * block, device=grad_shard.device)
-        squares[:numel] = grad_shard.square()
-        per_block = squares.view(blocks, block).sum(1).mul_(self.compressor.variance_per_norm(block, m))
-        return per_block.repeat_interleave(block)[:numel]
+        padded = torch.nn.functional.pad(squares, (0, -squares.numel() % block))
+        per_block = padded.view(-1, block).sum(1).mul_(self.compressor.variance_per_norm(block, m))
+        return per_block.repeat_interleave(block)[:squares.numel()]
 
     def correct_second_moment(self, optimizer: torch.optim.Optimizer, units) -> None:
         """variance_correction, as an optimizer step pre-hook. Adam's second moment averages g², which
@@ -390,9 +388,10 @@ class ProjectedReduce(GradientReducer):
         offloaded) run unchanged. An element without state yet (its first step) keeps g²."""
         betas = {id(p): group["betas"] for group in optimizer.param_groups for p in group["params"]}
         for u in units:
-            variance = self.variance(u.name, u.grad_shard) if u.trainable else None
-            if variance is None:
-                continue
+            if not u.trainable or self.layouts.get(u.name) is None:
+                continue  # frozen, or its last round was exact
+            squares = u.grad_shard.square()
+            variance = self.variance(u.name, squares)
             base = u.grad_shard.storage_offset()
             for _, piece, view in u.params:
                 state = optimizer.state.get(piece)
@@ -403,9 +402,10 @@ class ProjectedReduce(GradientReducer):
                                     f"{type(optimizer).__name__} keeps no exp_avg_sq: use torch's Adam/AdamW or set "
                                     f"zero_optimization.gradient_compression.variance_correction false")
                 start = view.storage_offset() - base
-                var, g = variance[start:start + view.numel()], piece.grad
+                window = slice(start, start + view.numel())
                 b1, b2 = betas[id(piece)]
-                v, plain = state["exp_avg_sq"], g.square().mul_(1 - b2)  # plain: what torch adds to β2 v
+                v, var = state["exp_avg_sq"], variance[window]
+                plain = squares[window].mul_(1 - b2)  # what torch's update adds to β2 v
                 wanted = torch.maximum(v * b2 + plain - var * (1 - b2), var * ((1 - b1) / (1 + b1)))
                 v.copy_(wanted.sub_(plain).div_(b2))
 

@@ -63,7 +63,7 @@ def test_variance_estimate_matches_the_reconstruction_error(projection):
         reconstruction = compressor.decompress(rnd, rnd.projections[0], 0)
         reducer.layouts["unit"] = (rnd.block, rnd.directions)
         error += float((reconstruction - h[0]).square().sum())
-        estimate += float(reducer.variance("unit", reconstruction).sum())
+        estimate += float(reducer.variance("unit", reconstruction.square()).sum())
     assert estimate == pytest.approx(error, rel=0.06)
 
 
