@@ -94,12 +94,15 @@ class GradientCompression:
         return (f"{'G-SEPARATE' if self.method == 'g-separate' else 'SEPARATE'} CR {self.ratio} "
                 f"({self.projection}, {self.reconstruction}, {feedback}{warmup}{corrected})")
 
-
-
     def validate(self, stage: int) -> None:
         key = "zero_optimization.gradient_compression"
         if self.method == "none":
             return
+        if self.variance_correction and (not self.separate or stage != 3 or self.reconstruction != "unbiased"):
+            raise ZeroConfigError(f"{key}.variance_correction corrects Adam's second moment for SEPARATE's unbiased "
+                                  f"reconstruction under ZeRO-3 (got method {self.method}, zero_optimization.stage "
+                                  f"{stage}, reconstruction {self.reconstruction}): DDP's buckets are not the "
+                                  f"optimizer's parameters, and the contractive reconstruction is no unbiased estimate")
         if self.method == "powersgd":
             if stage != 0:
                 raise ZeroConfigError(f"{key}.method=powersgd is torch's DDP comm hook: it needs "
@@ -126,11 +129,6 @@ class GradientCompression:
                 f"reconstruction=contractive for the paper's beta 0.95")
         if self.reset_interval < 0:
             raise ZeroConfigError(f"{key}.reset_interval={self.reset_interval}: must be >= 0 (0: never reset)")
-        if self.variance_correction and (stage != 3 or self.reconstruction != "unbiased"):
-            raise ZeroConfigError(f"{key}.variance_correction corrects Adam's second moment for the unbiased "
-                                  f"reconstruction's variance under ZeRO-3 (got zero_optimization.stage {stage}, "
-                                  f"reconstruction {self.reconstruction}): DDP's buckets are not the optimizer's "
-                                  f"parameters, and the contractive reconstruction is no unbiased estimate")
         if self.warmup_rounds < 0:
             raise ZeroConfigError(f"{key}.warmup_rounds={self.warmup_rounds}: must be >= 0 (0: compress from the "
                                   f"first round)")

@@ -181,6 +181,9 @@ def test_invalid_combinations_are_named():
     ZeroConfig(stage=0, gradient_compression=separate()).validate()  # SEPARATE under DDP is fine
     with pytest.raises(ZeroConfigError, match="variance_correction.*stage 0"):
         ZeroConfig(stage=0, gradient_compression=separate(variance_correction=True)).validate()
+    with pytest.raises(ZeroConfigError, match="variance_correction.*method powersgd"):
+        ZeroConfig(stage=0, gradient_compression=GradientCompression(method="powersgd",
+                                                                     variance_correction=True)).validate()
     with pytest.raises(ZeroConfigError, match="variance_correction.*contractive"):
         ZeroConfig(stage=3, gradient_compression=separate(variance_correction=True, reconstruction="contractive",
                                                           beta=0.95)).validate()
