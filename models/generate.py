@@ -41,7 +41,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
 
-def _check_args(prompts, vocab_size, pad_token_id, max_new_tokens, temperature, top_k, top_p):
+def _check_args(prompts, vocab_size, pad_token_id, max_new_tokens, temperature, top_k, top_p, min_new_tokens):
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token id lists")
     for i, prompt in enumerate(prompts):
@@ -52,6 +52,8 @@ def _check_args(prompts, vocab_size, pad_token_id, max_new_tokens, temperature, 
         raise ValueError(f"pad_token_id={pad_token_id} is outside the vocabulary [0, {vocab_size})")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    if not 0 <= min_new_tokens <= max_new_tokens:
+        raise ValueError(f"min_new_tokens={min_new_tokens} must be in [0, max_new_tokens={max_new_tokens}]")
     if temperature < 0:
         raise ValueError(f"temperature={temperature} must be >= 0 (0 means greedy)")
     if top_k is not None and top_k < 1:
@@ -73,10 +75,12 @@ class Decoded:
 def decode(model: Transformer, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
            top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
            pad_token_id: int = 0, generator: torch.Generator | None = None, logprobs: bool = False,
-           keep_going: Callable[[bool], bool] | None = None) -> Decoded:
+           keep_going: Callable[[bool], bool] | None = None, min_new_tokens: int = 0) -> Decoded:
     """The one decode loop: left-padded prefill, then one token per step with a KV cache.
 
-    A row is done once it samples eos_token_id (kept as its last token). Finished rows keep
+    A row is done once it samples eos_token_id (kept as its last token); its first
+    min_new_tokens tokens are never EOS (HF generate's min_new_tokens: the EOS logit is -inf
+    while sampling them; the log-probs stay the untouched policy's). Finished rows keep
     decoding with the batch, but their tokens are never returned. The loop ends after
     max_new_tokens steps, or when every row is done; `keep_going(all_done)`, if given, decides
     that instead (called once per step, after sampling, before the next forward): ranks whose
@@ -84,7 +88,7 @@ def decode(model: Transformer, prompts: list[list[int]], max_new_tokens: int, *,
     `model` is called as it is (hooks included), in eval mode, under no_grad.
     """
     config = model.config
-    _check_args(prompts, config.vocab_size, pad_token_id, max_new_tokens, temperature, top_k, top_p)
+    _check_args(prompts, config.vocab_size, pad_token_id, max_new_tokens, temperature, top_k, top_p, min_new_tokens)
     longest = max(len(p) for p in prompts)
     if config.positions == "learned" and longest + max_new_tokens > config.max_seq_len:
         raise ValueError(f"prompt length {longest} + max_new_tokens {max_new_tokens} exceeds "
@@ -105,7 +109,11 @@ def decode(model: Transformer, prompts: list[list[int]], max_new_tokens: int, *,
         logits = model(tokens, attention_mask=mask, kv_cache=cache)[:, -1]  # prefill
         done = [False] * len(prompts)
         for step in range(max_new_tokens):
-            next_tokens = sample_next(logits, temperature, top_k, top_p, generator)
+            allowed = logits
+            if step < min_new_tokens and eos_token_id is not None:
+                allowed = logits.clone()
+                allowed[:, eos_token_id] = float("-inf")
+            next_tokens = sample_next(allowed, temperature, top_k, top_p, generator)
             steps += 1
             chosen = None
             if scores is not None:

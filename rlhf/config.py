@@ -85,6 +85,9 @@ class RewardSection:
 @dataclass
 class GenerationSection:
     max_new_tokens: int = 64  # longest response sampled per prompt (ppo, grpo)
+    # No EOS among a response's first this many tokens (HF generate's min_new_tokens). Equal to max_new_tokens:
+    # every response that long, as DeepSpeed-Chat's PPO samples (min_length = max_length) for its benchmarks.
+    min_new_tokens: int = 0
     temperature: float = 1.0  # sampling temperature; 1: PPO / GRPO sample from the policy itself (TRL, OpenRLHF)
     top_k: int = 0  # sample among the k likeliest tokens only; 0: off
     top_p: float = 1.0  # nucleus sampling: the smallest set of tokens with this much probability; 1: off
@@ -238,6 +241,9 @@ def check(cfg: RLHFConfig, stage: str) -> None:
         raise ConfigError(f"generation.temperature must be >= 0, got {cfg.generation.temperature}")
     if not 0.0 < cfg.generation.top_p <= 1.0:
         raise ConfigError(f"generation.top_p must be in (0, 1], got {cfg.generation.top_p}")
+    if not 0 <= cfg.generation.min_new_tokens <= cfg.generation.max_new_tokens:
+        raise ConfigError(f"generation.min_new_tokens must be in [0, generation.max_new_tokens = "
+                          f"{cfg.generation.max_new_tokens}], got {cfg.generation.min_new_tokens}")
     if cfg.generation.staleness not in (0, 1):
         raise ConfigError(f"generation.staleness must be 0 (sample, then learn) or 1 (the next rollout sampled "
                           f"while this step learns), got {cfg.generation.staleness}")

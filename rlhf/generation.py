@@ -53,12 +53,13 @@ class Rollouts:
 def generate_rollouts(runtime: Runtime, prompts: list[list[int]], max_new_tokens: int, *,
                       temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                       eos_token_id: int, pad_token_id: int, generator: torch.Generator | None = None,
-                      max_bytes: int | None = None) -> Rollouts:
+                      max_bytes: int | None = None, min_new_tokens: int = 0) -> Rollouts:
     """Sample a response to each of this rank's prompts from `runtime.module`.
 
     Every rank of the runtime's data-parallel group calls it together, with the same
     max_new_tokens and max_bytes (the prompts, and how many, may differ). A response ends at
-    eos_token_id (kept, see Rollouts.responses) or after max_new_tokens tokens. temperature 0
+    eos_token_id (kept, see Rollouts.responses; never among its first min_new_tokens) or after
+    max_new_tokens tokens. temperature 0
     is greedy; `generator` makes sampling reproducible. `max_bytes` bounds the memory of the
     gathered inference copy (None: the whole model).
     """
@@ -67,7 +68,7 @@ def generate_rollouts(runtime: Runtime, prompts: list[list[int]], max_new_tokens
         keep_going = _step_together(runtime) if info.collectives_per_forward else None
         out = decode(runtime.module, prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                      eos_token_id=eos_token_id, pad_token_id=pad_token_id, generator=generator, logprobs=True,
-                     keep_going=keep_going)
+                     keep_going=keep_going, min_new_tokens=min_new_tokens)
     return Rollouts(out.tokens, out.logprobs, sum(len(r) for r in out.tokens), time.perf_counter() - start,
                     info.bytes, out.steps)
 

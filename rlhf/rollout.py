@@ -49,7 +49,7 @@ class GenerationStats:
 
 def _sampling(cfg: GenerationSection, tokenizer: Tokenizer) -> dict:
     return {"temperature": cfg.temperature, "top_k": cfg.top_k or None, "top_p": cfg.top_p if cfg.top_p < 1.0 else None,
-            "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
+            "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id, "min_new_tokens": cfg.min_new_tokens}
 
 
 def generate(actor: ModelRuntime, prompts: list[list[int]], texts: list[str], cfg: GenerationSection,

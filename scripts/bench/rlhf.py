@@ -67,6 +67,8 @@ def add_args(p) -> None:
     p.add_argument("--repeats", type=int, default=Quick(2, 1), help="runs per configuration (default %(default)s)")
     p.add_argument("--micro-batch", type=int, default=8, help="prompts per rank and PPO step")
     p.add_argument("--max-new-tokens", type=int, default=8, help="response length limit")
+    p.add_argument("--min-new-tokens", type=int, default=0, help="no EOS before this many tokens (equal to "
+                   "--max-new-tokens: fixed-length responses, as DeepSpeed-Chat's benchmarks sample)")
     p.add_argument("--epochs", type=int, default=1, help="PPO epochs per rollout (1, as DeepSpeed-Chat)")
     p.add_argument("--prep-steps", type=int, default=6, help="sft and reward steps of the prepared models")
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
@@ -113,6 +115,7 @@ def ppo_run(key: str, repeat: int, plan: dict, models: dict, work: Path, cluster
            "--models.sft", models["sft"], "--models.reward", models["reward"],
            "--ppo.steps", str(plan["steps"]), "--ppo.epochs", str(plan["epochs"]),
            "--generation.max_new_tokens", str(plan["max_new_tokens"]),
+           "--generation.min_new_tokens", str(plan.get("min_new_tokens", 0)),
            # the first units' gathers would otherwise leave with the previous step's optimizer step (the rollout
            # keeps them): the whole weight sync in the generation phase, where R3 reads it
            *runner.zero_args(prefetch_across_steps=False, **zero), *extra]

@@ -38,6 +38,8 @@ def test_one_preset_per_stage_and_one_for_the_pipeline():
      "grpo.scale_rewards False applies to grpo.advantage group only"),
     (["--grpo.overlong_buffer", "65"], r"grpo.overlong_buffer must be in \[0, generation.max_new_tokens = 64\], got 65"),
     (["--grpo.overlong_penalty", "-1"], "grpo.overlong_penalty must be >= 0"),
+    (["--generation.min_new_tokens", "65"],
+     r"generation.min_new_tokens must be in \[0, generation.max_new_tokens = 64\], got 65"),
 ])
 def test_bad_values_name_the_key(argv, key):
     cfg = parse_args(["--data.task", "word", *argv], RLHFConfig())
