@@ -6,8 +6,7 @@ Probes (`probe`): every rank runs the same timed all-gathers on the runtime's ow
 intercept), times a one-block model's forward + backward (the block's share by hooks), an
 optimizer step, the codec, the overlap of compute with an all-gather and how long a rank waits
 for the slowest after the compute (the jitter), and reads its free memory; the numbers are
-all-reduced with MAX (times; memory as its negative; the jitter averaged; the link's own times
-before that with MIN in each group: a collective's time is its last rank's), so every rank holds
+all-reduced with MAX (times; memory as its negative; the jitter averaged), so every rank holds
 the same `Probes` and `choose`, a pure function of them, picks the same plan everywhere: no rank
 decides alone.
 
@@ -505,11 +504,10 @@ def _timed(fn, reps: int, together=None, warm_up: bool = True, waits: list | Non
 
 
 def _jitter(comm: Comm, waits: list[tuple[float, float]], together) -> float:
-    """Probes.jitter from this rank's `waits` at a barrier after runs of work ((wait, run) seconds): the mean of
+    """Probes.jitter from this rank's `waits` at a barrier after runs of work ((wait, run) seconds): the median of
     each wait less a barrier's own time (one right after another) over the root of its run's time, averaged over
     the ranks (the step waits at each collective for its slowest rank: the ranks' mean wait is what the slowest
-    adds to a step). The mean, not the median: the waits are a few long descheduled ones among short ones, and a
-    step pays all of them (eight probes on 4 loopback ranks: the median of three per rank spread 13-37x, this 4x)."""
+    adds to a step)."""
     alone = _timed(together, len(waits), together, warm_up=False)
     mine = statistics.mean(max(0.0, wait - alone) / math.sqrt(max(run, 1e-9)) for wait, run in waits)
     jitter = torch.tensor([mine], dtype=torch.float64, device=comm.device)
@@ -521,12 +519,11 @@ def _link(comm: Comm, level: str, device: torch.device, reps: int) -> tuple[floa
     """(bytes/s sent, seconds per collective) of an all-gather over `level`'s group, from the times at a small
     chunk (the latency) and a large one (the slope between them). The large chunk grows (at least 4x at a time,
     to where the slope so far says) until its time is at least LINK_SIGNAL times the small one's and LINK_SECONDS,
-    so the slope is the wire's and not noise, whatever the link. Every rank is in one group of each level, and a
-    group's time is the MIN of its members': a collective's own time is what its last member to arrive measures
-    (an earlier one also counts its wait for that member: the skew's, which the jitter probe measures; on 4
-    loopback ranks a MAX spread the latency 34-48x over eight probes, 0.04 to 1.9 ms, the MIN 2x). The groups of
-    a level run at once, as in a step, and may share a link (a node's ranks, each in its own cross-node group):
-    the level's time is the slowest group's, a MAX over the world, so all ranks grow the chunk alike. Only the small chunk is warmed up (the group's connections); the large one's first run, which may
+    so the slope is the wire's and not noise, whatever the link. Every rank is in one group of each level and the
+    times are agreed by a MIN all-reduce: all ranks grow the chunk alike, and a collective's own time is what its
+    last rank to arrive measures (an earlier one also counts its wait for that rank: the skew's, which the jitter
+    probe measures; on 4 loopback ranks the MAX spread the latency 34-48x over eight probes, 0.04 to 1.9 ms, the
+    MIN 2x). Only the small chunk is warmed up (the group's connections); the large one's first run, which may
     ride a shaped link's token bucket, is left out: the fastest of the others counts.
     The large chunk goes as LINK_IN_FLIGHT all-gathers of a part each, in flight together, as a step keeps its
     gathers and reductions (prefetched, asynchronous): one at a time, the link idles at each end of each (measured
@@ -546,8 +543,7 @@ def _link(comm: Comm, level: str, device: torch.device, reps: int) -> tuple[floa
             for handle in [comm.all_gather(out, shard, group=level, tag="plan probe", async_op=True) for out in outs]:
                 handle.wait()
         t = torch.tensor([_timed(run, runs, warm_up=warm_up, stat=stat)], dtype=torch.float64, device=device)
-        comm.all_reduce(t, group=level, tag="plan probe", op=dist.ReduceOp.MIN)
-        comm.all_reduce(t, group="world", tag="plan probe", op=dist.ReduceOp.MAX)
+        comm.all_reduce(t, group="world", tag="plan probe", op=dist.ReduceOp.MIN)
         return t.item()
 
     def bandwidth_run(chunk: int) -> float:
