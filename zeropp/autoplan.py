@@ -60,12 +60,8 @@ LEVELS = ("intra_node", "inter_node")
 PROBE_BYTES = (2**12, 2**18)  # the all-gather chunks per rank: latency from the first, the slope from there to
 PROBE_BYTES_MAX = 2**24  # the second, grown up to this until it takes LINK_SIGNAL times the first's time
 LINK_SIGNAL = 4
-# ... and at least this long: longer than a scheduler's time slice (3 ms), so that a rank descheduled in it (ranks
-# sharing cores) does not make the slope; on 4 loopback ranks, eight probes in one launch spread the bandwidth
-# 15-33x stopping at LINK_SIGNAL alone, 1.3-1.6x with this (1.7-7.4x at 3 ms)
-LINK_SECONDS = 0.005
 LINK_IN_FLIGHT = 2  # the large chunk goes as this many all-gathers of a part each, in flight together
-REPS = 3  # timed runs of each probe: the median outvotes one disturbed run
+REPS = 3  # timed runs of each probe: the median outvotes one disturbed run (or a shaped link's burst)
 LATENCY_REPS = 9  # runs of the link probe's small chunk, of which the fastest is the latency
 DDP_BUCKET_BYTES = 25 * 2**20  # zeropp.ddp's gradient buckets
 STEP_ALL_REDUCES = 2  # a training step's own collectives: its token counts and its loss (trainer.loop.train_step)
@@ -486,8 +482,8 @@ def _timed(fn, reps: int, together=None, warm_up: bool = True, waits: list | Non
     """Seconds of one fn(): `stat` (the median) of `reps` runs, after a warm-up run (first-call setup: gloo's
     connections, kernels' code) unless warm_up is False. together: a barrier every rank passes before each run,
     so all ranks work at once, as in a training step (ranks that share cores slow each other down there too).
-    waits: gets (the seconds of a barrier passed after each run: this rank's wait for the slowest, and the
-    barrier's own; the run's seconds)."""
+    waits: gets the seconds of a barrier passed after each run (this rank's wait for the slowest, and the
+    barrier's own)."""
     if warm_up:
         fn()
     times = []
@@ -499,17 +495,16 @@ def _timed(fn, reps: int, together=None, warm_up: bool = True, waits: list | Non
         times.append(time.perf_counter() - start)
         if waits is not None:
             together()
-            waits.append((time.perf_counter() - start - times[-1], times[-1]))
+            waits.append(time.perf_counter() - start - times[-1])
     return stat(times)
 
 
-def _jitter(comm: Comm, waits: list[tuple[float, float]], together) -> float:
-    """Probes.jitter from this rank's `waits` at a barrier after runs of work ((wait, run) seconds): the median of
-    each wait less a barrier's own time (one right after another) over the root of its run's time, averaged over
-    the ranks (the step waits at each collective for its slowest rank: the ranks' mean wait is what the slowest
-    adds to a step)."""
+def _jitter(comm: Comm, waits: list[float], run: float, together) -> float:
+    """Probes.jitter from this rank's `waits` at a barrier after work of `run` seconds: the median wait less a
+    barrier's own time (one right after another), averaged over the ranks (the step waits at each collective
+    for its slowest rank: the ranks' mean wait is what the slowest adds to a step)."""
     alone = _timed(together, len(waits), together, warm_up=False)
-    mine = statistics.mean(max(0.0, wait - alone) / math.sqrt(max(run, 1e-9)) for wait, run in waits)
+    mine = max(0.0, statistics.median(waits) - alone) / math.sqrt(max(run, 1e-9))
     jitter = torch.tensor([mine], dtype=torch.float64, device=comm.device)
     comm.all_reduce(jitter, group="world", tag="plan probe")
     return jitter.item() / comm.mesh.world_size
@@ -518,13 +513,10 @@ def _jitter(comm: Comm, waits: list[tuple[float, float]], together) -> float:
 def _link(comm: Comm, level: str, device: torch.device, reps: int) -> tuple[float, float]:
     """(bytes/s sent, seconds per collective) of an all-gather over `level`'s group, from the times at a small
     chunk (the latency) and a large one (the slope between them). The large chunk grows (at least 4x at a time,
-    to where the slope so far says) until its time is at least LINK_SIGNAL times the small one's and LINK_SECONDS,
-    so the slope is the wire's and not noise, whatever the link. Every rank is in one group of each level and the
-    times are agreed by a MIN all-reduce: all ranks grow the chunk alike, and a collective's own time is what its
-    last rank to arrive measures (an earlier one also counts its wait for that rank: the skew's, which the jitter
-    probe measures; on 4 loopback ranks the MAX spread the latency 34-48x over eight probes, 0.04 to 1.9 ms, the
-    MIN 2x). Only the small chunk is warmed up (the group's connections); the large one's first run, which may
-    ride a shaped link's token bucket, is left out: the fastest of the others counts.
+    to where the slope so far says) until its time is at least LINK_SIGNAL times the small one's, so the slope
+    is the wire's and not noise, whatever the link. Every rank is in one group of each level and the times are
+    agreed by a MAX all-reduce: all ranks grow the chunk alike. Only the small chunk is warmed up (the group's
+    connections); the large one's first run, which may ride a shaped link's token bucket, is outvoted by the median.
     The large chunk goes as LINK_IN_FLIGHT all-gathers of a part each, in flight together, as a step keeps its
     gathers and reductions (prefetched, asynchronous): one at a time, the link idles at each end of each (measured
     at 10 Mbit/s, 2 x 2 ranks: 2.9-4.4 Mbit/s a rank one at a time, 4.1-5.0 with two in flight; the two ranks'
@@ -543,19 +535,18 @@ def _link(comm: Comm, level: str, device: torch.device, reps: int) -> tuple[floa
             for handle in [comm.all_gather(out, shard, group=level, tag="plan probe", async_op=True) for out in outs]:
                 handle.wait()
         t = torch.tensor([_timed(run, runs, warm_up=warm_up, stat=stat)], dtype=torch.float64, device=device)
-        comm.all_reduce(t, group="world", tag="plan probe", op=dist.ReduceOp.MIN)
+        comm.all_reduce(t, group="world", tag="plan probe", op=dist.ReduceOp.MAX)
         return t.item()
 
     def bandwidth_run(chunk: int) -> float:
-        return seconds(chunk, LINK_IN_FLIGHT, reps, lambda times: min(times[1:]))
+        return seconds(chunk, LINK_IN_FLIGHT, reps, statistics.median)
     small, large = PROBE_BYTES
     t_small = seconds(small, 1, LATENCY_REPS, min, warm_up=True)
     t_large = bandwidth_run(large)
-    target = max(LINK_SIGNAL * t_small, LINK_SECONDS)
-    while t_large < target and large < PROBE_BYTES_MAX:
-        # straight to the chunk that the slope so far says takes the target's time (1.5x that, 4x at least)
+    while t_large < LINK_SIGNAL * t_small and large < PROBE_BYTES_MAX:
+        # straight to the chunk that the slope so far says takes the signal's time (1.5x that, 4x at least)
         slope = (t_large - t_small) / (large - small)
-        wanted = small + (target - t_small) / slope if slope > 0 else math.inf
+        wanted = small + (LINK_SIGNAL - 1) * t_small / slope if slope > 0 else math.inf
         large = min(PROBE_BYTES_MAX, max(4 * large, 2 ** math.ceil(math.log2(min(1.5 * wanted, PROBE_BYTES_MAX)))))
         t_large = bandwidth_run(large)
     slope = max(t_large - t_small, 1e-9) / ((n - 1) * (large - small))
@@ -622,12 +613,12 @@ def probe(mesh: Mesh | None, device: torch.device, compute: ComputeProbe) -> Pro
             # is run only to be timed
             one_row = lambda: compute(rows=1)  # noqa: E731
             one_row()
-            shares, waits = [], []  # the waits after both kinds of run: twice the jitter's samples for free
-            one_row_seconds = _timed(one_row, REPS, together, warm_up=False, waits=waits if comm else None)
+            one_row_seconds = _timed(one_row, REPS, together, warm_up=False)
+            shares, waits = [], []
             run = _timed(lambda: shares.append(compute()), REPS, together, warm_up=False,
                          waits=waits if comm else None)
             block = run * statistics.median(shares)
-            jitter = _jitter(comm, waits, together) if comm else 0.0
+            jitter = _jitter(comm, waits, run, together) if comm else 0.0
             # overlap measured across nodes, else inside the node: a level every rank has alike
             level = next((i for i in (1, 0) if comm and comm.mesh.size(LEVELS[i]) > 1), None)
             overlap = 1.0 if level is None else _overlap(comm, LEVELS[level], *links[level], one_row, one_row_seconds,

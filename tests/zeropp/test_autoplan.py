@@ -212,8 +212,8 @@ def _drifting_ranks(rank, world):
     mesh = build_mesh(ranks_per_node=2, thread_groups=False)
     comm = autoplan.Comm(mesh)
     waits = []
-    autoplan._timed(lambda: time.sleep(BASE_WORK + rank * DRIFT), 3, comm.barrier, waits=waits)
-    jitter = autoplan._jitter(comm, waits, comm.barrier)
+    run = autoplan._timed(lambda: time.sleep(BASE_WORK + rank * DRIFT), 3, comm.barrier, waits=waits)
+    jitter = autoplan._jitter(comm, waits, run, comm.barrier)
     comm.close()
     mesh.close()
     return jitter
