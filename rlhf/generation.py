@@ -59,9 +59,8 @@ def generate_rollouts(runtime: Runtime, prompts: list[list[int]], max_new_tokens
     Every rank of the runtime's data-parallel group calls it together, with the same
     max_new_tokens and max_bytes (the prompts, and how many, may differ). A response ends at
     eos_token_id (kept, see Rollouts.responses; never among its first min_new_tokens) or after
-    max_new_tokens tokens. temperature 0
-    is greedy; `generator` makes sampling reproducible. `max_bytes` bounds the memory of the
-    gathered inference copy (None: the whole model).
+    max_new_tokens tokens. temperature 0 is greedy; `generator` makes sampling reproducible.
+    `max_bytes` bounds the memory of the gathered inference copy (None: the whole model).
     """
     start = time.perf_counter()
     with runtime.inference_weights(max_bytes) as info:

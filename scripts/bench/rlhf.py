@@ -115,7 +115,7 @@ def ppo_run(key: str, repeat: int, plan: dict, models: dict, work: Path, cluster
            "--models.sft", models["sft"], "--models.reward", models["reward"],
            "--ppo.steps", str(plan["steps"]), "--ppo.epochs", str(plan["epochs"]),
            "--generation.max_new_tokens", str(plan["max_new_tokens"]),
-           "--generation.min_new_tokens", str(plan.get("min_new_tokens", 0)),
+           "--generation.min_new_tokens", str(plan["min_new_tokens"]),
            # the first units' gathers would otherwise leave with the previous step's optimizer step (the rollout
            # keeps them): the whole weight sync in the generation phase, where R3 reads it
            *runner.zero_args(prefetch_across_steps=False, **zero), *extra]
@@ -252,11 +252,12 @@ def plots(result: dict, out_dir: Path) -> list[Path]:
 
 def markdown(result: dict) -> str:
     plan, rat = result["plan"], result["ratios"]
+    min_words = f" (at least {plan['min_new_tokens']})" if plan.get("min_new_tokens") else ""  # older results lack it
     lines = [
         f"Setup: {runner.model_words(result['model'])} each; {result['nodes']} nodes x {result['ranks_per_node']} "
         f"ranks at {plan['rate']}; {plan['micro_batch']} prompts per rank and step "
         f"({plan['micro_batch'] * NODES * RANKS_PER_NODE} rollouts), responses of at most {plan['max_new_tokens']} "
-        f"tokens, {plan['epochs']} PPO epoch(s) per rollout; SFT and reward models made once ({plan['prep_steps']} "
+        f"tokens{min_words}, {plan['epochs']} PPO epoch(s) per rollout; SFT and reward models made once ({plan['prep_steps']} "
         f"steps each, {result['prep_seconds']:.0f} s); {plan['repeats']} run(s) per configuration, {plan['steps']} "
         f"PPO steps each, the first {plan['warmup']} not timed.", "", *report.md_table(result["rows"], COLUMNS)]
     if "generation" in rat:
