@@ -365,14 +365,11 @@ class ProjectedReduce(GradientReducer):
         self.notes.append(f"G-SEPARATE {key}: cosine {cosine:.3f} -> ratio {self.compressor.ratios[key]}, "
                           f"beta {self.compressor.betas[key]:.4f} (round {self.compressor.feedback.round(key)})")
 
-    def variance(self, unit: str, squares: torch.Tensor) -> torch.Tensor | None:
+    def variance(self, unit: str, squares: torch.Tensor) -> torch.Tensor:
         """Per element of this rank's reduced (and clipped) gradient shard of `unit`, given its squares, the
-        variance its reconstruction added, estimated from the norm of the element's block; None after an
-        exact round."""
-        layout = self.layouts.get(unit)
-        if layout is None:
-            return None
-        block, m = layout
+        variance its reconstruction added, estimated from the norm of the element's block (`unit`'s last
+        round was projected: it has a layout)."""
+        block, m = self.layouts[unit]
         padded = torch.nn.functional.pad(squares, (0, -squares.numel() % block))
         per_block = padded.view(-1, block).sum(1).mul_(self.compressor.variance_per_norm(block, m))
         return per_block.repeat_interleave(block)[:squares.numel()]
