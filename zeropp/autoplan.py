@@ -6,7 +6,8 @@ Probes (`probe`): every rank runs the same timed all-gathers on the runtime's ow
 intercept), times a one-block model's forward + backward (the block's share by hooks), an
 optimizer step, the codec, the overlap of compute with an all-gather and how long a rank waits
 for the slowest after the compute (the jitter), and reads its free memory; the numbers are
-all-reduced with MAX (times; memory as its negative; the jitter averaged), so every rank holds
+all-reduced with MAX (times; memory as its negative; the jitter averaged; the link's own times
+before that with MIN in each group: a collective's time is its last rank's), so every rank holds
 the same `Probes` and `choose`, a pure function of them, picks the same plan everywhere: no rank
 decides alone.
 
@@ -60,8 +61,12 @@ LEVELS = ("intra_node", "inter_node")
 PROBE_BYTES = (2**12, 2**18)  # the all-gather chunks per rank: latency from the first, the slope from there to
 PROBE_BYTES_MAX = 2**24  # the second, grown up to this until it takes LINK_SIGNAL times the first's time
 LINK_SIGNAL = 4
+# ... and at least this long: longer than a scheduler's time slice (3 ms), so that a rank descheduled in it (ranks
+# sharing cores) does not make the slope; on 4 loopback ranks, eight probes in one launch spread the bandwidth
+# 15-33x stopping at LINK_SIGNAL alone, 1.3-1.6x with this (1.7-7.4x at 3 ms)
+LINK_SECONDS = 0.005
 LINK_IN_FLIGHT = 2  # the large chunk goes as this many all-gathers of a part each, in flight together
-REPS = 3  # timed runs of each probe: the median outvotes one disturbed run (or a shaped link's burst)
+REPS = 3  # timed runs of each probe: the median outvotes one disturbed run
 LATENCY_REPS = 9  # runs of the link probe's small chunk, of which the fastest is the latency
 DDP_BUCKET_BYTES = 25 * 2**20  # zeropp.ddp's gradient buckets
 STEP_ALL_REDUCES = 2  # a training step's own collectives: its token counts and its loss (trainer.loop.train_step)
@@ -513,10 +518,16 @@ def _jitter(comm: Comm, waits: list[float], run: float, together) -> float:
 def _link(comm: Comm, level: str, device: torch.device, reps: int) -> tuple[float, float]:
     """(bytes/s sent, seconds per collective) of an all-gather over `level`'s group, from the times at a small
     chunk (the latency) and a large one (the slope between them). The large chunk grows (at least 4x at a time,
-    to where the slope so far says) until its time is at least LINK_SIGNAL times the small one's, so the slope
-    is the wire's and not noise, whatever the link. Every rank is in one group of each level and the times are
-    agreed by a MAX all-reduce: all ranks grow the chunk alike. Only the small chunk is warmed up (the group's
-    connections); the large one's first run, which may ride a shaped link's token bucket, is outvoted by the median.
+    to where the slope so far says) until its time is at least LINK_SIGNAL times the small one's and LINK_SECONDS,
+    so the slope is the wire's and not noise, whatever the link. Every rank is in one group of each level, and a
+    group's time is the MIN of its members': a collective's own time is what its last member to arrive measures
+    (an earlier one also counts its wait for that member: the skew's, which the jitter probe measures; on 4
+    loopback ranks a MAX spread the latency 34-48x over eight probes, 0.04 to 1.9 ms, the MIN 2x). The groups of
+    a level run at once, as in a step, and may share a link (a node's ranks, each in its own cross-node group):
+    the level's time is the slowest group's, a MAX over the world, so all ranks grow the chunk alike. Only the
+    small chunk is warmed up (the group's connections). Of the large chunk's runs, inside a node the fastest after
+    the first counts (a slower one is a descheduled rank's); across nodes the median, which outvotes the run that
+    rides a shaped link's token bucket (the fastest read 10 Mbit/s high: priced at 0.69-0.84 of its steps).
     The large chunk goes as LINK_IN_FLIGHT all-gathers of a part each, in flight together, as a step keeps its
     gathers and reductions (prefetched, asynchronous): one at a time, the link idles at each end of each (measured
     at 10 Mbit/s, 2 x 2 ranks: 2.9-4.4 Mbit/s a rank one at a time, 4.1-5.0 with two in flight; the two ranks'
@@ -535,18 +546,21 @@ def _link(comm: Comm, level: str, device: torch.device, reps: int) -> tuple[floa
             for handle in [comm.all_gather(out, shard, group=level, tag="plan probe", async_op=True) for out in outs]:
                 handle.wait()
         t = torch.tensor([_timed(run, runs, warm_up=warm_up, stat=stat)], dtype=torch.float64, device=device)
+        comm.all_reduce(t, group=level, tag="plan probe", op=dist.ReduceOp.MIN)
         comm.all_reduce(t, group="world", tag="plan probe", op=dist.ReduceOp.MAX)
         return t.item()
 
     def bandwidth_run(chunk: int) -> float:
-        return seconds(chunk, LINK_IN_FLIGHT, reps, statistics.median)
+        fastest_after_first = lambda times: min(times[1:])  # noqa: E731
+        return seconds(chunk, LINK_IN_FLIGHT, reps, fastest_after_first if level == "intra_node" else statistics.median)
     small, large = PROBE_BYTES
     t_small = seconds(small, 1, LATENCY_REPS, min, warm_up=True)
     t_large = bandwidth_run(large)
-    while t_large < LINK_SIGNAL * t_small and large < PROBE_BYTES_MAX:
-        # straight to the chunk that the slope so far says takes the signal's time (1.5x that, 4x at least)
+    target = max(LINK_SIGNAL * t_small, LINK_SECONDS)
+    while t_large < target and large < PROBE_BYTES_MAX:
+        # straight to the chunk that the slope so far says takes the target's time (1.5x that, 4x at least)
         slope = (t_large - t_small) / (large - small)
-        wanted = small + (LINK_SIGNAL - 1) * t_small / slope if slope > 0 else math.inf
+        wanted = small + (target - t_small) / slope if slope > 0 else math.inf
         large = min(PROBE_BYTES_MAX, max(4 * large, 2 ** math.ceil(math.log2(min(1.5 * wanted, PROBE_BYTES_MAX)))))
         t_large = bandwidth_run(large)
     slope = max(t_large - t_small, 1e-9) / ((n - 1) * (large - small))

@@ -261,13 +261,19 @@ class _SimulatedLink:
     all-gather moves the clock on by what the link takes (the probe reads that clock), those in flight together
     by one latency, each chunk seen kept (those in flight together as one)."""
 
-    def __init__(self, latency, bandwidth, n=2):
+    def __init__(self, latency, bandwidth, n=2, slowdowns=(1.0,)):
         self.latency, self.bandwidth, self.now, self.chunks, self.in_flight = latency, bandwidth, 0.0, [], 0
         self.mesh = types.SimpleNamespace(size=lambda level: n)
         self.n = n
+        self.slowdowns, self.large_runs = slowdowns, 0  # the large chunk's k-th run takes slowdowns[k % len] times
 
     def all_gather(self, out, shard, group, tag, async_op):
-        self.now += (self.latency if not self.in_flight else 0) + (self.n - 1) * shard.numel() / self.bandwidth
+        large = shard.numel() > autoplan.PROBE_BYTES[0]
+        if large and not self.in_flight:
+            self.large_runs += 1
+        slowdown = self.slowdowns[(self.large_runs - 1) % len(self.slowdowns)] if large else 1.0
+        wire = (self.n - 1) * shard.numel() / self.bandwidth
+        self.now += slowdown * ((self.latency if not self.in_flight else 0) + wire)
         if self.in_flight:
             self.chunks[-1] += shard.numel()
         else:
@@ -291,8 +297,53 @@ def test_the_link_probe_recovers_bandwidth_and_latency_and_grows_its_chunk_on_a_
     assert measured_bandwidth == pytest.approx(bandwidth) and measured_latency == pytest.approx(latency)
     large = max(link.chunks)
     assert (large > autoplan.PROBE_BYTES[1]) == grown and large <= autoplan.PROBE_BYTES_MAX
-    if grown:  # grown until the wire, not the latency, is most of the large chunk's time
+    if grown:  # grown until the wire, not the latency, is most of the large chunk's time, and past a time slice
         assert latency + large / bandwidth >= autoplan.LINK_SIGNAL * (latency + autoplan.PROBE_BYTES[0] / bandwidth)
+        assert latency + large / bandwidth >= autoplan.LINK_SECONDS
+
+
+@pytest.mark.parametrize("level, slowdowns", [("intra_node", (3.0, 3.0, 1.0)), ("inter_node", (1.0, 0.5, 1.0))])
+def test_the_link_probe_reads_the_large_chunk_as_each_level_disturbs_it(monkeypatch, level, slowdowns):
+    """Inside a node a slower run is a descheduled rank's: two of three (the median's pick) are left out for the
+    fastest after the first. Across nodes a faster run rides a shaped link's token bucket: the median leaves it
+    out. Either way the link's own bandwidth and latency come back."""
+    link = _SimulatedLink(1e-3, 10 * MBIT, slowdowns=slowdowns)
+    monkeypatch.setattr("zeropp.autoplan.time.perf_counter", lambda: link.now)
+    bandwidth, latency = autoplan._link(link, level, torch.device("cpu"), reps=3)
+    assert bandwidth == pytest.approx(10 * MBIT) and latency == pytest.approx(1e-3)
+
+
+LATE = 0.02  # seconds rank 0 reaches each timed run after the others
+
+
+def _one_late_rank(rank, world):
+    """The link probe where rank 0 starts every timed run LATE seconds after the others (as a descheduled rank):
+    its clock is read that much later at each run's start."""
+    mesh = build_mesh(ranks_per_node=2, thread_groups=False)
+    comm = autoplan.Comm(mesh)
+    clock, starts = time.perf_counter, iter(range(10**6))
+
+    def late_clock():
+        if next(starts) % 2 == 0:  # _timed reads the clock at each run's start and end
+            time.sleep(LATE)
+        return clock()
+    if rank == 0:
+        autoplan.time.perf_counter = late_clock
+    try:
+        return autoplan._link(comm, "inter_node", torch.device("cpu"), reps=3)
+    finally:
+        autoplan.time.perf_counter = clock
+        comm.close()
+        mesh.close()
+
+
+def test_the_link_probe_times_the_collective_not_the_wait_for_a_late_rank():
+    """Every rank but a late one waits LATE for it in each all-gather; the link's time is the collective's own,
+    as its last rank measures it (the waiting is the skew's): the latency stays far below LATE, on every rank."""
+    links = run_ranks(_one_late_rank, 4, ranks_per_node=2)
+    assert all(link == links[0] for link in links)
+    bandwidth, latency = links[0]
+    assert latency < LATE / 4 and bandwidth > 4 * autoplan.PROBE_BYTES[1] / LATE
 
 
 def test_the_compute_probe_times_the_block_apart_from_the_rest():
