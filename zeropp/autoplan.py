@@ -550,8 +550,10 @@ def _link(comm: Comm, level: str, device: torch.device, reps: int) -> tuple[floa
         comm.all_reduce(t, group="world", tag="plan probe", op=dist.ReduceOp.MAX)
         return t.item()
 
+    def fastest_after_first(times: list[float]) -> float:
+        return min(times[1:])
+
     def bandwidth_run(chunk: int) -> float:
-        fastest_after_first = lambda times: min(times[1:])  # noqa: E731
         return seconds(chunk, LINK_IN_FLIGHT, reps, fastest_after_first if level == "intra_node" else statistics.median)
     small, large = PROBE_BYTES
     t_small = seconds(small, 1, LATENCY_REPS, min, warm_up=True)
