@@ -552,9 +552,10 @@ def _link(comm: Comm, level: str, device: torch.device, reps: int) -> tuple[floa
 
     def fastest_after_first(times: list[float]) -> float:
         return min(times[1:])
+    large_chunk_stat = fastest_after_first if level == "intra_node" else statistics.median
 
     def bandwidth_run(chunk: int) -> float:
-        return seconds(chunk, LINK_IN_FLIGHT, reps, fastest_after_first if level == "intra_node" else statistics.median)
+        return seconds(chunk, LINK_IN_FLIGHT, reps, large_chunk_stat)
     small, large = PROBE_BYTES
     t_small = seconds(small, 1, LATENCY_REPS, min, warm_up=True)
     t_large = bandwidth_run(large)
