@@ -257,9 +257,10 @@ def markdown(result: dict) -> str:
         f"Setup: {runner.model_words(result['model'])} each; {result['nodes']} nodes x {result['ranks_per_node']} "
         f"ranks at {plan['rate']}; {plan['micro_batch']} prompts per rank and step "
         f"({plan['micro_batch'] * NODES * RANKS_PER_NODE} rollouts), responses of at most {plan['max_new_tokens']} "
-        f"tokens{min_words}, {plan['epochs']} PPO epoch(s) per rollout; SFT and reward models made once ({plan['prep_steps']} "
-        f"steps each, {result['prep_seconds']:.0f} s); {plan['repeats']} run(s) per configuration, {plan['steps']} "
-        f"PPO steps each, the first {plan['warmup']} not timed.", "", *report.md_table(result["rows"], COLUMNS)]
+        f"tokens{min_words}, {plan['epochs']} PPO epoch(s) per rollout; SFT and reward models made once "
+        f"({plan['prep_steps']} steps each, {result['prep_seconds']:.0f} s); {plan['repeats']} run(s) per "
+        f"configuration, {plan['steps']} PPO steps each, the first {plan['warmup']} not timed.", "",
+        *report.md_table(result["rows"], COLUMNS)]
     if "generation" in rat:
         ds_gen, ds_train = (f"{DEEPSPEED[k]:.2f}x" for k in ("generation", "training"))
         table = [("generation throughput (tokens/s)", "generation", "{:.2f}x", ds_gen),
